@@ -1,0 +1,1 @@
+//! The op set the model forward is written against.

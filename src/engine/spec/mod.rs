@@ -1,0 +1,4 @@
+//! Speculative decoding: draft proposers and verification.
+
+pub mod ngram;
+pub mod verify;

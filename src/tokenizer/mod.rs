@@ -1,0 +1,1 @@
+//! Tokenizer, chat templates and streaming detokenization.
