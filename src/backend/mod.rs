@@ -1,1 +1,205 @@
 //! The op set the model forward is written against.
+//!
+//! Activations are 2-D, token-major `[tokens, features]` f32 tensors. Each op is one kernel (or a
+//! short fixed sequence of kernels) on a device backend, and every op computes a row's result
+//! independently of the other rows in the batch and of how many there are (DESIGN Invariant 3):
+//! fixed reduction orders, no algorithm switch on the row count.
+//!
+//! The cache ops take a [`BatchLayout`], which says for each request row where its tokens sit,
+//! where its attention blocks and recurrent-state slot are, and whether it is a prefill chunk
+//! (chunked delta rule, writes the canonical state) or a generate row (one decode token or a
+//! verify row of 1 + k tokens: recurrent delta rule, writes one state snapshot per token and
+//! leaves the canonical state alone until [`Backend::commit_state`]).
+
+pub mod cpu;
+
+use crate::model::config::{LinearAttnConfig, MoeConfig};
+use crate::model::weights::MatrixBytes;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("device error: {0}")]
+    Device(String),
+    #[error("out of device memory: {0}")]
+    OutOfMemory(String),
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowKind {
+    /// A piece of a prompt (or of recomputed prompt tokens after preemption).
+    Prefill,
+    /// Tokens after the prompt: a decode (1 token) or a verify row (1 + k tokens).
+    Generate,
+}
+
+/// One request's rows in a step.
+#[derive(Debug, Clone)]
+pub struct RowLayout {
+    pub kind: RowKind,
+    /// First token of this row in the step's token-indexed arrays.
+    pub token_start: usize,
+    pub num_tokens: usize,
+    /// Absolute position of the row's first token in its sequence.
+    pub start_position: usize,
+    /// Attention KV blocks covering positions `0..start_position + num_tokens`.
+    pub block_table: Vec<u32>,
+    /// The request's canonical recurrent-state slot.
+    pub state_slot: usize,
+    /// Generate rows: snapshot slot of the state after token `i` is `snapshot_base + i`.
+    pub snapshot_base: usize,
+}
+
+/// The rows of one forward step. Token-indexed data (ids, positions) is derived from it.
+#[derive(Debug, Clone, Default)]
+pub struct BatchLayout {
+    pub rows: Vec<RowLayout>,
+}
+
+impl BatchLayout {
+    pub fn num_tokens(&self) -> usize {
+        self.rows.iter().map(|r| r.num_tokens).sum()
+    }
+
+    /// Absolute position of every token, token-indexed.
+    pub fn positions(&self) -> Vec<u32> {
+        let mut out = vec![0u32; self.num_tokens()];
+        for r in &self.rows {
+            for i in 0..r.num_tokens {
+                out[r.token_start + i] = (r.start_position + i) as u32;
+            }
+        }
+        out
+    }
+}
+
+/// Sizes of the attention and recurrent caches.
+#[derive(Debug, Clone)]
+pub struct CacheSpec {
+    /// Full-attention layers that keep KV (main model layers plus MTP layers).
+    pub attention_layers: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Gated-DeltaNet layers.
+    pub linear_layers: usize,
+    pub linear: LinearAttnConfig,
+    /// Canonical recurrent-state slots (one per running request).
+    pub state_slots: usize,
+    /// Snapshot slots for generate rows (1 + k per verifying request).
+    pub snapshot_slots: usize,
+}
+
+/// Shapes of a gated attention layer.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionDims {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+    pub rope_theta: f64,
+    pub eps: f32,
+}
+
+/// Weights of one mixture-of-experts block.
+pub struct MoeWeights<B: Backend + ?Sized> {
+    pub router: B::Matrix,
+    /// Per expert: gate `[I, H]`, up `[I, H]`, down `[H, I]`.
+    pub experts: Vec<[B::Matrix; 3]>,
+    pub shared: Option<[B::Matrix; 3]>,
+    /// `[1, H]`: sigmoid gate of the shared expert.
+    pub shared_gate: Option<B::Matrix>,
+}
+
+pub trait Backend: Send + Sync {
+    type Tensor: Send + Sync;
+    type Matrix: Send + Sync;
+    type Vector: Send + Sync;
+    type Cache: Send;
+
+    fn name(&self) -> &'static str;
+
+    fn upload_matrix(&self, m: &MatrixBytes) -> Result<Self::Matrix, BackendError>;
+    fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector, BackendError>;
+    fn alloc_cache(&self, spec: &CacheSpec) -> Result<Self::Cache, BackendError>;
+
+    fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Self::Tensor;
+    fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;
+    fn shape(&self, x: &Self::Tensor) -> (usize, usize);
+
+    /// Rows of `table` for each id.
+    fn embed(&self, table: &Self::Matrix, ids: &[u32]) -> Self::Tensor;
+    /// Row-wise RMSNorm with a plain multiplicative weight (zero-centred weights have the 1 folded in at load).
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Vector, eps: f32) -> Self::Tensor;
+    /// `x @ w^T` for `w` stored `[out, in]`.
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Matrix) -> Self::Tensor;
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    /// `silu(gate) * up`.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    /// Columns of `x` in the order given (`out[:, j] = x[:, cols[j]]`).
+    fn gather_cols(&self, x: &Self::Tensor, cols: &[u32]) -> Self::Tensor;
+    /// Rows of `x` in the order given.
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[u32]) -> Self::Tensor;
+    /// `[a | b]` along columns.
+    fn concat_cols(&self, a: &Self::Tensor, b: &Self::Tensor) -> Self::Tensor;
+
+    /// Full gated attention core for one layer: splits the per-head `[q | gate]` projection,
+    /// applies the per-head q/k RMSNorm and partial NeoX RoPE, writes K and V into the paged
+    /// cache, attends causally over each row's context, and multiplies by `sigmoid(gate)`.
+    /// Returns `[T, num_heads * head_dim]`, ready for the output projection.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_attention(
+        &self,
+        q_gate: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        q_norm: &Self::Vector,
+        k_norm: &Self::Vector,
+        dims: &AttentionDims,
+        layout: &BatchLayout,
+        cache: &mut Self::Cache,
+        attention_layer: usize,
+    ) -> Self::Tensor;
+
+    /// Gated DeltaNet core for one layer: causal depthwise conv (+SiLU) over `mixed` = q|k|v with
+    /// the conv window, decay `g = -exp(a_log) * softplus(a + dt_bias)` and `beta = sigmoid(b)`,
+    /// l2-normalized q/k, the delta rule (chunked for prefill rows, recurrent with per-token
+    /// snapshots for generate rows), and the gated RMSNorm `norm(o) * w * silu(z)`.
+    /// Returns `[T, value_dim]`, ready for the output projection.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_net(
+        &self,
+        mixed: &Self::Tensor,
+        z: &Self::Tensor,
+        b: &Self::Tensor,
+        a: &Self::Tensor,
+        params: &GdnParams<Self>,
+        cfg: &LinearAttnConfig,
+        eps: f32,
+        layout: &BatchLayout,
+        cache: &mut Self::Cache,
+        linear_layer: usize,
+    ) -> Self::Tensor;
+
+    /// Mixture of experts with softmax top-k routing and an optional sigmoid-gated shared expert.
+    fn moe(&self, x: &Self::Tensor, w: &MoeWeights<Self>, cfg: &MoeConfig) -> Self::Tensor;
+
+    /// Makes snapshot `snapshot` the canonical recurrent state (conv window and delta-rule state)
+    /// of `slot`, in every linear layer.
+    fn commit_state(&self, cache: &mut Self::Cache, slot: usize, snapshot: usize);
+    /// Zeroes the recurrent state of `slot` (a new sequence).
+    fn reset_state(&self, cache: &mut Self::Cache, slot: usize);
+}
+
+/// Per-layer constants of a Gated DeltaNet block.
+pub struct GdnParams<B: Backend + ?Sized> {
+    /// `[conv_dim, K]` depthwise kernel.
+    pub conv_weight: B::Vector,
+    /// `-exp(A_log)` per value head.
+    pub neg_a: B::Vector,
+    pub dt_bias: B::Vector,
+    /// Output norm weight `[dv]` (plain, shared across heads).
+    pub norm_weight: B::Vector,
+}

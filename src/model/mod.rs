@@ -1,1 +1,5 @@
 //! Model configuration, weights and forward definitions.
+
+pub mod arch;
+pub mod config;
+pub mod weights;

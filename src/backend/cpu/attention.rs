@@ -1,0 +1,134 @@
+//! Gated full attention on the CPU: q/gate split, per-head q/k RMSNorm, partial NeoX RoPE,
+//! paged KV writes and causal attention over each row's context.
+
+use super::{CpuCache, CpuTensor};
+use crate::backend::{AttentionDims, BatchLayout};
+use rayon::prelude::*;
+
+/// Token -> (row, offset in row) for a layout.
+pub(super) fn token_rows(layout: &BatchLayout) -> Vec<(usize, usize)> {
+    let mut map = vec![(0usize, 0usize); layout.num_tokens()];
+    for (ri, r) in layout.rows.iter().enumerate() {
+        for i in 0..r.num_tokens {
+            map[r.token_start + i] = (ri, i);
+        }
+    }
+    map
+}
+
+fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (ms + eps).sqrt();
+    for (v, wi) in x.iter_mut().zip(w) {
+        *v = *v * inv * wi;
+    }
+}
+
+/// NeoX-style rotation of the first `rotary_dim` values: pairs (j, j + rotary_dim/2).
+fn rope_in_place(x: &mut [f32], position: u32, rotary_dim: usize, theta: f64) {
+    let half = rotary_dim / 2;
+    for j in 0..half {
+        // Same f32 steps as the reference: inv_freq = 1 / theta^(2j/d), angle = pos * inv_freq.
+        let inv_freq = 1.0f32 / (theta as f32).powf((2 * j) as f32 / rotary_dim as f32);
+        let angle = position as f32 * inv_freq;
+        let (s, c) = angle.sin_cos();
+        let (a, b) = (x[j], x[j + half]);
+        x[j] = a * c - b * s;
+        x[j + half] = b * c + a * s;
+    }
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gated_attention(
+    q_gate: &CpuTensor,
+    k: &CpuTensor,
+    v: &CpuTensor,
+    q_norm: &[f32],
+    k_norm: &[f32],
+    d: &AttentionDims,
+    layout: &BatchLayout,
+    cache: &mut CpuCache,
+    layer: usize,
+) -> CpuTensor {
+    let t = q_gate.rows;
+    let (nq, nkv, hd) = (d.num_heads, d.num_kv_heads, d.head_dim);
+    assert_eq!(q_gate.cols, nq * 2 * hd);
+    assert_eq!(k.cols, nkv * hd);
+    let positions = layout.positions();
+    let rows = token_rows(layout);
+
+    // Queries and gates: per head the projection holds [query (D) | gate (D)].
+    let mut q = vec![0.0f32; t * nq * hd];
+    let mut gate = vec![0.0f32; t * nq * hd];
+    q.par_chunks_mut(nq * hd).zip(gate.par_chunks_mut(nq * hd)).enumerate().for_each(|(ti, (qrow, grow))| {
+        for h in 0..nq {
+            let src = &q_gate.data[ti * nq * 2 * hd + h * 2 * hd..][..2 * hd];
+            let qh = &mut qrow[h * hd..(h + 1) * hd];
+            qh.copy_from_slice(&src[..hd]);
+            grow[h * hd..(h + 1) * hd].copy_from_slice(&src[hd..]);
+            rms_norm_in_place(qh, q_norm, d.eps);
+            rope_in_place(qh, positions[ti], d.rotary_dim, d.rope_theta);
+        }
+    });
+
+    // Keys normed and rotated, then K and V written at each token's cache slot.
+    let kv_width = nkv * hd;
+    let bs = cache.spec.block_size;
+    for ti in 0..t {
+        let (ri, _) = rows[ti];
+        let pos = positions[ti] as usize;
+        let block = layout.rows[ri].block_table[pos / bs] as usize;
+        let slot = block * bs + pos % bs;
+        let mut krow = k.data[ti * kv_width..(ti + 1) * kv_width].to_vec();
+        for h in 0..nkv {
+            let kh = &mut krow[h * hd..(h + 1) * hd];
+            rms_norm_in_place(kh, k_norm, d.eps);
+            rope_in_place(kh, positions[ti], d.rotary_dim, d.rope_theta);
+        }
+        cache.k[layer][slot * kv_width..(slot + 1) * kv_width].copy_from_slice(&krow);
+        cache.v[layer][slot * kv_width..(slot + 1) * kv_width].copy_from_slice(&v.data[ti * kv_width..(ti + 1) * kv_width]);
+    }
+
+    // Causal attention, one (token, head) per task, keys visited in position order.
+    let scale = 1.0 / (hd as f32).sqrt();
+    let group = nq / nkv;
+    let (kc, vc) = (&cache.k[layer], &cache.v[layer]);
+    let mut out = vec![0.0f32; t * nq * hd];
+    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+        let (ti, h) = (idx / nq, idx % nq);
+        let (ri, _) = rows[ti];
+        let table = &layout.rows[ri].block_table;
+        let qh = &q[ti * nq * hd + h * hd..][..hd];
+        let kvh = h / group;
+        let ctx = positions[ti] as usize + 1;
+        let mut scores = Vec::with_capacity(ctx);
+        for p in 0..ctx {
+            let slot = table[p / bs] as usize * bs + p % bs;
+            let kp = &kc[slot * kv_width + kvh * hd..][..hd];
+            scores.push(super::matmul::dot(qh, kp) * scale);
+        }
+        let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let mut denom = 0.0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - m).exp();
+            denom += *s;
+        }
+        for (p, s) in scores.iter().enumerate() {
+            let slot = table[p / bs] as usize * bs + p % bs;
+            let vp = &vc[slot * kv_width + kvh * hd..][..hd];
+            let wgt = s / denom;
+            for (oj, vj) in o.iter_mut().zip(vp) {
+                *oj += wgt * vj;
+            }
+        }
+        let g = &gate[ti * nq * hd + h * hd..][..hd];
+        for (oj, gj) in o.iter_mut().zip(g) {
+            *oj *= sigmoid(*gj);
+        }
+    });
+    CpuTensor { data: out, rows: t, cols: nq * hd }
+}

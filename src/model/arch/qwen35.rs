@@ -1,0 +1,372 @@
+//! Qwen3.5 / Qwen3.6 / Qwen3-Next: hybrid Gated DeltaNet + gated attention, dense or MoE.
+//!
+//! ```text
+//! x = embed(ids)
+//! per layer: x += mixer(norm1p(x))   mixer = Gated DeltaNet (3 of 4) | gated attention (1 of 4)
+//!            x += mlp(norm1p(x))     mlp = SwiGLU | MoE (softmax top-k + gated shared expert)
+//! hidden = norm1p(x); logits = hidden @ lm_head^T
+//! ```
+//! Zero-centred norms store `w` and scale by `1 + w`; the 1 is folded in when loading.
+
+use super::mtp::Mtp;
+use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights};
+use crate::model::config::{LayerKind, ModelConfig, ModelFamily};
+use crate::model::weights::{WeightError, WeightStore};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Weight(#[from] WeightError),
+    #[error("backend: {0}")]
+    Backend(#[from] BackendError),
+}
+
+/// Weight access that checks shapes and names the tensor on error.
+pub(crate) struct Loader<'a, B: Backend> {
+    pub store: &'a WeightStore,
+    pub backend: &'a B,
+    /// Name prefix: "" for text tensors (resolved under model./model.language_model.), or "mtp.".
+    pub mtp: bool,
+}
+
+impl<B: Backend> Loader<'_, B> {
+    fn view(&self, name: &str) -> Result<crate::model::weights::TensorView<'_>, WeightError> {
+        if self.mtp {
+            self.store.get(&format!("mtp.{name}"))
+        } else {
+            self.store.text(name)
+        }
+    }
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Matrix, LoadError> {
+        let view = self.view(name)?;
+        view.expect_shape(&[rows, cols])?;
+        Ok(self.backend.upload_matrix(&view.matrix(rows, cols)?)?)
+    }
+    pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
+        let view = self.view(name)?;
+        if view.numel() != len {
+            view.expect_shape(&[len])?;
+        }
+        Ok(view.to_f32()?)
+    }
+    /// A zero-centred RMSNorm weight, returned as `1 + w`.
+    pub fn norm1p(&self, name: &str, len: usize) -> Result<B::Vector, LoadError> {
+        let w: Vec<f32> = self.vector(name, len)?.iter().map(|x| 1.0 + x).collect();
+        Ok(self.backend.upload_vector(&w)?)
+    }
+    pub fn has(&self, name: &str) -> bool {
+        if self.mtp {
+            self.store.contains(&format!("mtp.{name}"))
+        } else {
+            self.store.has_text(name)
+        }
+    }
+}
+
+enum GdnProjection<B: Backend> {
+    /// Qwen3.5: separate q|k|v, z, b and a projections.
+    Split { qkv: B::Matrix, z: B::Matrix, b: B::Matrix, a: B::Matrix },
+    /// Qwen3-Next: fused projections grouped per key head; regrouped by column gathers.
+    Packed { qkvz: B::Matrix, ba: B::Matrix, mixed_cols: Vec<u32>, z_cols: Vec<u32>, b_cols: Vec<u32>, a_cols: Vec<u32> },
+}
+
+struct GdnLayer<B: Backend> {
+    proj: GdnProjection<B>,
+    params: GdnParams<B>,
+    out_proj: B::Matrix,
+    linear_index: usize,
+}
+
+pub(crate) struct AttnLayer<B: Backend> {
+    q_proj: B::Matrix,
+    k_proj: B::Matrix,
+    v_proj: B::Matrix,
+    o_proj: B::Matrix,
+    q_norm: B::Vector,
+    k_norm: B::Vector,
+    pub attention_index: usize,
+}
+
+enum Mixer<B: Backend> {
+    Linear(GdnLayer<B>),
+    Full(AttnLayer<B>),
+}
+
+enum Mlp<B: Backend> {
+    Dense { gate: B::Matrix, up: B::Matrix, down: B::Matrix },
+    Moe(MoeWeights<B>),
+}
+
+pub(crate) struct DecoderLayer<B: Backend> {
+    input_norm: B::Vector,
+    post_norm: B::Vector,
+    mixer: Mixer<B>,
+    mlp: Mlp<B>,
+}
+
+/// Output of one forward step.
+pub struct ForwardOutput<B: Backend> {
+    /// Final-normed hidden state of every token `[T, H]` (what the MTP head consumes).
+    pub hidden: B::Tensor,
+    /// Logits of the requested token rows `[N, vocab]`.
+    pub logits: B::Tensor,
+}
+
+pub struct Qwen35<B: Backend> {
+    pub config: ModelConfig,
+    pub(crate) embed: B::Matrix,
+    lm_head: Option<B::Matrix>,
+    final_norm: B::Vector,
+    layers: Vec<DecoderLayer<B>>,
+    pub mtp: Option<Mtp<B>>,
+}
+
+impl<B: Backend> Qwen35<B> {
+    pub fn load(backend: &B, config: ModelConfig, store: &WeightStore, progress: &indicatif::ProgressBar) -> Result<Self, LoadError> {
+        let c = &config;
+        let ld = Loader { store, backend, mtp: false };
+        let h = c.hidden_size;
+        progress.set_length(c.num_layers() as u64 + 2);
+        let embed = ld.matrix("embed_tokens.weight", c.vocab_size, h)?;
+        progress.inc(1);
+        let mut layers = Vec::with_capacity(c.num_layers());
+        let (mut attn_idx, mut lin_idx) = (0, 0);
+        for (i, kind) in c.layer_kinds.iter().enumerate() {
+            let p = format!("layers.{i}.");
+            let mixer = match kind {
+                LayerKind::LinearAttention => {
+                    lin_idx += 1;
+                    Mixer::Linear(load_gdn(&ld, c, &p, lin_idx - 1)?)
+                }
+                LayerKind::FullAttention => {
+                    attn_idx += 1;
+                    Mixer::Full(load_attention(&ld, c, &p, attn_idx - 1)?)
+                }
+            };
+            layers.push(DecoderLayer {
+                input_norm: ld.norm1p(&format!("{p}input_layernorm.weight"), h)?,
+                post_norm: ld.norm1p(&format!("{p}post_attention_layernorm.weight"), h)?,
+                mixer,
+                mlp: load_mlp(&ld, c, &p, c.moe_layers[i])?,
+            });
+            progress.inc(1);
+        }
+        let final_norm = ld.norm1p("norm.weight", h)?;
+        let lm_head = if c.tie_word_embeddings && !store.contains("lm_head.weight") {
+            None
+        } else {
+            let view = store.get("lm_head.weight")?;
+            view.expect_shape(&[c.vocab_size, h])?;
+            Some(backend.upload_matrix(&view.matrix(c.vocab_size, h)?)?)
+        };
+        let mtp = if c.mtp_layers > 0 && store.contains("mtp.fc.weight") {
+            Some(Mtp::load(backend, c, store, c.full_attention_layers())?)
+        } else {
+            None
+        };
+        progress.inc(1);
+        Ok(Qwen35 { config, embed, lm_head, final_norm, layers, mtp })
+    }
+
+    pub(crate) fn lm_head(&self) -> &B::Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Cache geometry for this model; MTP layers get attention-layer indices after the main ones.
+    pub fn cache_spec(&self, num_blocks: usize, block_size: usize, state_slots: usize, snapshot_slots: usize) -> CacheSpec {
+        let c = &self.config;
+        CacheSpec {
+            attention_layers: c.full_attention_layers() + usize::from(self.mtp.is_some()),
+            num_blocks,
+            block_size,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            linear_layers: c.linear_attention_layers(),
+            linear: c.linear.clone(),
+            state_slots,
+            snapshot_slots,
+        }
+    }
+
+    pub(crate) fn attention_dims(&self) -> AttentionDims {
+        let c = &self.config;
+        AttentionDims { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim, rotary_dim: c.rotary_dim, rope_theta: c.rope_theta, eps: c.rms_norm_eps }
+    }
+
+    /// Runs the step's tokens through the model; logits only for `logit_rows` (token indices).
+    pub fn forward(&self, b: &B, ids: &[u32], layout: &BatchLayout, logit_rows: &[u32], cache: &mut B::Cache) -> ForwardOutput<B> {
+        assert_eq!(ids.len(), layout.num_tokens(), "ids and layout disagree on the token count");
+        let mut x = b.embed(&self.embed, ids);
+        for layer in &self.layers {
+            layer.forward(self, b, &mut x, layout, cache);
+        }
+        let hidden = b.rms_norm(&x, &self.final_norm, self.config.rms_norm_eps);
+        let logits = b.matmul(&b.gather_rows(&hidden, logit_rows), self.lm_head());
+        ForwardOutput { hidden, logits }
+    }
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    /// A decoder layer whose mixer is full attention (the MTP layer).
+    pub(crate) fn load_full_attention(ld: &Loader<B>, c: &ModelConfig, p: &str, attention_index: usize) -> Result<Self, LoadError> {
+        let h = c.hidden_size;
+        Ok(DecoderLayer {
+            input_norm: ld.norm1p(&format!("{p}input_layernorm.weight"), h)?,
+            post_norm: ld.norm1p(&format!("{p}post_attention_layernorm.weight"), h)?,
+            mixer: Mixer::Full(load_attention(ld, c, p, attention_index)?),
+            mlp: load_mlp(ld, c, p, c.moe_layers[0])?,
+        })
+    }
+
+    pub(crate) fn forward(&self, m: &Qwen35<B>, b: &B, x: &mut B::Tensor, layout: &BatchLayout, cache: &mut B::Cache) {
+        let c = &m.config;
+        let h = b.rms_norm(x, &self.input_norm, c.rms_norm_eps);
+        let mixed_out = match &self.mixer {
+            Mixer::Linear(g) => {
+                let (mixed, z, bb, a) = match &g.proj {
+                    GdnProjection::Split { qkv, z, b: wb, a } => (b.matmul(&h, qkv), b.matmul(&h, z), b.matmul(&h, wb), b.matmul(&h, a)),
+                    GdnProjection::Packed { qkvz, ba, mixed_cols, z_cols, b_cols, a_cols } => {
+                        let p = b.matmul(&h, qkvz);
+                        let q = b.matmul(&h, ba);
+                        (b.gather_cols(&p, mixed_cols), b.gather_cols(&p, z_cols), b.gather_cols(&q, b_cols), b.gather_cols(&q, a_cols))
+                    }
+                };
+                let o = b.gated_delta_net(&mixed, &z, &bb, &a, &g.params, &c.linear, c.rms_norm_eps, layout, cache, g.linear_index);
+                b.matmul(&o, &g.out_proj)
+            }
+            Mixer::Full(att) => att.forward(m, b, &h, layout, cache),
+        };
+        b.add_assign(x, &mixed_out);
+        let h = b.rms_norm(x, &self.post_norm, c.rms_norm_eps);
+        let mlp_out = match &self.mlp {
+            Mlp::Dense { gate, up, down } => b.matmul(&b.silu_mul(&b.matmul(&h, gate), &b.matmul(&h, up)), down),
+            Mlp::Moe(w) => b.moe(&h, w, c.moe.as_ref().expect("MoE layer without MoE config")),
+        };
+        b.add_assign(x, &mlp_out);
+    }
+}
+
+impl<B: Backend> AttnLayer<B> {
+    fn forward(&self, m: &Qwen35<B>, b: &B, h: &B::Tensor, layout: &BatchLayout, cache: &mut B::Cache) -> B::Tensor {
+        let (qg, k, v) = (b.matmul(h, &self.q_proj), b.matmul(h, &self.k_proj), b.matmul(h, &self.v_proj));
+        let att = b.gated_attention(&qg, &k, &v, &self.q_norm, &self.k_norm, &m.attention_dims(), layout, cache, self.attention_index);
+        b.matmul(&att, &self.o_proj)
+    }
+}
+
+pub(crate) fn load_attention<B: Backend>(ld: &Loader<B>, c: &ModelConfig, p: &str, attention_index: usize) -> Result<AttnLayer<B>, LoadError> {
+    let (h, d) = (c.hidden_size, c.head_dim);
+    Ok(AttnLayer {
+        q_proj: ld.matrix(&format!("{p}self_attn.q_proj.weight"), c.num_heads * d * 2, h)?,
+        k_proj: ld.matrix(&format!("{p}self_attn.k_proj.weight"), c.num_kv_heads * d, h)?,
+        v_proj: ld.matrix(&format!("{p}self_attn.v_proj.weight"), c.num_kv_heads * d, h)?,
+        o_proj: ld.matrix(&format!("{p}self_attn.o_proj.weight"), h, c.num_heads * d)?,
+        q_norm: ld.norm1p(&format!("{p}self_attn.q_norm.weight"), d)?,
+        k_norm: ld.norm1p(&format!("{p}self_attn.k_norm.weight"), d)?,
+        attention_index,
+    })
+}
+
+fn load_gdn<B: Backend>(ld: &Loader<B>, c: &ModelConfig, p: &str, linear_index: usize) -> Result<GdnLayer<B>, LoadError> {
+    let l = &c.linear;
+    let h = c.hidden_size;
+    let p = format!("{p}linear_attn.");
+    let proj = if c.family == ModelFamily::Qwen3Next {
+        let r = l.heads_per_key_head();
+        let (dk, dv, nk) = (l.key_head_dim, l.value_head_dim, l.num_key_heads);
+        let group = 2 * dk + 2 * r * dv;
+        let cols = |off: usize, len: usize| -> Vec<u32> { (0..nk).flat_map(|g| (0..len).map(move |j| (g * group + off + j) as u32)).collect() };
+        let mut mixed_cols = cols(0, dk);
+        mixed_cols.extend(cols(dk, dk));
+        mixed_cols.extend(cols(2 * dk, r * dv));
+        let ba_cols = |off: usize| -> Vec<u32> { (0..nk).flat_map(|g| (0..r).map(move |j| (g * 2 * r + off + j) as u32)).collect() };
+        GdnProjection::Packed {
+            qkvz: ld.matrix(&format!("{p}in_proj_qkvz.weight"), nk * group, h)?,
+            ba: ld.matrix(&format!("{p}in_proj_ba.weight"), 2 * l.num_value_heads, h)?,
+            mixed_cols,
+            z_cols: cols(2 * dk + r * dv, r * dv),
+            b_cols: ba_cols(0),
+            a_cols: ba_cols(r),
+        }
+    } else {
+        GdnProjection::Split {
+            qkv: ld.matrix(&format!("{p}in_proj_qkv.weight"), l.conv_dim(), h)?,
+            z: ld.matrix(&format!("{p}in_proj_z.weight"), l.value_dim(), h)?,
+            b: ld.matrix(&format!("{p}in_proj_b.weight"), l.num_value_heads, h)?,
+            a: ld.matrix(&format!("{p}in_proj_a.weight"), l.num_value_heads, h)?,
+        }
+    };
+    let conv = ld.vector(&format!("{p}conv1d.weight"), l.conv_dim() * l.conv_kernel)?;
+    let neg_a: Vec<f32> = ld.vector(&format!("{p}A_log"), l.num_value_heads)?.iter().map(|a| -a.exp()).collect();
+    let b = ld.backend;
+    Ok(GdnLayer {
+        proj,
+        params: GdnParams {
+            conv_weight: b.upload_vector(&conv)?,
+            neg_a: b.upload_vector(&neg_a)?,
+            dt_bias: b.upload_vector(&ld.vector(&format!("{p}dt_bias"), l.num_value_heads)?)?,
+            norm_weight: b.upload_vector(&ld.vector(&format!("{p}norm.weight"), l.value_head_dim)?)?,
+        },
+        out_proj: ld.matrix(&format!("{p}out_proj.weight"), h, l.value_dim())?,
+        linear_index,
+    })
+}
+
+fn load_mlp<B: Backend>(ld: &Loader<B>, c: &ModelConfig, p: &str, moe: bool) -> Result<Mlp<B>, LoadError> {
+    let h = c.hidden_size;
+    if !moe {
+        let i = c.intermediate_size;
+        return Ok(Mlp::Dense {
+            gate: ld.matrix(&format!("{p}mlp.gate_proj.weight"), i, h)?,
+            up: ld.matrix(&format!("{p}mlp.up_proj.weight"), i, h)?,
+            down: ld.matrix(&format!("{p}mlp.down_proj.weight"), h, i)?,
+        });
+    }
+    let m = c.moe.as_ref().expect("MoE layer without MoE config");
+    let (e, i) = (m.num_experts, m.expert_intermediate);
+    let mut experts = Vec::with_capacity(e);
+    if ld.has(&format!("{p}mlp.experts.gate_up_proj")) {
+        // Stacked layout: gate_up [E, 2I, H] (gate rows first), down [E, H, I].
+        let gu = ld.view_matrix(&format!("{p}mlp.experts.gate_up_proj"), &[e, 2 * i, h])?;
+        let dn = ld.view_matrix(&format!("{p}mlp.experts.down_proj"), &[e, h, i])?;
+        for x in 0..e {
+            let b = ld.backend;
+            experts.push([
+                b.upload_matrix(&gu.rows(x * 2 * i, x * 2 * i + i))?,
+                b.upload_matrix(&gu.rows(x * 2 * i + i, (x + 1) * 2 * i))?,
+                b.upload_matrix(&dn.rows(x * h, (x + 1) * h))?,
+            ]);
+        }
+    } else {
+        for x in 0..e {
+            let q = format!("{p}mlp.experts.{x}.");
+            experts.push([
+                ld.matrix(&format!("{q}gate_proj.weight"), i, h)?,
+                ld.matrix(&format!("{q}up_proj.weight"), i, h)?,
+                ld.matrix(&format!("{q}down_proj.weight"), h, i)?,
+            ]);
+        }
+    }
+    let shared = if m.shared_intermediate > 0 {
+        let s = m.shared_intermediate;
+        Some([
+            ld.matrix(&format!("{p}mlp.shared_expert.gate_proj.weight"), s, h)?,
+            ld.matrix(&format!("{p}mlp.shared_expert.up_proj.weight"), s, h)?,
+            ld.matrix(&format!("{p}mlp.shared_expert.down_proj.weight"), h, s)?,
+        ])
+    } else {
+        None
+    };
+    let shared_gate = if shared.is_some() { Some(ld.matrix(&format!("{p}mlp.shared_expert_gate.weight"), 1, h)?) } else { None };
+    Ok(Mlp::Moe(MoeWeights { router: ld.matrix(&format!("{p}mlp.gate.weight"), e, h)?, experts, shared, shared_gate }))
+}
+
+impl<B: Backend> Loader<'_, B> {
+    /// A stacked tensor of the given shape, as a matrix of its flattened leading dims.
+    fn view_matrix(&self, name: &str, shape: &[usize]) -> Result<crate::model::weights::MatrixBytes, LoadError> {
+        let view = self.view(name)?;
+        view.expect_shape(shape)?;
+        let cols = *shape.last().unwrap_or(&0);
+        Ok(view.matrix(view.numel() / cols.max(1), cols)?)
+    }
+}

@@ -1,0 +1,189 @@
+//! Zero-copy weight access over memory-mapped files (or bytes embedded in the binary).
+//!
+//! A [`WeightStore`] maps tensor names to byte ranges of a backing buffer; nothing is read or
+//! copied until a backend asks for a tensor's bytes.
+
+pub mod safetensors;
+
+pub use kestrel_quant::Dtype;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WeightError {
+    #[error("cannot open {path}: {source}")]
+    Open { path: PathBuf, source: std::io::Error },
+    #[error("{path} is not a valid safetensors file: {reason}")]
+    Malformed { path: PathBuf, reason: String },
+    #[error("{path} is truncated: tensor `{tensor}` ends at byte {end} but the file holds {len} data bytes")]
+    Truncated { path: PathBuf, tensor: String, end: usize, len: usize },
+    #[error("{path}: tensor `{tensor}` has unsupported dtype {dtype}")]
+    UnsupportedDtype { path: PathBuf, tensor: String, dtype: String },
+    #[error("missing tensor `{tensor}` (looked in {source_desc})")]
+    Missing { tensor: String, source_desc: String },
+    #[error("tensor `{tensor}` in {path} has shape {got:?}, expected {want:?}")]
+    Shape { path: PathBuf, tensor: String, got: Vec<usize>, want: Vec<usize> },
+    #[error("{path}: index file is invalid: {reason}")]
+    Index { path: PathBuf, reason: String },
+    #[error("no weights found in {path} (expected model.safetensors or model.safetensors.index.json)")]
+    NoWeights { path: PathBuf },
+    #[error("tensor `{tensor}`: {source}")]
+    Convert { tensor: String, source: kestrel_quant::QuantError },
+}
+
+/// A shared, immutable byte buffer: a memory map or a `'static` slice.
+#[derive(Clone)]
+pub struct SharedBytes(Arc<dyn AsRef<[u8]> + Send + Sync>);
+
+impl SharedBytes {
+    pub fn from_mmap(map: memmap2::Mmap) -> Self {
+        SharedBytes(Arc::new(map))
+    }
+    pub fn from_static(bytes: &'static [u8]) -> Self {
+        SharedBytes(Arc::new(bytes))
+    }
+    pub fn as_slice(&self) -> &[u8] {
+        (*self.0).as_ref()
+    }
+}
+
+/// Where one tensor lives.
+#[derive(Clone)]
+pub struct TensorEntry {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub file: usize,
+    pub start: usize,
+    pub end: usize,
+}
+
+/// A tensor's bytes, borrowed from the store.
+#[derive(Clone)]
+pub struct TensorView<'a> {
+    pub name: &'a str,
+    pub dtype: Dtype,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+    pub path: &'a std::path::Path,
+    source: &'a SharedBytes,
+    start: usize,
+}
+
+/// A row-major matrix `[rows, cols]` inside a shared buffer; cheap to clone and to slice by
+/// rows, so stacked tensors (e.g. all experts in one) need no copy.
+#[derive(Clone)]
+pub struct MatrixBytes {
+    pub data: SharedBytes,
+    pub start: usize,
+    pub dtype: Dtype,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl MatrixBytes {
+    pub fn row_bytes(&self) -> usize {
+        self.cols * self.dtype.size_bytes()
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.data.as_slice()[self.start..self.start + self.rows * self.row_bytes()]
+    }
+
+    /// Rows `r0..r1` as their own matrix.
+    pub fn rows(&self, r0: usize, r1: usize) -> MatrixBytes {
+        assert!(r0 <= r1 && r1 <= self.rows, "row range {r0}..{r1} outside {} rows", self.rows);
+        MatrixBytes { data: self.data.clone(), start: self.start + r0 * self.row_bytes(), dtype: self.dtype, rows: r1 - r0, cols: self.cols }
+    }
+
+    /// Builds a matrix over owned f32 values (random weights, tests).
+    pub fn from_f32(values: Vec<f32>, rows: usize, cols: usize) -> MatrixBytes {
+        assert_eq!(values.len(), rows * cols);
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        MatrixBytes { data: SharedBytes(Arc::new(bytes)), start: 0, dtype: Dtype::F32, rows, cols }
+    }
+}
+
+impl TensorView<'_> {
+    /// This tensor as a `[rows, cols]` matrix (the shape must hold exactly rows*cols elements,
+    /// e.g. `[E, R, C]` viewed as `[E*R, C]`).
+    pub fn matrix(&self, rows: usize, cols: usize) -> Result<MatrixBytes, WeightError> {
+        if self.numel() != rows * cols || self.shape.last().copied().unwrap_or(0) != cols {
+            return Err(WeightError::Shape { path: self.path.to_path_buf(), tensor: self.name.to_string(), got: self.shape.to_vec(), want: vec![rows, cols] });
+        }
+        Ok(MatrixBytes { data: self.source.clone(), start: self.start, dtype: self.dtype, rows, cols })
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn to_f32(&self) -> Result<Vec<f32>, WeightError> {
+        kestrel_quant::dequantize(self.dtype, self.bytes).map_err(|source| WeightError::Convert { tensor: self.name.to_string(), source })
+    }
+
+    /// Checks the shape against what the model expects.
+    pub fn expect_shape(&self, want: &[usize]) -> Result<&Self, WeightError> {
+        if self.shape != want {
+            return Err(WeightError::Shape { path: self.path.to_path_buf(), tensor: self.name.to_string(), got: self.shape.to_vec(), want: want.to_vec() });
+        }
+        Ok(self)
+    }
+}
+
+/// All tensors of one model, across its files.
+pub struct WeightStore {
+    files: Vec<(PathBuf, SharedBytes)>,
+    tensors: HashMap<String, TensorEntry>,
+    /// Prefix of the text-model tensors: `model.` or `model.language_model.`.
+    text_prefix: String,
+    description: String,
+}
+
+impl WeightStore {
+    pub(crate) fn new(files: Vec<(PathBuf, SharedBytes)>, tensors: HashMap<String, TensorEntry>, description: String) -> Self {
+        let text_prefix = if tensors.keys().any(|k| k.starts_with("model.language_model.")) { "model.language_model." } else { "model." };
+        WeightStore { files, tensors, text_prefix: text_prefix.to_string(), description }
+    }
+
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// Names of every stored tensor, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.tensors.keys().map(String::as_str).collect();
+        v.sort_unstable();
+        v
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// A tensor by its full stored name.
+    pub fn get(&self, name: &str) -> Result<TensorView<'_>, WeightError> {
+        let (key, entry) = self.tensors.get_key_value(name).ok_or_else(|| WeightError::Missing { tensor: name.to_string(), source_desc: self.description.clone() })?;
+        let (path, bytes) = &self.files[entry.file];
+        Ok(TensorView { name: key, dtype: entry.dtype, shape: &entry.shape, bytes: &bytes.as_slice()[entry.start..entry.end], path, source: bytes, start: entry.start })
+    }
+
+    /// A text-model tensor, e.g. `layers.0.input_layernorm.weight`, under whichever prefix this
+    /// checkpoint uses.
+    pub fn text(&self, name: &str) -> Result<TensorView<'_>, WeightError> {
+        self.get(&format!("{}{}", self.text_prefix, name))
+    }
+
+    pub fn has_text(&self, name: &str) -> bool {
+        self.contains(&format!("{}{}", self.text_prefix, name))
+    }
+
+    /// Total bytes of all tensors.
+    pub fn total_bytes(&self) -> usize {
+        self.tensors.values().map(|e| e.end - e.start).sum()
+    }
+}
