@@ -1,1 +1,34 @@
-fn main() {}
+//! The `kestrel` command line.
+
+mod cli;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "kestrel", version, about = "Local LLM inference for hybrid Gated-DeltaNet models, with speculative decoding")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate from one prompt.
+    Run(cli::run::RunArgs),
+    /// Run a JSONL file of requests through the batch engine.
+    Batch(cli::batch::BatchArgs),
+    /// Perplexity of a text file.
+    Perplexity(cli::perplexity::PerplexityArgs),
+    /// Describe a model.
+    Info(cli::info::InfoArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Run(a) => cli::run::run(a),
+        Command::Batch(a) => cli::batch::run(a),
+        Command::Perplexity(a) => cli::perplexity::run(a),
+        Command::Info(a) => cli::info::run(a),
+    }
+}

@@ -1,5 +1,13 @@
 //! The batch engine: requests, scheduling, speculation, sampling and metrics.
 
+pub mod cache;
+#[allow(clippy::module_inception)]
+pub mod engine;
 pub mod metrics;
+pub mod plan;
+pub mod request;
 pub mod sampler;
+pub mod scheduler;
 pub mod spec;
+
+pub use engine::{Engine, EngineConfig, EngineError};

@@ -1,4 +1,5 @@
 //! Speculative decoding: draft proposers and verification.
 
+pub mod mtp;
 pub mod ngram;
 pub mod verify;

@@ -1,0 +1,61 @@
+//! `kestrel info`: what a model is, without running it.
+
+use super::EngineArgs;
+use anyhow::Result;
+use clap::Args;
+use kestrel::model::config::LayerKind;
+use kestrel::model::mtp_tensor_names;
+
+#[derive(Debug, Args)]
+pub struct InfoArgs {
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+pub fn run(args: InfoArgs) -> Result<()> {
+    let files = args.engine.open_model()?;
+    let c = &files.config;
+    let mtp = mtp_tensor_names(&files.store);
+    let layers: String = c.layer_kinds.iter().map(|k| if *k == LayerKind::FullAttention { 'F' } else { 'L' }).collect();
+    if args.json {
+        let obj = serde_json::json!({
+            "source": files.source,
+            "family": c.family.name(),
+            "model_type": c.model_type,
+            "layers": layers,
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+            "tensors": files.store.len(),
+            "weight_bytes": files.store.total_bytes(),
+            "mtp_tensors": mtp,
+            "moe": c.moe.as_ref().map(|m| serde_json::json!({"experts": m.num_experts, "top_k": m.top_k})),
+        });
+        println!("{}", serde_json::to_string_pretty(&obj)?);
+        return Ok(());
+    }
+    println!("model       {}", files.source);
+    println!("family      {} ({})", c.family.name(), c.model_type);
+    println!("layers      {} [{}]  (L = Gated DeltaNet, F = full attention)", c.num_layers(), layers);
+    println!("hidden      {}   vocab {}   tied embeddings {}", c.hidden_size, c.vocab_size, c.tie_word_embeddings);
+    println!("attention   {} heads / {} kv heads x {} (rotary {}, theta {})", c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim, c.rope_theta);
+    println!(
+        "deltanet    {} key heads x {} / {} value heads x {}, conv {}",
+        c.linear.num_key_heads, c.linear.key_head_dim, c.linear.num_value_heads, c.linear.value_head_dim, c.linear.conv_kernel
+    );
+    match &c.moe {
+        Some(m) => println!("mlp         MoE {} experts, top {}, width {}, shared {}", m.num_experts, m.top_k, m.expert_intermediate, m.shared_intermediate),
+        None => println!("mlp         dense SwiGLU, width {}", c.intermediate_size),
+    }
+    println!("weights     {} tensors, {:.1} MiB", files.store.len(), files.store.total_bytes() as f64 / (1 << 20) as f64);
+    println!("eos ids     {:?}", c.eos_token_ids);
+    println!("tokenizer   {} tokens, chat template {}", files.tokenizer.vocab_size(), if files.tokenizer.has_chat_template() { "yes" } else { "no" });
+    println!("mtp         {} tensors", mtp.len());
+    for name in mtp {
+        let t = files.store.get(name)?;
+        println!("  {name} {:?} {}", t.shape, t.dtype.name());
+    }
+    Ok(())
+}

@@ -1,0 +1,172 @@
+//! Command-line front end: one file per subcommand; shared engine flags live here.
+
+pub mod batch;
+pub mod info;
+pub mod perplexity;
+pub mod run;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use kestrel::backend::cpu::CpuBackend;
+use kestrel::engine::request::SpecMethod;
+use kestrel::engine::sampler::SamplingParams;
+use kestrel::engine::{Engine, EngineConfig};
+use kestrel::model::arch::qwen35::Qwen35;
+use kestrel::model::ModelFiles;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvCacheDtype {
+    Bf16,
+    Fp8,
+    Tq3,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Quantization {
+    None,
+    Fp8,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LoadFormat {
+    Auto,
+    Dummy,
+}
+
+/// Model, device, speculation and memory flags shared by every subcommand that runs a model.
+#[derive(Debug, Clone, Args)]
+pub struct EngineArgs {
+    /// Hugging Face model directory (default: the embedded kestrel-coder model).
+    #[arg(long, short = 'm')]
+    pub model: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "auto")]
+    pub device: Device,
+    /// Speculative decoding method.
+    #[arg(long, default_value = "none", value_parser = parse_spec)]
+    pub spec: SpecMethod,
+    /// Draft tokens per step (k).
+    #[arg(long, default_value_t = 4)]
+    pub spec_tokens: usize,
+    #[arg(long, default_value_t = 2)]
+    pub ngram_min: usize,
+    #[arg(long, default_value_t = 4)]
+    pub ngram_max: usize,
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub kv_cache_dtype: KvCacheDtype,
+    #[arg(long, value_enum, default_value = "none")]
+    pub quantization: Quantization,
+    #[arg(long, value_enum, default_value = "auto")]
+    pub load_format: LoadFormat,
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
+    /// Fraction of GPU memory the CUDA backend may use.
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f32,
+    /// Maximum tokens per engine step (prefill chunks + decode/verify rows).
+    #[arg(long, default_value_t = 512)]
+    pub max_num_batched_tokens: usize,
+    /// Context length (prompt + generated) per request; defaults to min(model limit, 4096).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// KV cache size in blocks of 16 tokens (default: enough for every concurrent request).
+    #[arg(long)]
+    pub kv_blocks: Option<usize>,
+}
+
+fn parse_spec(s: &str) -> Result<SpecMethod, String> {
+    s.parse()
+}
+
+/// Per-request sampling flags.
+#[derive(Debug, Clone, Args)]
+pub struct SamplingArgs {
+    /// 0 means greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// 0 disables top-k.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> SamplingParams {
+        SamplingParams { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p, seed: self.seed }
+    }
+}
+
+/// A progress bar on stderr, hidden when stderr is not a terminal.
+pub fn progress_bar(len: u64, message: &str) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    bar.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {elapsed}").expect("static template").progress_chars("=> "));
+    bar.set_message(message.to_string());
+    bar
+}
+
+impl EngineArgs {
+    /// Rejects flag combinations this build cannot honour, with a message saying so.
+    fn check_supported(&self) -> Result<()> {
+        if self.device == Device::Cuda {
+            bail!("--device cuda: this build has no CUDA backend yet; use --device cpu (or auto)");
+        }
+        if self.kv_cache_dtype != KvCacheDtype::Bf16 {
+            bail!("--kv-cache-dtype {:?}: only bf16 (full precision on the CPU) is supported by the CPU backend", self.kv_cache_dtype);
+        }
+        if self.quantization != Quantization::None {
+            bail!("--quantization fp8 needs the CUDA backend");
+        }
+        if self.load_format == LoadFormat::Dummy {
+            bail!("--load-format dummy needs the CUDA backend (random weights at real sizes are for GPU benchmarks)");
+        }
+        if self.spec_tokens == 0 && self.spec != SpecMethod::None {
+            bail!("--spec-tokens must be at least 1 with --spec {}", self.spec.name());
+        }
+        Ok(())
+    }
+
+    pub fn open_model(&self) -> Result<ModelFiles> {
+        self.check_supported()?;
+        ModelFiles::open(self.model.as_deref()).with_context(|| match &self.model {
+            Some(p) => format!("cannot load model {}", p.display()),
+            None => "cannot load the embedded default model".to_string(),
+        })
+    }
+
+    /// Uploads the weights and builds an engine for up to `max_num_seqs` concurrent requests.
+    pub fn build_engine(&self, files: &ModelFiles, max_num_seqs: usize) -> Result<Engine<CpuBackend>> {
+        let backend = CpuBackend::new();
+        let bar = progress_bar(0, "loading");
+        let model = Qwen35::load(&backend, files.config.clone(), &files.store, &bar).with_context(|| format!("cannot load weights of {}", files.source))?;
+        bar.finish_and_clear();
+        let max_model_len = self.max_model_len.unwrap_or(files.config.max_position_embeddings.min(4096));
+        let block_size = 16;
+        let num_blocks = self.kv_blocks.unwrap_or(max_num_seqs * (max_model_len + self.spec_tokens).div_ceil(block_size));
+        let config = EngineConfig {
+            max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            block_size,
+            num_blocks,
+            max_model_len,
+            spec: self.spec,
+            spec_tokens: self.spec_tokens.max(1),
+            ngram_min: self.ngram_min,
+            ngram_max: self.ngram_max,
+        };
+        Engine::new(backend, model, config).context("cannot start the engine")
+    }
+}

@@ -1,0 +1,80 @@
+//! `kestrel perplexity`: mean negative log-likelihood of a text file.
+//!
+//! The token stream is cut into consecutive windows of `--context` tokens; each window runs
+//! from an empty state and predicts its tokens 1..len (a last window shorter than 2 is dropped).
+
+use super::{progress_bar, EngineArgs};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kestrel::backend::cpu::CpuBackend;
+use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
+use kestrel::model::arch::qwen35::Qwen35;
+use std::path::PathBuf;
+
+#[derive(Debug, Args)]
+pub struct PerplexityArgs {
+    /// Text file to score.
+    #[arg(long)]
+    pub file: PathBuf,
+    /// Tokens per window.
+    #[arg(long, default_value_t = 256)]
+    pub context: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// Mean NLL (nats) of each predicted token over the windows, and their count.
+pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, ids: &[u32], context: usize, progress: &indicatif::ProgressBar) -> (f64, usize) {
+    let block_size = 16;
+    let spec = model.cache_spec(context.div_ceil(block_size), block_size, 1, 0);
+    let mut cache = backend.alloc_cache(&spec).expect("a single-window cache fits in memory");
+    let vocab = model.config.vocab_size;
+    let (mut total, mut count) = (0.0f64, 0usize);
+    let windows: Vec<&[u32]> = ids.chunks(context).filter(|w| w.len() >= 2).collect();
+    progress.set_length(windows.len() as u64);
+    for w in windows {
+        backend.reset_state(&mut cache, 0);
+        let layout = BatchLayout {
+            rows: vec![RowLayout { kind: RowKind::Prefill, token_start: 0, num_tokens: w.len(), start_position: 0, block_table: (0..spec.num_blocks as u32).collect(), state_slot: 0, snapshot_base: 0 }],
+        };
+        let rows: Vec<u32> = (0..w.len() as u32 - 1).collect();
+        let out = model.forward(backend, w, &layout, &rows, &mut cache);
+        let logits = backend.to_host(&out.logits);
+        for (i, &target) in w[1..].iter().enumerate() {
+            let l = &logits[i * vocab..(i + 1) * vocab];
+            let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = m + l.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+            total += lse - l[target as usize] as f64;
+            count += 1;
+        }
+        progress.inc(1);
+    }
+    (if count > 0 { total / count as f64 } else { f64::NAN }, count)
+}
+
+pub fn run(args: PerplexityArgs) -> Result<()> {
+    if args.context < 2 {
+        bail!("--context must be at least 2");
+    }
+    let text = std::fs::read_to_string(&args.file).with_context(|| format!("cannot read {}", args.file.display()))?;
+    let files = args.engine.open_model()?;
+    let ids = files.tokenizer.encode(&text, false)?;
+    if ids.len() < 2 {
+        bail!("{} holds fewer than 2 tokens", args.file.display());
+    }
+    let backend = CpuBackend::new();
+    let model = Qwen35::load(&backend, files.config.clone(), &files.store, &indicatif::ProgressBar::hidden())?;
+    let bar = progress_bar(0, "scoring");
+    let (mean_nll, tokens) = window_nll(&model, &backend, &ids, args.context, &bar);
+    bar.finish_and_clear();
+    let ppl = mean_nll.exp();
+    if args.json {
+        println!("{}", serde_json::json!({"perplexity": ppl, "tokens": tokens, "mean_nll": mean_nll}));
+    } else {
+        println!("perplexity {ppl:.4}  mean NLL {mean_nll:.5} nats over {tokens} predicted tokens");
+    }
+    Ok(())
+}

@@ -1,0 +1,351 @@
+//! The step loop: schedule -> forward -> sample/verify -> commit -> propose -> emit.
+
+use super::cache::{BlockAllocator, SlotAllocator};
+use super::metrics::SpecStats;
+use super::request::{FinishReason, Request, RequestEvent, RequestId, SeqStatus, Sequence, SequenceSummary, SpecMethod};
+use super::scheduler::{Scheduler, SchedulerConfig};
+use super::spec::mtp::{propose_mtp, MtpCatchUp};
+use super::spec::ngram::{propose_ngram, NgramConfig};
+use super::spec::verify::verify_drafts;
+use crate::backend::cpu::gdn::CHUNK;
+use crate::backend::{Backend, BackendError, RowKind};
+use crate::model::arch::qwen35::Qwen35;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum EngineError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("prompt of {prompt} tokens plus max_tokens {max_tokens} exceeds the context length of {context} tokens")]
+    ContextExceeded { prompt: usize, max_tokens: usize, context: usize },
+    #[error("the request needs {need} KV blocks but the cache holds {total}; raise the cache size or shorten the request")]
+    CacheTooSmall { need: usize, total: usize },
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    #[error("token id {id} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    #[error("invalid sampling parameters: {0}")]
+    Sampling(String),
+    #[error("speculation method `mtp` needs a model with an MTP head (mtp.* tensors)")]
+    NoMtpHead,
+    #[error("invalid engine configuration: {0}")]
+    Config(String),
+    #[error("unknown request id {0}")]
+    UnknownRequest(RequestId),
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub max_model_len: usize,
+    pub spec: SpecMethod,
+    /// Drafts per step (k).
+    pub spec_tokens: usize,
+    pub ngram_min: usize,
+    pub ngram_max: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_num_seqs: 16,
+            max_num_batched_tokens: 512,
+            block_size: 16,
+            num_blocks: 1024,
+            max_model_len: 4096,
+            spec: SpecMethod::None,
+            spec_tokens: 4,
+            ngram_min: 2,
+            ngram_max: 4,
+        }
+    }
+}
+
+/// Engine-wide counters.
+#[derive(Debug, Clone, Default)]
+pub struct EngineStats {
+    pub steps: u64,
+    pub forward_tokens: u64,
+    pub spec: SpecStats,
+}
+
+/// A drafter supplied by the caller instead of ngram/MTP: given a request, its committed tokens
+/// and the most drafts that can be used, returns the drafts. Tests use it to control exactly
+/// which drafts are right.
+pub type CustomDrafter = Box<dyn FnMut(RequestId, &[u32], usize) -> Vec<u32> + Send>;
+
+pub struct Engine<B: Backend> {
+    custom_drafter: Option<CustomDrafter>,
+    pub backend: B,
+    pub model: Qwen35<B>,
+    cache: B::Cache,
+    scheduler: Scheduler,
+    seqs: Vec<Sequence>,
+    next_id: RequestId,
+    pub config: EngineConfig,
+    pub stats: EngineStats,
+}
+
+impl<B: Backend> Engine<B> {
+    pub fn new(backend: B, model: Qwen35<B>, config: EngineConfig) -> Result<Self, EngineError> {
+        if config.max_num_batched_tokens < CHUNK {
+            return Err(EngineError::Config(format!("max_num_batched_tokens must be at least {CHUNK}")));
+        }
+        if config.max_num_seqs == 0 || config.block_size == 0 || config.num_blocks == 0 {
+            return Err(EngineError::Config("max_num_seqs, block_size and num_blocks must be positive".into()));
+        }
+        NgramConfig { min_n: config.ngram_min, max_n: config.ngram_max, k: config.spec_tokens.max(1) }.validate().map_err(|e| EngineError::Config(e.to_string()))?;
+        if config.spec == SpecMethod::Mtp && model.mtp.is_none() {
+            return Err(EngineError::NoMtpHead);
+        }
+        // Every generate row of a step takes one snapshot per token, so the token budget bounds them.
+        let spec = model.cache_spec(config.num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens);
+        let cache = backend.alloc_cache(&spec).map_err(|e: BackendError| EngineError::Config(e.to_string()))?;
+        let scheduler = Scheduler::new(
+            SchedulerConfig { max_num_seqs: config.max_num_seqs, max_num_batched_tokens: config.max_num_batched_tokens, max_model_len: config.max_model_len },
+            BlockAllocator::new(config.num_blocks, config.block_size),
+            SlotAllocator::new(config.max_num_seqs),
+        );
+        Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default() })
+    }
+
+    /// Replaces the proposers of every speculating request (method other than `none`).
+    pub fn set_custom_drafter(&mut self, drafter: Option<CustomDrafter>) {
+        self.custom_drafter = drafter;
+    }
+
+    /// Validates and queues a request.
+    pub fn add_request(&mut self, req: Request) -> Result<RequestId, EngineError> {
+        if req.prompt_ids.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if req.max_tokens == 0 {
+            return Err(EngineError::ZeroMaxTokens);
+        }
+        let vocab = self.model.config.vocab_size;
+        if let Some(&id) = req.prompt_ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(EngineError::TokenOutOfRange { id, vocab });
+        }
+        req.params.validate().map_err(|e| EngineError::Sampling(e.to_string()))?;
+        let total = req.prompt_ids.len() + req.max_tokens;
+        if total > self.config.max_model_len {
+            return Err(EngineError::ContextExceeded { prompt: req.prompt_ids.len(), max_tokens: req.max_tokens, context: self.config.max_model_len });
+        }
+        // Room for the whole sequence plus a full verify row.
+        let need = self.scheduler.blocks.blocks_for(total + self.config.spec_tokens);
+        if need > self.scheduler.blocks.num_total() {
+            return Err(EngineError::CacheTooSmall { need, total: self.scheduler.blocks.num_total() });
+        }
+        let method = req.spec.unwrap_or(self.config.spec);
+        if method == SpecMethod::Mtp && self.model.mtp.is_none() {
+            return Err(EngineError::NoMtpHead);
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.seqs.push(Sequence::new(id, req, method));
+        Ok(id)
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.seqs.is_empty()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.seqs.iter().filter(|s| s.status == SeqStatus::Running).count()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.seqs.iter().filter(|s| s.status == SeqStatus::Waiting).count()
+    }
+
+    pub fn preemptions(&self) -> u64 {
+        self.scheduler.preemptions
+    }
+
+    /// (used, total) KV blocks and recurrent-state slots.
+    pub fn cache_usage(&self) -> ((usize, usize), (usize, usize)) {
+        let b = &self.scheduler.blocks;
+        ((b.num_total() - b.num_free(), b.num_total()), (self.scheduler.slots.num_used(), self.scheduler.slots.num_total()))
+    }
+
+    /// Cancels a request and frees its cache.
+    pub fn abort(&mut self, id: RequestId) -> Result<RequestEvent, EngineError> {
+        let idx = self.seqs.iter().position(|s| s.id == id).ok_or(EngineError::UnknownRequest(id))?;
+        let mut seq = self.seqs.remove(idx);
+        self.scheduler.release(&mut seq);
+        Ok(finished_event(seq, FinishReason::Abort))
+    }
+
+    /// Runs one step and returns what it produced.
+    pub fn step(&mut self) -> Vec<RequestEvent> {
+        let mut events = Vec::new();
+        let scheduled = self.scheduler.schedule(&mut self.seqs);
+        for slot in scheduled.fresh_slots {
+            self.backend.reset_state(&mut self.cache, slot);
+        }
+        let plan = scheduled.plan;
+        if plan.is_empty() {
+            // Every queued request is admissible (checked in add_request) and the budget always
+            // fits a prefill chunk, so an empty plan with work left would stall the caller.
+            assert!(self.seqs.is_empty(), "scheduler produced no rows with {} requests queued", self.seqs.len());
+            return events;
+        }
+        let out = self.model.forward(&self.backend, &plan.ids.0, &plan.layout, &plan.logit_rows, &mut self.cache);
+        let logits = self.backend.to_host(&out.logits);
+        let vocab = self.model.config.vocab_size;
+        self.stats.steps += 1;
+        self.stats.forward_tokens += plan.num_tokens() as u64;
+
+        let mut finished: Vec<(RequestId, FinishReason)> = Vec::new();
+        let mut mtp_items: Vec<(RequestId, MtpCatchUp)> = Vec::new();
+        for (row, layout) in plan.rows.iter().zip(&plan.layout.rows) {
+            let Some(seq) = self.seqs.iter_mut().find(|s| s.id == row.seq) else { continue };
+            let start = seq.num_computed;
+            let mut emitted = Vec::new();
+            let mut committed_now = row.committed;
+            match (row.kind, row.logits_start) {
+                (RowKind::Prefill, sample) => {
+                    seq.num_computed += row.committed;
+                    if let Some(l) = sample {
+                        let position = seq.num_generated() as u64;
+                        emitted.push(super::sampler::sample_at_position(&logits[l * vocab..(l + 1) * vocab], &seq.params, position));
+                    }
+                }
+                (RowKind::Generate, Some(l)) => {
+                    let rows: Vec<&[f32]> = (0..=row.drafts.len()).map(|i| &logits[(l + i) * vocab..(l + i + 1) * vocab]).collect();
+                    let outcome = verify_drafts(&rows, &row.drafts, &seq.params, seq.num_generated() as u64).expect("the plan gives every draft a logits row");
+                    // Invariant 1: the state at the last accepted token becomes canonical now.
+                    let snapshot = layout.snapshot_base + row.committed - 1 + outcome.accepted;
+                    self.backend.commit_state(&mut self.cache, layout.state_slot, snapshot);
+                    committed_now = row.committed + outcome.accepted;
+                    seq.num_computed += committed_now;
+                    if seq.spec.record_step(row.drafts.len(), outcome.accepted).is_err() {
+                        debug_assert!(false, "verify returned more accepted drafts than drafted");
+                    }
+                    emitted = outcome.tokens;
+                }
+                (RowKind::Generate, None) => {
+                    // Replay of committed tokens after a recompute: no sampling.
+                    self.backend.commit_state(&mut self.cache, layout.state_slot, layout.snapshot_base + row.committed - 1);
+                    seq.num_computed += row.committed;
+                }
+            }
+            let mut reason = None;
+            let mut new_tokens = Vec::new();
+            for t in emitted {
+                if seq.stop_token_ids.contains(&t) {
+                    reason = Some(FinishReason::Stop);
+                    break;
+                }
+                seq.tokens.push(t);
+                new_tokens.push(t);
+                if seq.num_generated() >= seq.max_tokens {
+                    reason = Some(FinishReason::Length);
+                    break;
+                }
+            }
+            if !new_tokens.is_empty() {
+                events.push(RequestEvent::Tokens { id: seq.id, tokens: new_tokens });
+            }
+            match reason {
+                Some(r) => finished.push((seq.id, r)),
+                None if seq.method == SpecMethod::Mtp => {
+                    let want = if seq.in_prefill() { 0 } else { self.config.spec_tokens };
+                    mtp_items.push((
+                        seq.id,
+                        MtpCatchUp {
+                            start_position: start,
+                            hidden_start: layout.token_start,
+                            count: committed_now,
+                            next_tokens: seq.tokens[start + 1..start + committed_now + 1].to_vec(),
+                            block_table: seq.block_table.clone(),
+                            drafts_wanted: want,
+                        },
+                    ));
+                }
+                None => {}
+            }
+        }
+
+        for (id, reason) in finished {
+            if let Some(idx) = self.seqs.iter().position(|s| s.id == id) {
+                let mut seq = self.seqs.remove(idx);
+                self.scheduler.release(&mut seq);
+                self.stats.spec.merge(&seq.spec);
+                events.push(finished_event(seq, reason));
+            }
+        }
+        self.propose(&out.hidden, mtp_items);
+        events
+    }
+
+    /// Drafts for each running sequence's next step.
+    fn propose(&mut self, step_hidden: &B::Tensor, mut mtp_items: Vec<(RequestId, MtpCatchUp)>) {
+        let k = self.config.spec_tokens;
+        let max_len = self.config.max_model_len;
+        for seq in self.seqs.iter_mut() {
+            seq.drafts.clear();
+            if seq.status != SeqStatus::Running || seq.in_prefill() {
+                continue;
+            }
+            // Emitted = accepted + 1, so more drafts than tokens left would be wasted work.
+            let left = (seq.max_tokens - seq.num_generated()).saturating_sub(1).min(max_len.saturating_sub(seq.tokens.len()));
+            if let Some(drafter) = self.custom_drafter.as_mut() {
+                if seq.method != SpecMethod::None {
+                    seq.drafts = drafter(seq.id, &seq.tokens, left);
+                    seq.drafts.truncate(left);
+                }
+                continue;
+            }
+            if seq.method == SpecMethod::Ngram {
+                let cfg = NgramConfig { min_n: self.config.ngram_min, max_n: self.config.ngram_max, k };
+                seq.drafts = propose_ngram(&seq.tokens, &cfg, left);
+            }
+        }
+        if mtp_items.is_empty() || self.custom_drafter.is_some() {
+            return;
+        }
+        // MTP chains write KV up to k positions past the committed length: make sure blocks exist.
+        for (id, item) in mtp_items.iter_mut() {
+            let Some(seq) = self.seqs.iter_mut().find(|s| s.id == *id) else { continue };
+            let left = (seq.max_tokens - seq.num_generated()).saturating_sub(1).min(max_len.saturating_sub(seq.tokens.len()));
+            item.drafts_wanted = item.drafts_wanted.min(left);
+            if item.drafts_wanted > 0 {
+                let mut table = std::mem::take(&mut seq.block_table);
+                if self.scheduler.blocks.ensure(&mut table, seq.num_computed + 1 + item.drafts_wanted).is_err() {
+                    let covered = table.len() * self.scheduler.blocks.block_size();
+                    item.drafts_wanted = item.drafts_wanted.min(covered.saturating_sub(seq.num_computed + 1));
+                }
+                seq.block_table = table;
+                item.block_table = seq.block_table.clone();
+            }
+        }
+        let items: Vec<MtpCatchUp> = mtp_items.iter().map(|(_, it)| it.clone()).collect();
+        let drafts = propose_mtp(&self.model, &self.backend, &mut self.cache, step_hidden, &items);
+        for ((id, _), d) in mtp_items.iter().zip(drafts) {
+            if let Some(seq) = self.seqs.iter_mut().find(|s| s.id == *id) {
+                seq.drafts = d;
+            }
+        }
+    }
+
+    /// Runs every queued request to completion, returning events in order.
+    pub fn run_to_completion(&mut self) -> Vec<RequestEvent> {
+        let mut all = Vec::new();
+        while self.has_unfinished() {
+            let ev = self.step();
+            all.extend(ev);
+        }
+        all
+    }
+}
+
+fn finished_event(seq: Sequence, reason: FinishReason) -> RequestEvent {
+    RequestEvent::Finished {
+        id: seq.id,
+        reason,
+        output: SequenceSummary { prompt_tokens: seq.prompt_len, generated: seq.tokens[seq.prompt_len..].to_vec(), spec: seq.spec, method: seq.method },
+    }
+}

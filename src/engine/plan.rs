@@ -1,0 +1,75 @@
+//! The rows of one engine step, laid out for the forward.
+//!
+//! Token-indexed data (one entry per input token) and request-indexed data (one entry per row)
+//! have distinct types so that one can never be indexed with the other's counts.
+
+use super::request::RequestId;
+use crate::backend::{BatchLayout, RowKind};
+
+/// One entry per input token of the step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenIndexed<T>(pub Vec<T>);
+
+/// One entry per request row of the step.
+#[derive(Debug, Clone, Default)]
+pub struct RowIndexed<T>(pub Vec<T>);
+
+impl<T> TokenIndexed<T> {
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl<T> RowIndexed<T> {
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    pub fn iter(&self) -> std::slice::Iter<'_, T> {
+        self.0.iter()
+    }
+}
+
+/// What the engine must do with one row's results.
+#[derive(Debug, Clone)]
+pub struct PlannedRow {
+    pub seq: RequestId,
+    pub kind: RowKind,
+    /// Tokens of the row that are already committed (prompt tokens, or generated tokens not
+    /// yet fed); the rest of the row are drafts.
+    pub committed: usize,
+    pub drafts: Vec<u32>,
+    /// First row of this request's logits in the step's logits, if it samples.
+    pub logits_start: Option<usize>,
+}
+
+impl PlannedRow {
+    pub fn num_tokens(&self) -> usize {
+        self.committed + self.drafts.len()
+    }
+}
+
+/// One step: the forward's inputs and, per row, how to consume its outputs.
+#[derive(Debug, Clone, Default)]
+pub struct StepPlan {
+    pub ids: TokenIndexed<u32>,
+    pub layout: BatchLayout,
+    /// Token indices whose logits are computed, in row order.
+    pub logit_rows: Vec<u32>,
+    pub rows: RowIndexed<PlannedRow>,
+}
+
+impl StepPlan {
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.ids.len()
+    }
+}

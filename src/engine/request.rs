@@ -1,0 +1,159 @@
+//! Requests, their per-sequence state, stop conditions and the events the engine emits.
+
+use super::metrics::SpecStats;
+use super::sampler::SamplingParams;
+
+pub type RequestId = u64;
+
+/// How a request drafts tokens for speculative decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SpecMethod {
+    None,
+    Ngram,
+    Mtp,
+}
+
+impl SpecMethod {
+    pub fn name(self) -> &'static str {
+        match self {
+            SpecMethod::None => "none",
+            SpecMethod::Ngram => "ngram",
+            SpecMethod::Mtp => "mtp",
+        }
+    }
+}
+
+impl std::str::FromStr for SpecMethod {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "none" => Ok(SpecMethod::None),
+            "ngram" => Ok(SpecMethod::Ngram),
+            "mtp" => Ok(SpecMethod::Mtp),
+            other => Err(format!("unknown speculation method `{other}` (expected none, ngram or mtp)")),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt_ids: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: usize,
+    /// Generation stops after any of these (the stop token itself is not part of the output).
+    pub stop_token_ids: Vec<u32>,
+    /// Overrides the engine's speculation method for this request.
+    pub spec: Option<SpecMethod>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// A stop token was produced.
+    Stop,
+    /// `max_tokens` was reached.
+    Length,
+    /// The request was cancelled.
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// What a step produced for one request.
+#[derive(Debug, Clone)]
+pub enum RequestEvent {
+    /// Newly generated tokens, in order.
+    Tokens { id: RequestId, tokens: Vec<u32> },
+    Finished { id: RequestId, reason: FinishReason, output: SequenceSummary },
+}
+
+/// Final accounting of a finished request.
+#[derive(Debug, Clone)]
+pub struct SequenceSummary {
+    pub prompt_tokens: usize,
+    pub generated: Vec<u32>,
+    pub spec: SpecStats,
+    pub method: SpecMethod,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqStatus {
+    Waiting,
+    Running,
+}
+
+/// A request in flight.
+#[derive(Debug)]
+pub struct Sequence {
+    pub id: RequestId,
+    pub prompt_len: usize,
+    /// Prompt followed by every committed generated token.
+    pub tokens: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    pub method: SpecMethod,
+    pub status: SeqStatus,
+    /// Tokens whose keys/values and recurrent state are in the cache (always < tokens.len()
+    /// once generation started: the newest token is the next input).
+    pub num_computed: usize,
+    pub block_table: Vec<u32>,
+    pub state_slot: Option<usize>,
+    /// Drafts proposed for the next step.
+    pub drafts: Vec<u32>,
+    pub spec: SpecStats,
+    /// Order of admission, for choosing whom to preempt (the newest first).
+    pub admitted_at: u64,
+}
+
+impl Sequence {
+    pub fn new(id: RequestId, req: Request, method: SpecMethod) -> Self {
+        Sequence {
+            id,
+            prompt_len: req.prompt_ids.len(),
+            tokens: req.prompt_ids,
+            params: req.params,
+            max_tokens: req.max_tokens,
+            stop_token_ids: req.stop_token_ids,
+            method,
+            status: SeqStatus::Waiting,
+            num_computed: 0,
+            block_table: Vec::new(),
+            state_slot: None,
+            drafts: Vec::new(),
+            spec: SpecStats::default(),
+            admitted_at: 0,
+        }
+    }
+
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    pub fn num_generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Still feeding prompt tokens (nothing sampled yet from this admission's prefill).
+    pub fn in_prefill(&self) -> bool {
+        self.num_computed < self.prompt_len
+    }
+
+    /// Forget all cached work (preemption): the sequence will recompute from scratch.
+    pub fn reset_for_recompute(&mut self) {
+        self.num_computed = 0;
+        self.block_table.clear();
+        self.state_slot = None;
+        self.drafts.clear();
+        self.status = SeqStatus::Waiting;
+    }
+}

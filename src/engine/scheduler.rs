@@ -1,0 +1,200 @@
+//! Continuous batching: which rows run in the next step, under a token budget and a cap on
+//! concurrent sequences, with preemption by recompute when the KV pool runs out.
+//!
+//! Order within a step: running sequences that generate (decode or verify rows), then running
+//! sequences still prefilling, then newly admitted ones. Prompt pieces end at multiples of the
+//! delta-rule chunk size (or at the prompt's end), so a prompt's chunks are the same however
+//! the steps cut it (DESIGN Invariant 3).
+
+use super::cache::{BlockAllocator, SlotAllocator};
+use super::plan::{PlannedRow, StepPlan};
+use super::request::{SeqStatus, Sequence};
+use crate::backend::cpu::gdn::CHUNK;
+use crate::backend::{RowKind, RowLayout};
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub max_num_seqs: usize,
+    /// Tokens per step (>= the delta-rule chunk size, so every prompt can progress).
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+}
+
+pub struct Scheduler {
+    pub config: SchedulerConfig,
+    pub blocks: BlockAllocator,
+    pub slots: SlotAllocator,
+    admissions: u64,
+    /// Number of preemptions so far (for metrics and tests).
+    pub preemptions: u64,
+}
+
+/// Sequences newly given a state slot this step: their recurrent state must be zeroed.
+pub struct Scheduled {
+    pub plan: StepPlan,
+    pub fresh_slots: Vec<usize>,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig, blocks: BlockAllocator, slots: SlotAllocator) -> Self {
+        assert!(config.max_num_batched_tokens >= CHUNK, "token budget must be at least {CHUNK}");
+        Scheduler { config, blocks, slots, admissions: 0, preemptions: 0 }
+    }
+
+    /// Prompt tokens to prefill now, given the budget left.
+    fn prefill_piece(seq: &Sequence, budget: usize) -> usize {
+        let start = seq.num_computed;
+        let remaining = seq.prompt_len - start;
+        if remaining <= budget {
+            return remaining;
+        }
+        ((start + budget) / CHUNK * CHUNK).saturating_sub(start)
+    }
+
+    /// Frees the cache of `seq` and sends it back to waiting, to be recomputed.
+    fn preempt(&mut self, seq: &mut Sequence) {
+        self.blocks.release(&mut seq.block_table);
+        if let Some(slot) = seq.state_slot.take() {
+            self.slots.release(slot);
+        }
+        seq.reset_for_recompute();
+        self.preemptions += 1;
+    }
+
+    /// Makes room for `need` positions of `seqs[idx]` by preempting the newest running sequences
+    /// not yet scheduled this step (possibly `idx` itself). Returns false if `idx` was preempted.
+    fn reserve(&mut self, seqs: &mut [Sequence], idx: usize, need: usize, scheduled: &[usize]) -> bool {
+        loop {
+            let mut table = std::mem::take(&mut seqs[idx].block_table);
+            let ok = self.blocks.ensure(&mut table, need).is_ok();
+            seqs[idx].block_table = table;
+            if ok {
+                return true;
+            }
+            let victim = (0..seqs.len())
+                .filter(|&i| seqs[i].status == SeqStatus::Running && !scheduled.contains(&i))
+                .max_by_key(|&i| seqs[i].admitted_at)
+                .expect("the sequence itself is a candidate");
+            self.preempt(&mut seqs[victim]);
+            if victim == idx {
+                return false;
+            }
+        }
+    }
+
+    /// Builds the next step. `seqs` is in arrival order; finished sequences are already removed.
+    pub fn schedule(&mut self, seqs: &mut [Sequence]) -> Scheduled {
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut plan = StepPlan::default();
+        let mut scheduled: Vec<usize> = Vec::new();
+        let mut fresh_slots = Vec::new();
+        let mut snapshot_cursor = 0usize;
+
+        let mut running: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].status == SeqStatus::Running).collect();
+        running.sort_by_key(|&i| seqs[i].admitted_at);
+
+        // 1. Generate rows: committed-but-unfed tokens (one, or several after a recompute) + drafts.
+        for &i in &running {
+            if seqs[i].status != SeqStatus::Running || seqs[i].in_prefill() || budget == 0 {
+                continue;
+            }
+            let unfed = seqs[i].tokens.len() - seqs[i].num_computed;
+            let committed = unfed.min(budget);
+            let mut drafts = if committed == unfed { seqs[i].drafts.clone() } else { Vec::new() };
+            let room = (budget - committed).min(self.config.max_model_len.saturating_sub(seqs[i].num_computed + committed));
+            drafts.truncate(room);
+            let n = committed + drafts.len();
+            if !self.reserve(seqs, i, seqs[i].num_computed + n, &scheduled) {
+                continue;
+            }
+            let s = &seqs[i];
+            let logits_start = (committed == unfed).then(|| plan.logit_rows.len());
+            let token_start = plan.ids.len();
+            plan.ids.0.extend_from_slice(&s.tokens[s.num_computed..s.num_computed + committed]);
+            plan.ids.0.extend_from_slice(&drafts);
+            if logits_start.is_some() {
+                plan.logit_rows.extend((token_start + committed - 1..token_start + n).map(|t| t as u32));
+            }
+            plan.layout.rows.push(RowLayout {
+                kind: RowKind::Generate,
+                token_start,
+                num_tokens: n,
+                start_position: s.num_computed,
+                block_table: s.block_table.clone(),
+                state_slot: s.state_slot.expect("running sequence has a slot"),
+                snapshot_base: snapshot_cursor,
+            });
+            snapshot_cursor += n;
+            plan.rows.0.push(PlannedRow { seq: s.id, kind: RowKind::Generate, committed, drafts, logits_start });
+            budget -= n;
+            scheduled.push(i);
+        }
+
+        // 2. Prefill pieces of running sequences, then 3. admissions in arrival order.
+        let waiting: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].status == SeqStatus::Waiting).collect();
+        let candidates = running.into_iter().map(|i| (i, false)).chain(waiting.into_iter().map(|i| (i, true)));
+        for (i, admit) in candidates {
+            if budget == 0 {
+                break;
+            }
+            if admit {
+                if seqs[i].status != SeqStatus::Waiting {
+                    continue;
+                }
+                let active = seqs.iter().filter(|s| s.status == SeqStatus::Running).count();
+                if active >= self.config.max_num_seqs {
+                    break;
+                }
+                if Self::prefill_piece(&seqs[i], budget) == 0 {
+                    break;
+                }
+                let Ok(slot) = self.slots.allocate() else { break };
+                seqs[i].state_slot = Some(slot);
+                seqs[i].status = SeqStatus::Running;
+                self.admissions += 1;
+                seqs[i].admitted_at = self.admissions;
+                fresh_slots.push(slot);
+            } else if seqs[i].status != SeqStatus::Running || !seqs[i].in_prefill() {
+                continue;
+            }
+            let piece = Self::prefill_piece(&seqs[i], budget);
+            if piece == 0 {
+                continue;
+            }
+            if !self.reserve(seqs, i, seqs[i].num_computed + piece, &scheduled) {
+                fresh_slots.retain(|&s| seqs.iter().any(|q| q.state_slot == Some(s)));
+                continue;
+            }
+            let s = &seqs[i];
+            let token_start = plan.ids.len();
+            plan.ids.0.extend_from_slice(&s.tokens[s.num_computed..s.num_computed + piece]);
+            // Sample only at the prompt's end, and only if nothing was generated before a preemption.
+            let samples = s.num_computed + piece == s.prompt_len && s.num_generated() == 0;
+            let logits_start = samples.then(|| plan.logit_rows.len());
+            if samples {
+                plan.logit_rows.push((token_start + piece - 1) as u32);
+            }
+            plan.layout.rows.push(RowLayout {
+                kind: RowKind::Prefill,
+                token_start,
+                num_tokens: piece,
+                start_position: s.num_computed,
+                block_table: s.block_table.clone(),
+                state_slot: s.state_slot.expect("admitted sequence has a slot"),
+                snapshot_base: 0,
+            });
+            plan.rows.0.push(PlannedRow { seq: s.id, kind: RowKind::Prefill, committed: piece, drafts: Vec::new(), logits_start });
+            budget -= piece;
+            scheduled.push(i);
+        }
+        Scheduled { plan, fresh_slots }
+    }
+
+    /// Returns a finished sequence's cache.
+    pub fn release(&mut self, seq: &mut Sequence) {
+        self.blocks.release(&mut seq.block_table);
+        if let Some(slot) = seq.state_slot.take() {
+            self.slots.release(slot);
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! Speculation changes speed, never text (DESIGN Invariant 3), on the CPU batch engine.
+
+mod common;
+
+use common::*;
+use kestrel::engine::request::SpecMethod;
+use kestrel::engine::sampler::SamplingParams;
+use kestrel::engine::{Engine, EngineConfig};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+const MODEL: &str = "qwen35-dense";
+
+/// Deterministic prompts of many lengths; repeated motifs give the ngram proposer matches.
+fn prompts(vocab: u32) -> Vec<Vec<u32>> {
+    let lengths = [1usize, 3, 4, 5, 8, 9, 10, 17, 40, 63, 64, 65, 100, 129, 200, 300];
+    let mut state = 0x9e3779b97f4a7c15u64;
+    lengths
+        .iter()
+        .map(|&n| {
+            let motif: Vec<u32> = (0..7)
+                .map(|_| {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((state >> 33) as u32) % vocab
+                })
+                .collect();
+            (0..n).map(|i| if i % 11 < 7 { motif[i % 7] } else { ((i * 31 + n) as u32) % vocab }).collect()
+        })
+        .collect()
+}
+
+fn max_tokens(i: usize) -> usize {
+    8 + (i * 5) % 17
+}
+
+fn sampling(kind: usize, i: usize) -> SamplingParams {
+    match kind {
+        0 => SamplingParams::greedy(),
+        _ => SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 1000 + i as u64 },
+    }
+}
+
+fn config(max_batch: usize, k: usize, method: SpecMethod) -> EngineConfig {
+    EngineConfig { max_num_seqs: max_batch, max_num_batched_tokens: 96, spec: method, spec_tokens: k, ..EngineConfig::default() }
+}
+
+fn references(kind: usize) -> Vec<Vec<u32>> {
+    let (files, _) = load_model(&fixture_dir(MODEL));
+    prompts(files.config.vocab_size as u32)
+        .iter()
+        .enumerate()
+        .map(|(i, p)| generate_alone(Some(&fixture_dir(MODEL)), p, max_tokens(i), sampling(kind, i)))
+        .collect()
+}
+
+fn run_mixed(max_batch: usize, k: usize, method: SpecMethod, kind: usize, num_blocks: Option<usize>) -> (Vec<Vec<u32>>, Engine<kestrel::backend::cpu::CpuBackend>) {
+    let (files, model) = load_model(&fixture_dir(MODEL));
+    let mut cfg = config(max_batch, k, method);
+    if let Some(n) = num_blocks {
+        cfg.num_blocks = n;
+    }
+    let mut e = engine(model, cfg);
+    let ps = prompts(files.config.vocab_size as u32);
+    let reqs = ps.iter().enumerate().map(|(i, p)| request(p, max_tokens(i), sampling(kind, i), None)).collect();
+    let arrivals: Vec<usize> = (0..ps.len()).map(|i| i * 2).collect();
+    (run_staggered(&mut e, reqs, &arrivals), e)
+}
+
+#[test]
+fn speculation_is_bitwise_equal_to_none_for_every_batch_and_k() {
+    for kind in [0, 1] {
+        let refs = references(kind);
+        for method in [SpecMethod::Ngram, SpecMethod::Mtp] {
+            for k in [1, 3, 8, 64] {
+                for max_batch in [1, 3, 8, 16] {
+                    let (got, e) = run_mixed(max_batch, k, method, kind, None);
+                    for (i, (g, r)) in got.iter().zip(&refs).enumerate() {
+                        assert_eq!(g, r, "request {i} differs: {method:?} k={k} batch={max_batch} sampling={kind}");
+                    }
+                    assert!(e.stats.spec.accepted <= e.stats.spec.drafted);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn speculation_is_bitwise_equal_under_preemption() {
+    for kind in [0, 1] {
+        let refs = references(kind);
+        for method in [SpecMethod::Ngram, SpecMethod::Mtp] {
+            // 30 blocks of 16 tokens cannot hold many of these requests at once.
+            let (got, e) = run_mixed(8, 8, method, kind, Some(30));
+            assert!(e.preemptions() > 0, "the pool was meant to force preemption");
+            assert_eq!(got, refs, "{method:?} sampling={kind} with preemption");
+        }
+    }
+}
+
+/// A drafter built from the reference continuations of each request.
+type Plan = Box<dyn FnMut(usize, &[u32], usize) -> Vec<u32> + Send>;
+
+struct Controlled {
+    outputs: Vec<Vec<u32>>,
+    accepted_planted: u64,
+    accepted: u64,
+}
+
+/// Runs `prompts` with a custom drafter: `plan(call, reference_next_tokens, max)` returns how
+/// many of the true next tokens to use followed by wrong ones.
+fn run_controlled(ps: &[Vec<u32>], refs: &[Vec<u32>], k: usize, max_batch: usize, mut plan: Plan) -> Controlled {
+    let (files, model) = load_model(&fixture_dir(MODEL));
+    let vocab = files.config.vocab_size as u32;
+    let mut e = engine(model, EngineConfig { max_num_seqs: max_batch, spec: SpecMethod::Ngram, spec_tokens: k, ..EngineConfig::default() });
+    let prompt_of: Arc<Mutex<HashMap<u64, usize>>> = Arc::new(Mutex::new(HashMap::new()));
+    let planted = Arc::new(Mutex::new((0u64, 0u64)));
+    let refs_c = refs.to_vec();
+    let lens: Vec<usize> = ps.iter().map(|p| p.len()).collect();
+    let (pm, pl) = (prompt_of.clone(), planted.clone());
+    let mut call = 0usize;
+    e.set_custom_drafter(Some(Box::new(move |id, tokens, max| {
+        let i = pm.lock().unwrap()[&id];
+        let g = tokens.len() - lens[i];
+        let truth: Vec<u32> = refs_c[i][g.min(refs_c[i].len())..].to_vec();
+        let cap = max.min(k);
+        let good = plan(call, &truth, cap).min(cap).min(truth.len());
+        call += 1;
+        let mut d: Vec<u32> = truth[..good].to_vec();
+        // Wrong drafts: differ from the true token at that position.
+        while d.len() < cap {
+            let pos = d.len();
+            d.push(truth.get(pos).map(|t| (t + 1) % vocab).unwrap_or(0));
+        }
+        let mut p = pl.lock().unwrap();
+        p.0 += good as u64;
+        p.1 += d.len() as u64;
+        d
+    })));
+    let mut ids = HashMap::new();
+    for (i, p) in ps.iter().enumerate() {
+        let id = e.add_request(request(p, refs[i].len(), SamplingParams::greedy(), None)).unwrap();
+        prompt_of.lock().unwrap().insert(id, i);
+        ids.insert(id, i);
+    }
+    let mut outputs = vec![Vec::new(); ps.len()];
+    for ev in e.run_to_completion() {
+        if let kestrel::engine::request::RequestEvent::Finished { id, output, .. } = ev {
+            outputs[ids[&id]] = output.generated;
+        }
+    }
+    assert_eq!(e.stats.spec.drafted, planted.lock().unwrap().1, "every proposed draft was verified");
+    let p = *planted.lock().unwrap();
+    Controlled { outputs, accepted_planted: p.0, accepted: e.stats.spec.accepted }
+}
+
+fn greedy_refs(ps: &[Vec<u32>], n: usize) -> Vec<Vec<u32>> {
+    ps.iter().map(|p| generate_alone(Some(&fixture_dir(MODEL)), p, n, SamplingParams::greedy())).collect()
+}
+
+#[test]
+fn drafter_controlled_acceptance_is_exact() {
+    let (files, _) = load_model(&fixture_dir(MODEL));
+    let ps: Vec<Vec<u32>> = prompts(files.config.vocab_size as u32).into_iter().step_by(4).collect();
+    let refs = greedy_refs(&ps, 24);
+    let k = 5;
+    // Oracle: every draft accepted.
+    let r = run_controlled(&ps, &refs, k, 4, Box::new(|_, _, cap| cap));
+    assert_eq!(r.outputs, refs, "oracle drafter");
+    assert_eq!(r.accepted, r.accepted_planted, "oracle: all accepted");
+    assert!(r.accepted_planted > 0);
+    // Always wrong: nothing accepted.
+    let r = run_controlled(&ps, &refs, k, 4, Box::new(|_, _, _| 0));
+    assert_eq!(r.outputs, refs, "always-wrong drafter");
+    assert_eq!(r.accepted, 0, "always-wrong: none accepted");
+    // Random prefix: every rollback depth 0..=k, accepted exactly as planted.
+    let mut rng = 7u64;
+    let r = run_controlled(
+        &ps,
+        &refs,
+        k,
+        4,
+        Box::new(move |_, _, cap| {
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1);
+            ((rng >> 33) as usize) % (cap + 1)
+        }),
+    );
+    assert_eq!(r.outputs, refs, "random-prefix drafter");
+    assert_eq!(r.accepted, r.accepted_planted, "accepted count equals the planted prefixes");
+}
+
+#[test]
+fn zero_draft_steps_mix_with_full_accepts() {
+    let (files, _) = load_model(&fixture_dir(MODEL));
+    let ps: Vec<Vec<u32>> = prompts(files.config.vocab_size as u32).into_iter().skip(2).step_by(3).collect();
+    let refs = greedy_refs(&ps, 30);
+    // Per call: full accept, then zero drafts, then a partial accept, then zero again.
+    let r = run_controlled(&ps, &refs, 4, 1, Box::new(|call, _, cap| [cap, 0, 2, 0][call % 4]));
+    assert_eq!(r.outputs, refs, "alternating full/zero drafts, one at a time");
+    // Several requests per step: some rows draft, others do not, and sometimes none do.
+    let r = run_controlled(&ps, &refs, 4, 8, Box::new(|call, _, cap| if call % 3 == 0 { 0 } else if call % 2 == 0 { cap } else { 1 }));
+    assert_eq!(r.outputs, refs, "mixed zero and non-zero draft rows in one step");
+}
