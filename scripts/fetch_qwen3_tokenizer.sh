@@ -8,7 +8,7 @@
 # from this exact file.
 #
 # Usage: scripts/fetch_qwen3_tokenizer.sh DEST_DIR
-#   then: KESTREL_QWEN3_TOKENIZER_DIR=DEST_DIR cargo test --lib tokenizer -- --ignored
+#   then: KESTREL_QWEN3_TOKENIZER_DIR=DEST_DIR cargo test (bash .ci/run does both)
 set -euo pipefail
 
 dest=${1:?usage: $0 DEST_DIR}

@@ -7,12 +7,24 @@ use super::request::RequestId;
 use crate::backend::{BatchLayout, RowKind};
 
 /// One entry per input token of the step.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenIndexed<T>(pub Vec<T>);
 
 /// One entry per request row of the step.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct RowIndexed<T>(pub Vec<T>);
+
+impl<T> Default for TokenIndexed<T> {
+    fn default() -> Self {
+        TokenIndexed(Vec::new())
+    }
+}
+
+impl<T> Default for RowIndexed<T> {
+    fn default() -> Self {
+        RowIndexed(Vec::new())
+    }
+}
 
 impl<T> TokenIndexed<T> {
     pub fn len(&self) -> usize {

@@ -135,7 +135,6 @@ fn tools_and_tool_calls_reach_the_template() {
 }
 
 #[test]
-#[ignore = "needs serde_json's preserve_order feature in Cargo.toml; without it tool JSON keys are sorted"]
 fn tool_json_keeps_the_callers_key_order() {
     // transformers renders tool schemas in the order the request gave them.
     let tools: serde_json::Value = serde_json::from_str(

@@ -409,14 +409,13 @@ fn qwen3_fixture_dir() -> PathBuf {
 
 /// The whole Qwen3 tokenizer (11 MB) is not committed. Fetch it with
 /// `scripts/fetch_qwen3_tokenizer.sh DIR` and run
-/// `KESTREL_QWEN3_TOKENIZER_DIR=DIR cargo test --lib tokenizer -- --ignored`.
+/// The test command (`.ci/run`) fetches it and sets `KESTREL_QWEN3_TOKENIZER_DIR`.
 /// Expected ids come from the Python `tokenizers` package on the same file.
 #[test]
-#[ignore = "needs the full Qwen3 tokenizer: scripts/fetch_qwen3_tokenizer.sh and KESTREL_QWEN3_TOKENIZER_DIR"]
 fn real_qwen3_tokenizer_matches_python_tokenizers() {
     let dir = std::env::var_os("KESTREL_QWEN3_TOKENIZER_DIR")
         .map(PathBuf::from)
-        .expect("set KESTREL_QWEN3_TOKENIZER_DIR to a folder filled by scripts/fetch_qwen3_tokenizer.sh");
+        .expect("set KESTREL_QWEN3_TOKENIZER_DIR to a folder filled by scripts/fetch_qwen3_tokenizer.sh (bash .ci/run does both)");
     let tokenizer = Tokenizer::from_dir(&dir).expect("Qwen3 tokenizer loads");
     assert_eq!(tokenizer.vocab_size(), 151_669);
     assert_eq!(tokenizer.eos_token_ids(), vec![151_645]);
