@@ -17,6 +17,8 @@ enum Command {
     Run(cli::run::RunArgs),
     /// Run a JSONL file of requests through the batch engine.
     Batch(cli::batch::BatchArgs),
+    /// Latency, throughput and speculation gains of several methods side by side.
+    Bench(cli::bench::BenchArgs),
     /// Perplexity of a text file.
     Perplexity(cli::perplexity::PerplexityArgs),
     /// Describe a model.
@@ -28,6 +30,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Run(a) => cli::run::run(a),
         Command::Batch(a) => cli::batch::run(a),
+        Command::Bench(a) => cli::bench::run(a),
         Command::Perplexity(a) => cli::perplexity::run(a),
         Command::Info(a) => cli::info::run(a),
     }

@@ -1,6 +1,8 @@
 //! Command-line front end: one file per subcommand; shared engine flags live here.
 
 pub mod batch;
+pub mod bench;
+mod bench_plot;
 pub mod info;
 pub mod perplexity;
 pub mod run;
@@ -49,9 +51,9 @@ pub struct EngineArgs {
     pub model: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "auto")]
     pub device: Device,
-    /// Speculative decoding method.
-    #[arg(long, default_value = "none", value_parser = parse_spec)]
-    pub spec: SpecMethod,
+    /// Speculative decoding method (`bench` takes a comma-separated list to compare).
+    #[arg(long, default_value = "none", value_parser = parse_spec, value_delimiter = ',')]
+    pub spec: Vec<SpecMethod>,
     /// Draft tokens per step (k).
     #[arg(long, default_value_t = 4)]
     pub spec_tokens: usize,
@@ -133,8 +135,11 @@ impl EngineArgs {
         if self.load_format == LoadFormat::Dummy {
             bail!("--load-format dummy needs the CUDA backend (random weights at real sizes are for GPU benchmarks)");
         }
-        if self.spec_tokens == 0 && self.spec != SpecMethod::None {
-            bail!("--spec-tokens must be at least 1 with --spec {}", self.spec.name());
+        if self.spec_tokens == 0 && self.spec.iter().any(|m| *m != SpecMethod::None) {
+            bail!("--spec-tokens must be at least 1 with speculation on");
+        }
+        if self.spec.is_empty() {
+            bail!("--spec needs a method: none, ngram or mtp");
         }
         Ok(())
     }
@@ -148,7 +153,16 @@ impl EngineArgs {
     }
 
     /// Uploads the weights and builds an engine for up to `max_num_seqs` concurrent requests.
+    /// The one speculation method of a subcommand that runs a single configuration.
+    pub fn single_spec(&self) -> Result<SpecMethod> {
+        match self.spec.as_slice() {
+            [m] => Ok(*m),
+            _ => bail!("--spec takes one method here (lists are for `kestrel bench`)"),
+        }
+    }
+
     pub fn build_engine(&self, files: &ModelFiles, max_num_seqs: usize) -> Result<Engine<CpuBackend>> {
+        let spec = self.single_spec()?;
         let backend = CpuBackend::new();
         let bar = progress_bar(0, "loading");
         let model = Qwen35::load(&backend, files.config.clone(), &files.store, &bar).with_context(|| format!("cannot load weights of {}", files.source))?;
@@ -162,7 +176,7 @@ impl EngineArgs {
             block_size,
             num_blocks,
             max_model_len,
-            spec: self.spec,
+            spec,
             spec_tokens: self.spec_tokens.max(1),
             ngram_min: self.ngram_min,
             ngram_max: self.ngram_max,
