@@ -35,7 +35,10 @@ pub fn from_buffers(files: Vec<(PathBuf, SharedBytes)>, description: String) -> 
     let mut tensors = HashMap::new();
     for (file_idx, (path, bytes)) in files.iter().enumerate() {
         let buf = bytes.as_slice();
-        let (header_len, meta) = safetensors::SafeTensors::read_metadata(buf).map_err(|e| WeightError::Malformed { path: path.clone(), reason: e.to_string() })?;
+        let (header_len, meta) = safetensors::SafeTensors::read_metadata(buf).map_err(|e| match e {
+            safetensors::SafeTensorError::MetadataIncompleteBuffer => truncation_error(path, buf),
+            other => WeightError::Malformed { path: path.clone(), reason: other.to_string() },
+        })?;
         let data_start = 8 + header_len;
         let data_len = buf.len().saturating_sub(data_start);
         for (name, info) in meta.tensors() {
@@ -63,6 +66,28 @@ pub fn from_buffers(files: Vec<(PathBuf, SharedBytes)>, description: String) -> 
         }
     }
     Ok(WeightStore::new(files, tensors, description))
+}
+
+/// Names the first tensor that a truncated file cuts off.
+fn truncation_error(path: &Path, buf: &[u8]) -> WeightError {
+    let malformed = || WeightError::Malformed { path: path.to_path_buf(), reason: "header does not match the file size".into() };
+    let Some(len_bytes) = buf.get(..8) else { return malformed() };
+    let header_len = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes")) as usize;
+    let Some(header) = buf.get(8..8 + header_len) else { return malformed() };
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_slice::<serde_json::Value>(header) else { return malformed() };
+    let data_len = buf.len() - 8 - header_len;
+    let mut cut: Vec<(usize, String)> = map
+        .iter()
+        .filter_map(|(name, v)| {
+            let end = v.get("data_offsets")?.get(1)?.as_u64()? as usize;
+            (end > data_len).then(|| (end, name.clone()))
+        })
+        .collect();
+    cut.sort();
+    match cut.into_iter().next() {
+        Some((end, tensor)) => WeightError::Truncated { path: path.to_path_buf(), tensor, end, len: data_len },
+        None => malformed(),
+    }
 }
 
 fn shard_names(index: &Path) -> Result<Vec<String>, WeightError> {
