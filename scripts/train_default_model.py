@@ -260,15 +260,15 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--intermediate", type=int, default=448)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=1600)
+    ap.add_argument("--lr", type=float, default=2.5e-3)
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--mtp-weight", type=float, default=0.5)
-    ap.add_argument("--max-train-seconds", type=float, default=360.0, help="safety stop for the train loop")
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--max-train-seconds", type=float, default=400.0, help="safety stop for the train loop")
+    ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--log-every", type=int, default=50)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the loss (compiling took > 4 min on an H100: off)")
     ap.add_argument("--max-docs", type=int, default=0, help="debug: cap the number of documents")
     args = ap.parse_args()
 
@@ -631,6 +631,9 @@ bf16 autocast (the pure-torch chunked GDN kept in fp32), loss = main + {args.mtp
 detached.
 
 ![loss](loss.png)
+
+Curves: train = mean over the last {args.log_every} steps; held-out = the first {n_held_win} windows of
+{T} tokens of the held-out stream under bf16 autocast (a harder subset than the whole split scored below).
 
 ## Results (float32, from the exported BF16 weights)
 
