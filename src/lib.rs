@@ -6,3 +6,5 @@ pub mod backend;
 pub mod engine;
 pub mod model;
 pub mod tokenizer;
+pub mod server;
+pub mod tui;

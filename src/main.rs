@@ -23,6 +23,10 @@ enum Command {
     Perplexity(cli::perplexity::PerplexityArgs),
     /// Describe a model.
     Info(cli::info::InfoArgs),
+    /// Chat in the terminal, with a live speculation panel.
+    Chat(cli::chat::ChatArgs),
+    /// Serve an OpenAI-compatible API (completions, chat completions, SSE streaming).
+    Serve(cli::serve::ServeArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -33,5 +37,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(a) => cli::bench::run(a),
         Command::Perplexity(a) => cli::perplexity::run(a),
         Command::Info(a) => cli::info::run(a),
+        Command::Chat(a) => cli::chat::run(a),
+        Command::Serve(a) => cli::serve::run(a),
     }
 }

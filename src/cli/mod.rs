@@ -3,9 +3,11 @@
 pub mod batch;
 pub mod bench;
 mod bench_plot;
+pub mod chat;
 pub mod info;
 pub mod perplexity;
 pub mod run;
+pub mod serve;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};

@@ -1,11 +1,12 @@
-//! `kestrel run`: one prompt, streamed to stdout (or one JSON object with `--json`).
+//! `kestrel run`: one prompt, streamed to stdout (or one JSON object with `--json`); statistics
+//! go to stderr so that stdout carries exactly the generated text.
 
 use super::{EngineArgs, SamplingArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kestrel::engine::request::{FinishReason, Request, RequestEvent};
+use kestrel::engine::request::{FinishReason, Request, RequestEvent, SpecMethod};
 use kestrel::tokenizer::ChatMessage;
-use std::io::{Read, Write};
+use std::io::{ErrorKind, IsTerminal, Read, Write};
 use std::time::Instant;
 
 #[derive(Debug, Args)]
@@ -27,35 +28,83 @@ pub struct RunArgs {
     pub engine: EngineArgs,
 }
 
-pub fn run(args: RunArgs) -> Result<()> {
-    let prompt = match args.prompt {
+/// Where the generated text goes: stdout, until a reader such as `head` closes it.
+struct TextOut {
+    stdout: std::io::StdoutLock<'static>,
+    closed: bool,
+    ends_with_newline: bool,
+}
+
+impl TextOut {
+    fn write(&mut self, text: &str) -> Result<()> {
+        if self.closed || text.is_empty() {
+            return Ok(());
+        }
+        match self.stdout.write_all(text.as_bytes()).and_then(|()| self.stdout.flush()) {
+            Ok(()) => {
+                self.ends_with_newline = text.ends_with('\n');
+                Ok(())
+            }
+            // The reader has all it wanted (`| head`): stop quietly, as other command-line tools do.
+            Err(err) if err.kind() == ErrorKind::BrokenPipe => {
+                self.closed = true;
+                Ok(())
+            }
+            Err(err) => Err(err).context("cannot write to standard output"),
+        }
+    }
+}
+
+fn read_prompt(argument: Option<String>) -> Result<String> {
+    let prompt = match argument {
         Some(p) => p,
         None => {
+            let stdin = std::io::stdin();
+            if stdin.is_terminal() {
+                eprintln!("reading the prompt from standard input; end it with Ctrl-D");
+            }
             let mut s = String::new();
-            std::io::stdin().read_to_string(&mut s).context("cannot read the prompt from standard input")?;
+            stdin.lock().read_to_string(&mut s).context("cannot read the prompt from standard input")?;
             s
         }
     };
-    if prompt.is_empty() {
+    if prompt.trim().is_empty() {
         bail!("empty prompt: pass it as an argument or on standard input");
     }
+    Ok(prompt)
+}
+
+pub fn run(args: RunArgs) -> Result<()> {
+    let prompt = read_prompt(args.prompt)?;
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let params = args.sampling.params();
+    params.validate()?;
     let files = args.engine.open_model()?;
     let text = if args.chat {
-        let messages = [ChatMessage { role: "user".into(), content: prompt.clone(), tool_calls: None, name: None }];
-        files.tokenizer.apply_chat_template(&messages, true, None).context("cannot apply the chat template")?
+        let messages = [ChatMessage::user(prompt)];
+        files.tokenizer.apply_chat_template(&messages, true, None).context("cannot apply the chat template (--chat)")?
     } else {
         prompt
     };
     let prompt_ids = files.tokenizer.encode(&text, false).context("cannot tokenize the prompt")?;
     let mut engine = args.engine.build_engine(&files, 1)?;
-    let request = Request { prompt_ids, params: args.sampling.params(), max_tokens: args.max_tokens, stop_token_ids: files.config.eos_token_ids.clone(), spec: None };
+    let request = Request { prompt_ids, params, max_tokens: args.max_tokens, stop_token_ids: files.config.eos_token_ids.clone(), spec: None };
 
     let start = Instant::now();
-    engine.add_request(request)?;
+    let id = engine.add_request(request)?;
     let mut decoder = files.tokenizer.stream_decoder(true);
-    let mut stdout = std::io::stdout().lock();
+    let mut out = TextOut { stdout: std::io::stdout().lock(), closed: false, ends_with_newline: false };
     let (mut first_token_at, mut finished) = (None, None);
     while engine.has_unfinished() {
+        if out.closed && !args.json {
+            // Nobody reads the rest: stop generating it.
+            if let Ok(RequestEvent::Finished { reason, output, .. }) = engine.abort(id) {
+                finished = Some((reason, output));
+            }
+            break;
+        }
         for event in engine.step() {
             match event {
                 RequestEvent::Tokens { tokens, .. } => {
@@ -63,8 +112,7 @@ pub fn run(args: RunArgs) -> Result<()> {
                     for t in tokens {
                         if let Some(delta) = decoder.push(t)? {
                             if !args.json {
-                                stdout.write_all(delta.as_bytes())?;
-                                stdout.flush()?;
+                                out.write(&delta)?;
                             }
                         }
                     }
@@ -73,13 +121,19 @@ pub fn run(args: RunArgs) -> Result<()> {
             }
         }
     }
+    if let Some(rest) = decoder.flush()? {
+        if !args.json {
+            out.write(&rest)?;
+        }
+    }
     let end = Instant::now();
     let (reason, output) = finished.context("the request did not finish")?;
     let ttft_ms = first_token_at.map(|t| (t - start).as_secs_f64() * 1e3).unwrap_or(0.0);
     let n = output.generated.len();
     let decode_s = first_token_at.map(|t| (end - t).as_secs_f64()).unwrap_or(0.0);
     let decode_tps = if n > 1 && decode_s > 0.0 { (n - 1) as f64 / decode_s } else { 0.0 };
-    let spec = output.spec.to_json(output.method.name(), if output.method == kestrel::engine::request::SpecMethod::None { 0 } else { engine.config.spec_tokens });
+    let k = if output.method == SpecMethod::None { 0 } else { engine.config.spec_tokens };
+    let spec = output.spec.to_json(output.method.name(), k);
     if args.json {
         let text = files.tokenizer.decode(&output.generated, true)?;
         let obj = serde_json::json!({
@@ -90,17 +144,28 @@ pub fn run(args: RunArgs) -> Result<()> {
             "timing": {"ttft_ms": ttft_ms, "decode_tokens_per_s": decode_tps},
             "spec": spec,
         });
-        writeln!(stdout, "{}", serde_json::to_string_pretty(&obj)?)?;
-    } else {
-        writeln!(stdout)?;
-        let why = if reason == FinishReason::Length { " (max tokens)" } else { "" };
-        eprintln!(
-            "[{} prompt + {n} generated tokens{why}; ttft {ttft_ms:.0} ms; {decode_tps:.1} tok/s; spec {} acceptance {:.2}, mean length {:.2}]",
-            output.prompt_tokens,
-            output.method.name(),
-            output.spec.acceptance_rate(),
-            output.spec.mean_acceptance_length()
-        );
+        out.write(&format!("{}\n", serde_json::to_string_pretty(&obj)?))?;
+        return Ok(());
     }
+    // On a terminal, end the line so the shell prompt starts on its own; a pipe gets the exact text.
+    if std::io::stdout().is_terminal() && !out.ends_with_newline {
+        out.write("\n")?;
+    }
+    let why = match reason {
+        FinishReason::Length => " (max tokens)",
+        FinishReason::Abort => " (output closed)",
+        FinishReason::Stop => "",
+    };
+    let spec_summary = if output.method == SpecMethod::None {
+        "no speculation".to_string()
+    } else {
+        format!(
+            "{} k={k}: acceptance {:.1}%, mean acceptance length {:.2}",
+            output.method.name(),
+            100.0 * output.spec.acceptance_rate(),
+            output.spec.mean_acceptance_length()
+        )
+    };
+    eprintln!("[{} prompt + {n} generated tokens{why}; TTFT {ttft_ms:.0} ms; {decode_tps:.1} tokens/s; {spec_summary}]", output.prompt_tokens);
     Ok(())
 }

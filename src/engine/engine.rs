@@ -170,6 +170,12 @@ impl<B: Backend> Engine<B> {
         ((b.num_total() - b.num_free(), b.num_total()), (self.scheduler.slots.num_used(), self.scheduler.slots.num_total()))
     }
 
+    /// Speculation counters of a request still in flight, for live displays (a finished
+    /// request's counters are in its summary and in `stats.spec`).
+    pub fn request_spec_stats(&self, id: RequestId) -> Option<&SpecStats> {
+        self.seqs.iter().find(|s| s.id == id).map(|s| &s.spec)
+    }
+
     /// Cancels a request and frees its cache.
     pub fn abort(&mut self, id: RequestId) -> Result<RequestEvent, EngineError> {
         let idx = self.seqs.iter().position(|s| s.id == id).ok_or(EngineError::UnknownRequest(id))?;

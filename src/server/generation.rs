@@ -1,0 +1,132 @@
+//! What the completion endpoints share: submitting to the engine worker, turning its events into
+//! response pieces, and the SSE body of a streamed response.
+
+use super::engine_worker::{Generation, GenerationEvent};
+use super::error::ApiError;
+use super::output_text::OutputText;
+use super::tool_calls::OutputPiece;
+use super::ServerState;
+use crate::engine::request::{FinishReason, Request};
+use crate::engine::EngineError;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use std::convert::Infallible;
+use std::future::Future;
+use tokio::sync::mpsc::UnboundedSender;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::StreamExt;
+
+/// Queues a request and waits until the engine accepted it, so that a refusal becomes an HTTP
+/// error before any streamed byte is sent.
+pub async fn start(state: &ServerState, request: Request, prompt_param: &str) -> Result<Generation, ApiError> {
+    let mut generation = state.engine.submit(request).map_err(|_| ApiError::engine_unavailable())?;
+    match generation.next().await {
+        Some(GenerationEvent::Accepted) => Ok(generation),
+        Some(GenerationEvent::Rejected(err)) => Err(refusal(err, prompt_param)),
+        Some(_) | None => Err(ApiError::engine_unavailable()),
+    }
+}
+
+/// The engine's reasons for refusing a request, as the API reports them.
+fn refusal(err: EngineError, prompt_param: &str) -> ApiError {
+    let message = err.to_string();
+    match err {
+        EngineError::ContextExceeded { .. } | EngineError::CacheTooSmall { .. } => {
+            ApiError { param: Some(prompt_param.to_string()), ..ApiError::context_length_exceeded(message) }
+        }
+        EngineError::EmptyPrompt | EngineError::TokenOutOfRange { .. } => ApiError::invalid_param(prompt_param, message),
+        EngineError::ZeroMaxTokens => ApiError::invalid_param("max_tokens", message),
+        EngineError::Sampling(_) => ApiError::invalid_request(message),
+        EngineError::NoMtpHead => ApiError::invalid_param("spec", message),
+        EngineError::Config(_) | EngineError::UnknownRequest(_) => ApiError::internal(message),
+    }
+}
+
+/// How a generation ended, in API terms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ending {
+    pub finish_reason: &'static str,
+    pub completion_tokens: usize,
+}
+
+/// Runs a generation to its end, handing each output piece to `emit`. Returns `None` when
+/// `client_gone` resolved first; the request is then cancelled as `generation` is dropped.
+pub async fn drive(
+    mut generation: Generation,
+    output: &mut OutputText<'_>,
+    client_gone: impl Future<Output = ()>,
+    mut emit: impl FnMut(OutputPiece),
+) -> Result<Option<Ending>, ApiError> {
+    tokio::pin!(client_gone);
+    let engine_reason = loop {
+        let event = tokio::select! {
+            event = generation.next() => event,
+            () = &mut client_gone => return Ok(None),
+        };
+        match event {
+            Some(GenerationEvent::Tokens { tokens, .. }) => {
+                for piece in output.push_tokens(&tokens).map_err(|err| ApiError::internal(format!("cannot decode the output: {err}")))? {
+                    emit(piece);
+                }
+                if output.stopped_by_string() {
+                    // The rest would be thrown away: free the engine for other requests now.
+                    generation.cancel();
+                    break FinishReason::Stop;
+                }
+            }
+            Some(GenerationEvent::Finished { reason, .. }) => break reason,
+            Some(GenerationEvent::Accepted) | Some(GenerationEvent::Rejected(_)) => {}
+            None => return Err(ApiError::engine_unavailable()),
+        }
+    };
+    for piece in output.finish().map_err(|err| ApiError::internal(format!("cannot decode the output: {err}")))? {
+        emit(piece);
+    }
+    let finish_reason = match engine_reason {
+        FinishReason::Length => "length",
+        _ if output.tool_calls_seen() > 0 => "tool_calls",
+        // Abort only comes from our own cancel after a stop string; a cancelled client is gone.
+        FinishReason::Stop | FinishReason::Abort => "stop",
+    };
+    Ok(Some(Ending { finish_reason, completion_tokens: output.tokens_used() }))
+}
+
+/// An SSE response fed by `events`; the body ends when the sender is dropped.
+pub fn sse_response(events: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Response {
+    let stream = UnboundedReceiverStream::new(events).map(Ok::<Event, Infallible>);
+    Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// Sends one JSON chunk as an SSE `data:` line.
+pub fn send_json(events: &UnboundedSender<Event>, value: &serde_json::Value) {
+    // A send fails only when the client is gone, which the driver notices by itself.
+    let _ = events.send(Event::default().data(value.to_string()));
+}
+
+/// The OpenAI end-of-stream marker.
+pub fn send_done(events: &UnboundedSender<Event>) {
+    let _ = events.send(Event::default().data("[DONE]"));
+}
+
+/// Tells a streaming client that the generation failed after the response started: the OpenAI
+/// client raises an error on a chunk with an `error` key.
+pub fn send_error(events: &UnboundedSender<Event>, error: &ApiError) {
+    send_json(events, &error.body());
+}
+
+/// A new response id with the given prefix (`chatcmpl`, `cmpl`).
+pub fn response_id(prefix: &str) -> String {
+    format!("{prefix}-{:032x}", rand::random::<u128>())
+}
+
+pub fn unix_seconds() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+pub fn usage_json(prompt_tokens: usize, completion_tokens: usize) -> serde_json::Value {
+    serde_json::json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
+}

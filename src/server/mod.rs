@@ -1,0 +1,92 @@
+//! The local OpenAI-compatible HTTP server (axum): `/v1/models`, `/v1/completions`,
+//! `/v1/chat/completions` (SSE streaming or whole), `/health` and `/metrics`.
+//!
+//! Handlers run on the tokio runtime and never touch the engine directly: they submit requests to
+//! the [`engine_worker`] thread, which batches everything in flight, and receive the tokens back
+//! over channels.
+
+mod chat;
+mod completions;
+pub mod engine_worker;
+pub mod error;
+mod generation;
+mod output_text;
+pub mod protocol;
+mod routes;
+pub mod stop_strings;
+pub mod tool_calls;
+
+use crate::model::ModelFiles;
+use engine_worker::EngineHandle;
+use error::{ApiError, BodyLimit};
+use std::future::Future;
+use std::sync::Arc;
+
+/// The default request body limit: far above any prompt that fits a context, far below memory trouble.
+pub const DEFAULT_BODY_LIMIT: usize = 4 * 1024 * 1024;
+
+/// What every handler can reach.
+#[derive(Clone)]
+pub struct ServerState {
+    pub engine: EngineHandle,
+    /// The tokenizer, chat template and stop tokens of the served model.
+    pub files: Arc<ModelFiles>,
+    /// The id clients put in `"model"`.
+    pub model_name: Arc<str>,
+    /// When set, `/v1/*` and `/metrics` need `Authorization: Bearer <key>`.
+    pub api_key: Option<Arc<str>>,
+    pub body_limit: BodyLimit,
+    /// Unix seconds, reported as the model's `created`.
+    pub started_at: u64,
+}
+
+impl axum::extract::FromRef<ServerState> for BodyLimit {
+    fn from_ref(state: &ServerState) -> BodyLimit {
+        state.body_limit
+    }
+}
+
+impl ServerState {
+    pub fn new(engine: EngineHandle, files: Arc<ModelFiles>, model_name: &str, api_key: Option<&str>) -> Self {
+        ServerState {
+            engine,
+            files,
+            model_name: Arc::from(model_name),
+            api_key: api_key.map(Arc::from),
+            body_limit: BodyLimit(DEFAULT_BODY_LIMIT),
+            started_at: generation::unix_seconds(),
+        }
+    }
+
+    fn check_model(&self, requested: &str) -> Result<(), ApiError> {
+        if requested == &*self.model_name {
+            Ok(())
+        } else {
+            Err(ApiError::unknown_model(requested, &self.model_name))
+        }
+    }
+
+    /// Tokens left in the context after a prompt; refuses a prompt that leaves none.
+    fn room_after(&self, prompt_tokens: usize, prompt_param: &str) -> Result<usize, ApiError> {
+        let context = self.engine.info().max_model_len;
+        if prompt_tokens >= context {
+            return Err(ApiError {
+                param: Some(prompt_param.to_string()),
+                ..ApiError::context_length_exceeded(format!(
+                    "the prompt is {prompt_tokens} tokens long, but the context holds {context} tokens, the generated ones included"
+                ))
+            });
+        }
+        Ok(context - prompt_tokens)
+    }
+}
+
+/// The application: every route, the API-key check and the body limit.
+pub fn router(state: ServerState) -> axum::Router {
+    routes::router(state)
+}
+
+/// Serves until `shutdown` resolves, then finishes the requests in flight.
+pub async fn serve(listener: tokio::net::TcpListener, state: ServerState, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+}

@@ -1,0 +1,422 @@
+#!/usr/bin/env python3
+"""Checks of `kestrel serve` through the official `openai` Python client.
+
+Run by tests/server_openai.rs against a server on a scripted test model; each check prints
+`PASS <name>` or fails with an assertion. Raw HTTP (malformed bodies, metrics, disconnects) goes
+through the standard library so that nothing but `openai` needs installing.
+
+    python3 tests/openai/server_checks.py --base-url http://127.0.0.1:PORT/v1 CHECK [CHECK ...]
+"""
+
+import argparse
+import http.client
+import json
+import socket
+import sys
+import threading
+import time
+import urllib.parse
+
+try:
+    import openai
+except ImportError:
+    sys.exit("the `openai` package is missing: python3 -m pip install --target target/test-assets/py openai "
+             "and put that folder on PYTHONPATH (bash .ci/run does both)")
+
+CHECKS = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+class Context:
+    def __init__(self, args):
+        self.args = args
+        self.base_url = args.base_url
+        parsed = urllib.parse.urlparse(args.base_url)
+        self.host, self.port = parsed.hostname, parsed.port
+        assert self.host in ("127.0.0.1", "localhost", "::1"), "tests only talk to loopback addresses"
+        self.client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key or "unused", max_retries=0, timeout=120)
+        self.model = self.client.models.list().data[0].id
+
+    def raw(self, method, path, body=None, headers=None, timeout=60):
+        """One HTTP request; returns (status, headers, body text)."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            hdrs = {"Content-Type": "application/json"}
+            if self.args.api_key:
+                hdrs["Authorization"] = f"Bearer {self.args.api_key}"
+            hdrs.update(headers or {})
+            conn.request(method, path, body=body, headers=hdrs)
+            response = conn.getresponse()
+            return response.status, dict(response.getheaders()), response.read().decode("utf-8", "replace")
+        finally:
+            conn.close()
+
+    def metrics(self):
+        status, _, text = self.raw("GET", "/metrics")
+        assert status == 200, f"/metrics answered {status}: {text}"
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+
+def assert_error(status, body, want_status, want_param=None, want_code=None):
+    assert status == want_status, f"expected HTTP {want_status}, got {status}: {body}"
+    error = json.loads(body)["error"]
+    for key in ("message", "type", "param", "code"):
+        assert key in error, f"error object lacks `{key}`: {error}"
+    assert error["message"], "the error message is empty"
+    if want_param is not None:
+        assert error["param"] == want_param, f"param {error['param']!r} != {want_param!r}: {error}"
+    if want_code is not None:
+        assert error["code"] == want_code, f"code {error['code']!r} != {want_code!r}: {error}"
+
+
+def collect_chat_stream(stream):
+    """Content, tool calls (by index), finish reason and usage of a streamed chat completion."""
+    content, calls, finish, usage, roles = "", {}, None, None, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.role:
+                roles.append(delta.role)
+            if delta.content:
+                content += delta.content
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = call.id or entry["id"]
+                if call.function and call.function.name:
+                    entry["name"] += call.function.name
+                if call.function and call.function.arguments:
+                    entry["arguments"] += call.function.arguments
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    return content, [calls[i] for i in sorted(calls)], finish, usage, roles
+
+
+@check
+def models(ctx):
+    listed = ctx.client.models.list()
+    assert [m.id for m in listed.data] == [ctx.model]
+    assert ctx.client.models.retrieve(ctx.model).id == ctx.model
+    status, _, body = ctx.raw("GET", "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok", body
+
+
+@check
+def chat(ctx):
+    reply, reply_tokens = ctx.args.expect_reply, ctx.args.expect_reply_tokens
+    response = ctx.client.chat.completions.create(
+        model=ctx.model, messages=[{"role": "user", "content": "Tell me about kestrels."}], max_tokens=reply_tokens, temperature=0)
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == reply, repr(choice.message.content)
+    assert choice.finish_reason == "length", choice.finish_reason
+    assert response.usage.completion_tokens == reply_tokens, response.usage
+    assert response.usage.prompt_tokens > 0
+    assert response.usage.total_tokens == response.usage.prompt_tokens + reply_tokens
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    # Two turns: the history goes through the template, and the answer is the same sentence.
+    response = ctx.client.chat.completions.create(
+        model=ctx.model, max_tokens=reply_tokens, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": reply}, {"role": "user", "content": [{"type": "text", "text": "Again"}]}])
+    assert response.choices[0].message.content == reply
+    assert response.usage.prompt_tokens > 20
+
+
+@check
+def chat_stream(ctx):
+    reply, reply_tokens = ctx.args.expect_reply, ctx.args.expect_reply_tokens
+    stream = ctx.client.chat.completions.create(
+        model=ctx.model, messages=[{"role": "user", "content": "Tell me about kestrels."}], max_tokens=2 * reply_tokens,
+        temperature=0, stream=True, stream_options={"include_usage": True})
+    content, calls, finish, usage, roles = collect_chat_stream(stream)
+    assert roles == ["assistant"], roles
+    assert content == reply * 2, repr(content)
+    assert calls == [] and finish == "length", (calls, finish)
+    assert usage is not None and usage.completion_tokens == 2 * reply_tokens, usage
+
+
+@check
+def stop_strings(ctx):
+    reply = ctx.args.expect_reply
+    cut = reply.index("waits")
+    response = ctx.client.chat.completions.create(
+        model=ctx.model, messages=[{"role": "user", "content": "Go"}], max_tokens=50, temperature=0, stop=["waits", "zzz"])
+    assert response.choices[0].message.content == reply[:cut], repr(response.choices[0].message.content)
+    assert response.choices[0].finish_reason == "stop"
+    stream = ctx.client.chat.completions.create(
+        model=ctx.model, messages=[{"role": "user", "content": "Go"}], max_tokens=50, temperature=0, stop="dives", stream=True)
+    content, _, finish, _, _ = collect_chat_stream(stream)
+    assert content == reply[:reply.index("dives")] and finish == "stop", (content, finish)
+
+
+@check
+def completion(ctx):
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    response = ctx.client.completions.create(model=ctx.model, prompt=prompt, max_tokens=12, temperature=0)
+    choice = response.choices[0]
+    assert choice.text, "empty completion"
+    assert choice.finish_reason == "length"
+    assert response.usage.completion_tokens == 12, response.usage
+    assert response.object == "text_completion"
+    stream = ctx.client.completions.create(model=ctx.model, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    streamed, finish = "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed += c.text
+            finish = c.finish_reason or finish
+    assert streamed == choice.text, (streamed, choice.text)
+    assert finish == "length"
+    # The legacy default is 16 tokens; a prompt of token ids works too.
+    response = ctx.client.completions.create(model=ctx.model, prompt=[785, 1962, 267], temperature=0)
+    assert response.usage.completion_tokens == 16 and response.usage.prompt_tokens == 3, response.usage
+
+
+@check
+def tool_call(ctx):
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather forecast for the coming days",
+        "parameters": {"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"]}}}]
+    messages = [{"role": "user", "content": "Weather for the next 3 days?"}]
+    response = ctx.client.chat.completions.create(model=ctx.model, messages=messages, tools=tools, temperature=0, max_tokens=64)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.finish_reason
+    assert choice.message.content is None, repr(choice.message.content)
+    assert len(choice.message.tool_calls) == 1, choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"days": 3}, call.function.arguments
+    # The tools are rendered into the prompt by the chat template.
+    assert response.usage.prompt_tokens == ctx.args.expect_tool_prompt_tokens, (response.usage, ctx.args.expect_tool_prompt_tokens)
+
+    stream = ctx.client.chat.completions.create(model=ctx.model, messages=messages, tools=tools, temperature=0, max_tokens=64, stream=True)
+    content, calls, finish, _, _ = collect_chat_stream(stream)
+    assert finish == "tool_calls" and content == "", (finish, content)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"days": 3})], calls
+    assert calls[0]["id"]
+
+    # The call and its result go back through the template on the next turn.
+    followup = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    response = ctx.client.chat.completions.create(model=ctx.model, messages=followup, tools=tools, temperature=0, max_tokens=64)
+    assert response.choices[0].finish_reason == "tool_calls"
+    assert response.usage.prompt_tokens > ctx.args.expect_tool_prompt_tokens
+
+    # Without tools (or with tool_choice none) the same text is plain content.
+    for extra in ({}, {"tools": tools, "tool_choice": "none"}):
+        response = ctx.client.chat.completions.create(model=ctx.model, messages=messages, temperature=0, max_tokens=64, **extra)
+        choice = response.choices[0]
+        assert choice.message.tool_calls in (None, []), choice.message.tool_calls
+        assert choice.message.content == ctx.args.expect_tool_text, repr(choice.message.content)
+        assert choice.finish_reason == "stop"
+
+
+@check
+def errors(ctx):
+    chat_path = "/v1/chat/completions"
+    good = {"model": ctx.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    status, _, body = ctx.raw("POST", chat_path, body="{\"model\": ")
+    assert_error(status, body, 400)
+    status, _, body = ctx.raw("POST", chat_path, body="[1, 2]")
+    assert_error(status, body, 400)
+    status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, "temperature": "hot"}))
+    assert_error(status, body, 400)
+
+    try:
+        ctx.client.chat.completions.create(model="no-such-model", messages=good["messages"], max_tokens=4)
+        raise AssertionError("an unknown model was accepted")
+    except openai.BadRequestError as err:
+        assert err.status_code == 400 and err.code == "model_not_found", (err.status_code, err.code)
+
+    long_prompt = "kestrel " * 5000
+    try:
+        ctx.client.completions.create(model=ctx.model, prompt=long_prompt, max_tokens=4)
+        raise AssertionError("a prompt longer than the context was accepted")
+    except openai.BadRequestError as err:
+        assert err.code == "context_length_exceeded", err.code
+    try:
+        ctx.client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": long_prompt}], max_tokens=4)
+        raise AssertionError("a conversation longer than the context was accepted")
+    except openai.BadRequestError as err:
+        assert err.code == "context_length_exceeded", err.code
+
+    for field, value in (("temperature", 5.0), ("top_p", 0.0), ("max_tokens", 0), ("n", 2), ("top_k", -3),
+                         ("presence_penalty", 1.0), ("spec", "telepathy")):
+        status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, field: value}))
+        assert_error(status, body, 400, want_param=field)
+    status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, "messages": [{"role": "wizard", "content": "x"}]}))
+    assert_error(status, body, 400, want_param="messages[0]")
+    status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, "messages": []}))
+    assert_error(status, body, 400, want_param="messages")
+    status, _, body = ctx.raw("POST", "/v1/completions", body=json.dumps({"model": ctx.model, "prompt": ["a", "b"]}))
+    assert_error(status, body, 400, want_param="prompt")
+    status, _, body = ctx.raw("POST", "/v1/completions", body=json.dumps({"model": ctx.model, "prompt": [999999999]}))
+    assert_error(status, body, 400, want_param="prompt")
+
+    status, _, body = ctx.raw("GET", "/v1/nothing-here")
+    assert_error(status, body, 404)
+
+    big = json.dumps({**good, "messages": [{"role": "user", "content": "x" * (ctx.args.body_limit + 10)}]})
+    status, _, body = ctx.raw("POST", chat_path, body=big)
+    assert_error(status, body, 413)
+
+    # After all of that the server still answers.
+    response = ctx.client.chat.completions.create(model=ctx.model, messages=good["messages"], max_tokens=4, temperature=0)
+    assert response.choices[0].message.content
+    status, _, body = ctx.raw("GET", "/health")
+    assert status == 200, body
+
+
+@check
+def api_key(ctx):
+    key = ctx.args.api_key
+    assert key, "run this check against a server started with --api-key"
+    anonymous = openai.OpenAI(base_url=ctx.base_url, api_key="wrong-key", max_retries=0, timeout=60)
+    try:
+        anonymous.models.list()
+        raise AssertionError("a wrong API key was accepted")
+    except openai.AuthenticationError as err:
+        assert err.status_code == 401
+    status, _, body = ctx.raw("POST", "/v1/chat/completions", body="{}", headers={"Authorization": ""})
+    assert_error(status, body, 401, want_code="invalid_api_key")
+    status, _, body = ctx.raw("GET", "/metrics", headers={"Authorization": "Bearer nope"})
+    assert_error(status, body, 401)
+    # The health check needs no key; the right key works.
+    status, _, _ = ctx.raw("GET", "/health", headers={"Authorization": ""})
+    assert status == 200
+    response = ctx.client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)
+    assert response.choices[0].message.content
+
+
+def concurrent_requests():
+    """Eight different requests: four greedy, four seeded samples, chat and completion."""
+    requests = []
+    for i in range(8):
+        sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 1000 + i}
+        if i % 4 < 2:
+            requests.append(("completion", {"prompt": f"# task {i}: sort a list of {i + 3} numbers\ndef solve(xs):", "max_tokens": 24 + i, **sampling}))
+        else:
+            requests.append(("completion", {"prompt": [1000 + 37 * i, 2000 + 11 * i, 3000 + i], "max_tokens": 20 + 2 * i, **sampling}))
+    return requests
+
+
+def run_streamed(ctx, request):
+    _, params = request
+    stream = ctx.client.completions.create(model=ctx.model, stream=True, **params)
+    text, finish = "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.text
+            finish = c.finish_reason or finish
+    return text, finish
+
+
+@check
+def concurrency(ctx):
+    requests = concurrent_requests()
+    alone = [run_streamed(ctx, r) for r in requests]
+    assert len(set(alone)) == len(alone), "the eight requests should give eight different outputs"
+
+    results = [None] * len(requests)
+    errors = []
+    peak_running = [0]
+    done = threading.Event()
+
+    def worker(i):
+        try:
+            results[i] = run_streamed(ctx, requests[i])
+        except Exception as err:  # reported below, with the request it came from
+            errors.append((i, repr(err)))
+
+    def watch_batch():
+        while not done.is_set():
+            peak_running[0] = max(peak_running[0], ctx.metrics().get("kestrel_requests_running", 0))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch_batch)
+    watcher.start()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    done.set()
+    watcher.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a concurrent stream did not finish"
+    assert not errors, errors
+    for i, (together, by_itself) in enumerate(zip(results, alone)):
+        assert together == by_itself, f"request {i} differs when batched:\n{together!r}\n{by_itself!r}"
+    assert peak_running[0] >= 2, f"the requests never shared a batch (peak running {peak_running[0]})"
+
+
+@check
+def disconnect(ctx):
+    before = ctx.metrics()
+    body = json.dumps({"model": ctx.model, "messages": [{"role": "user", "content": "Talk forever."}],
+                       "max_tokens": 3000, "temperature": 0, "stream": True})
+    sock = socket.create_connection((ctx.host, ctx.port), timeout=60)
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {ctx.host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body.encode())}\r\n")
+    if ctx.args.api_key:
+        request += f"Authorization: Bearer {ctx.args.api_key}\r\n"
+    sock.sendall((request + "\r\n" + body).encode())
+    received = b""
+    deadline = time.time() + 60
+    while received.count(b"data: ") < 5 and time.time() < deadline:
+        chunk = sock.recv(4096)
+        assert chunk, "the server closed the stream early"
+        received += chunk
+    assert received.startswith(b"HTTP/1.1 200"), received[:200]
+    assert received.count(b"data: ") >= 5, "no tokens streamed"
+    running = ctx.metrics()["kestrel_requests_running"]
+    assert running == 1, f"expected the stream to be running, metrics say {running}"
+    sock.close()
+
+    deadline = time.time() + 30
+    while True:
+        metrics = ctx.metrics()
+        if metrics["kestrel_requests_running"] == 0 and metrics["kestrel_requests_waiting"] == 0:
+            break
+        assert time.time() < deadline, f"the request kept running after the client left: {metrics}"
+        time.sleep(0.05)
+    assert metrics["kestrel_requests_cancelled_total"] == before["kestrel_requests_cancelled_total"] + 1, metrics
+    assert metrics["kestrel_kv_blocks_used"] == 0 and metrics["kestrel_state_slots_used"] == 0, metrics
+    generated = metrics["kestrel_generated_tokens_total"] - before["kestrel_generated_tokens_total"]
+    assert generated < 3000, f"{generated} tokens were generated: the request was not cancelled"
+    time.sleep(0.3)
+    assert ctx.metrics()["kestrel_generated_tokens_total"] == metrics["kestrel_generated_tokens_total"], "generation went on"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", required=True)
+    parser.add_argument("--api-key")
+    parser.add_argument("--expect-reply", default="")
+    parser.add_argument("--expect-reply-tokens", type=int, default=0)
+    parser.add_argument("--expect-tool-text", default="")
+    parser.add_argument("--expect-tool-prompt-tokens", type=int, default=0)
+    parser.add_argument("--body-limit", type=int, default=65536)
+    parser.add_argument("checks", nargs="+", choices=sorted(CHECKS))
+    args = parser.parse_args()
+    ctx = Context(args)
+    for name in args.checks:
+        CHECKS[name](ctx)
+        print(f"PASS {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+//! `kestrel serve` driven by the official `openai` Python client (tests/openai/server_checks.py),
+//! on scripted test models with the real Qwen3 tokenizer and chat template.
+
+mod frontend_support;
+
+use frontend_support::*;
+use kestrel::tokenizer::{ChatMessage, Tokenizer};
+
+fn reply_args() -> Vec<String> {
+    vec!["--expect-reply".into(), CHAT_REPLY.into(), "--expect-reply-tokens".into(), CHAT_REPLY_TOKENS.to_string()]
+}
+
+fn run_checks(server: &ServerProcess, extra: &[String], checks: &[&str]) {
+    let mut args: Vec<&str> = extra.iter().map(String::as_str).collect();
+    args.extend_from_slice(checks);
+    run_openai_script(server, "server_checks.py", &args, checks);
+}
+
+#[test]
+fn chat_and_completions_streamed_and_whole() {
+    let server = ServerProcess::start(chat_model(), &[]);
+    run_checks(&server, &reply_args(), &["models", "chat", "chat_stream", "stop_strings", "completion"]);
+}
+
+#[test]
+fn tool_calls_are_parsed_into_tool_calls() {
+    // The prompt the server should build: the user message with the tool rendered by the template.
+    let tokenizer = Tokenizer::from_dir(tool_model()).expect("tokenizer loads");
+    let tools = serde_json::json!([{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather forecast for the coming days",
+        "parameters": {"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"]}}}]);
+    let prompt = tokenizer.apply_chat_template(&[ChatMessage::user("Weather for the next 3 days?")], true, Some(&tools)).expect("template renders tools");
+    assert!(prompt.contains("<tools>") && prompt.contains("\"get_weather\""), "{prompt}");
+    let prompt_tokens = tokenizer.encode(&prompt, false).expect("encodes").len();
+
+    let server = ServerProcess::start(tool_model(), &[]);
+    let args = vec!["--expect-tool-text".to_string(), TOOL_CALL_TEXT.to_string(), "--expect-tool-prompt-tokens".to_string(), prompt_tokens.to_string()];
+    run_checks(&server, &args, &["tool_call"]);
+}
+
+#[test]
+fn every_error_case_is_an_openai_error_and_the_server_keeps_serving() {
+    let server = ServerProcess::start(chat_model(), &["--max-request-bytes", "65536"]);
+    run_checks(&server, &["--body-limit".into(), "65536".into()], &["errors"]);
+    let mut server = server;
+    assert!(server.is_running(), "the server exited after bad requests");
+}
+
+#[test]
+fn api_key_is_required_when_set() {
+    let server = ServerProcess::start(chat_model(), &["--api-key", "sesame"]);
+    run_checks(&server, &["--api-key".into(), "sesame".into()], &["api_key"]);
+}
+
+#[test]
+fn eight_concurrent_streams_equal_the_same_requests_one_at_a_time() {
+    let server = ServerProcess::start(chat_model(), &["--max-num-seqs", "8"]);
+    run_checks(&server, &[], &["concurrency"]);
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_cancels_its_request() {
+    let server = ServerProcess::start(chat_model(), &[]);
+    run_checks(&server, &[], &["disconnect"]);
+}
+
+#[test]
+fn metrics_report_speculation_per_position() {
+    let server = ServerProcess::start(chat_model(), &["--spec", "ngram", "--spec-tokens", "3"]);
+    run_checks(&server, &reply_args(), &["chat_stream"]);
+    let drafted = server.metric("kestrel_spec_drafted_total");
+    let accepted = server.metric("kestrel_spec_accepted_total");
+    assert!(drafted > 0.0 && accepted > 0.0, "ngram drafted {drafted}, accepted {accepted} on a repeating reply");
+    let first = server.metric("kestrel_spec_accepted_per_position_total{position=\"0\"}");
+    let third = server.metric("kestrel_spec_accepted_per_position_total{position=\"2\"}");
+    assert!(first >= third && third > 0.0, "per-position acceptance {first} .. {third}");
+    let rate = server.metric("kestrel_spec_acceptance_rate");
+    assert!((rate - accepted / drafted).abs() < 1e-9, "acceptance rate {rate} != {accepted}/{drafted}");
+    assert_eq!(server.metric("kestrel_requests_running"), 0.0);
+    let metrics = server.get("/metrics");
+    assert!(metrics.body.contains("# TYPE kestrel_spec_drafted_total counter"), "{}", metrics.body);
+}

@@ -1,0 +1,169 @@
+//! `kestrel chat` driven in tmux: keys in with send-keys, the screen read back with capture-pane.
+//! The model is the scripted chat model, whose every reply is `CHAT_REPLY` repeated.
+
+mod frontend_support;
+
+use frontend_support::*;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// A tmux server of our own (its own socket), with `kestrel chat` in its only pane.
+struct ChatInTmux {
+    socket: String,
+}
+
+impl ChatInTmux {
+    fn start(width: u16, height: u16, chat_args: &[&str]) -> ChatInTmux {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let socket = format!("kestrel-test-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
+        let tmux = ChatInTmux { socket };
+        let mut command = vec![env!("CARGO_BIN_EXE_kestrel").to_string(), "chat".into(), "--device".into(), "cpu".into(), "--model".into()];
+        command.push(chat_model().display().to_string());
+        command.extend(chat_args.iter().map(|s| s.to_string()));
+        let quoted: Vec<String> = command.iter().map(|arg| format!("'{}'", arg.replace('\'', "'\\''"))).collect();
+        // The pane stays after the program exits, so its last screen and exit status can be read.
+        tmux.run(&["-u", "new-session", "-d", "-s", "chat", "-x", &width.to_string(), "-y", &height.to_string(), "-e", "RAYON_NUM_THREADS=2", &format!("exec {}", quoted.join(" "))]);
+        tmux.run(&["set-option", "-t", "chat", "remain-on-exit", "on"]);
+        tmux.wait_for_screen("the chat screen", |screen| screen.contains(" Message ") && screen.contains(" Stats "));
+        tmux
+    }
+
+    fn run(&self, args: &[&str]) -> String {
+        let output = run_with_deadline(Command::new("tmux").args(["-L", &self.socket]).args(args).env("LANG", "C.UTF-8"), Duration::from_secs(30));
+        assert!(output.status.success(), "tmux {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    fn screen(&self) -> String {
+        self.run(&["capture-pane", "-p", "-t", "chat"])
+    }
+
+    /// Types text literally, then presses Enter.
+    fn send_line(&self, text: &str) {
+        self.run(&["send-keys", "-t", "chat", "-l", text]);
+        self.run(&["send-keys", "-t", "chat", "Enter"]);
+    }
+
+    fn send_key(&self, key: &str) {
+        self.run(&["send-keys", "-t", "chat", key]);
+    }
+
+    fn wait_for_screen(&self, what: &str, ready: impl Fn(&str) -> bool) -> String {
+        let mut last = String::new();
+        let found = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            wait_for(Duration::from_secs(90), what, || {
+                last = self.screen();
+                ready(&last).then(|| last.clone())
+            })
+        }));
+        match found {
+            Ok(screen) => screen,
+            Err(_) => panic!("timed out waiting for {what}; the screen was:\n{last}"),
+        }
+    }
+
+    fn pane_dead(&self) -> bool {
+        self.run(&["display-message", "-p", "-t", "chat", "#{pane_dead}"]).trim() == "1"
+    }
+}
+
+impl Drop for ChatInTmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux").args(["-L", &self.socket, "kill-server"]).output();
+    }
+}
+
+/// The number after `label` on a panel line, e.g. `acceptance   87.5%` -> 87.5.
+fn panel_number(screen: &str, label: &str) -> Option<f64> {
+    screen.lines().find_map(|line| {
+        let rest = line.split(label).nth(1)?;
+        let number: String = rest.trim_start().chars().take_while(|c| c.is_ascii_digit() || *c == '.').collect();
+        number.parse().ok()
+    })
+}
+
+fn count(screen: &str, needle: &str) -> usize {
+    screen.matches(needle).count()
+}
+
+fn assert_layout(screen: &str, width: usize) {
+    for line in screen.lines() {
+        assert!(line.chars().count() <= width, "a line is wider than {width} columns:\n{screen}");
+    }
+    for needle in [" kestrel chat · ", " Stats ", "Speculation", "Engine", " Message "] {
+        assert!(screen.contains(needle), "{needle:?} missing after resizing to width {width}:\n{screen}");
+    }
+    let lines: Vec<&str> = screen.lines().collect();
+    let stats_row = lines.iter().position(|l| l.contains(" Stats ")).expect("panel title");
+    assert!(lines[stats_row].starts_with('┌') && lines[stats_row].trim_end().ends_with('┐'), "panel border: {:?}", lines[stats_row]);
+}
+
+#[test]
+fn a_message_gets_an_answer_and_ngram_fills_the_panel_and_resize_keeps_the_layout() {
+    let chat = ChatInTmux::start(100, 30, &["-n", "26"]);
+    chat.send_line("hello kestrel");
+    let screen = chat.wait_for_screen("the first reply", |s| s.contains("[token limit]"));
+    assert!(screen.contains("hello kestrel"), "{screen}");
+    assert!(screen.contains(CHAT_REPLY.trim_end()), "the reply is missing:\n{screen}");
+    assert!(screen.contains("method       none"), "{screen}");
+    assert!(panel_number(&screen, "TTFT").is_some(), "no TTFT in the panel:\n{screen}");
+
+    chat.send_line("/spec ngram");
+    chat.wait_for_screen("the /spec note", |s| s.contains("Speculation for the next replies: ngram"));
+    chat.send_line("tell me again");
+    let screen = chat.wait_for_screen("the second reply", |s| count(s, "[token limit]") == 2 || (s.contains("tell me again") && s.contains("[token limit]") && !s.contains("hello kestrel")));
+    assert!(screen.contains("method       ngram (k=4)"), "{screen}");
+    let acceptance = panel_number(&screen, "acceptance").unwrap_or_else(|| panic!("no acceptance figure:\n{screen}"));
+    assert!(acceptance > 50.0, "the repeating reply should be mostly accepted, got {acceptance}%:\n{screen}");
+    let mean_length = panel_number(&screen, "mean length").expect("mean acceptance length");
+    assert!(mean_length > 1.5, "mean acceptance length {mean_length}:\n{screen}");
+    let bars = screen.lines().filter(|l| l.contains('█') && l.contains('%')).count();
+    assert_eq!(bars, 4, "one acceptance bar per draft position (k=4):\n{screen}");
+    assert_layout(&screen, 100);
+
+    chat.run(&["resize-window", "-t", "chat", "-x", "80", "-y", "24"]);
+    let screen = chat.wait_for_screen("the 80x24 redraw", |s| s.lines().all(|l| l.chars().count() <= 80) && s.lines().count() <= 24 && s.contains(" Message "));
+    assert_layout(&screen, 80);
+    assert!(panel_number(&screen, "acceptance").is_some_and(|a| a == acceptance), "the figures survive the resize:\n{screen}");
+
+    chat.run(&["resize-window", "-t", "chat", "-x", "120", "-y", "36"]);
+    let screen = chat.wait_for_screen("the 120x36 redraw", |s| s.lines().any(|l| l.trim_end().chars().count() > 100));
+    assert_layout(&screen, 120);
+    assert!(!chat.pane_dead(), "the chat exited");
+}
+
+#[test]
+fn ctrl_c_stops_a_reply_without_quitting_and_errors_stay_in_the_app() {
+    let chat = ChatInTmux::start(100, 30, &["-n", "4000"]);
+    chat.send_line("talk for a long time");
+    chat.wait_for_screen("the reply to start", |s| count(s, CHAT_REPLY.trim_end()) >= 2);
+    chat.send_key("C-c");
+    let screen = chat.wait_for_screen("the stopped reply", |s| s.contains("[stopped]"));
+    assert!(!chat.pane_dead(), "Ctrl-C during a reply must not quit:\n{screen}");
+    assert!(screen.contains("batch        0 running"), "the stopped request still runs:\n{screen}");
+
+    chat.send_line("/spec mtp");
+    chat.wait_for_screen("the MTP error", |s| s.contains("no MTP head"));
+    chat.send_line("/temp hot");
+    chat.wait_for_screen("the temperature error", |s| s.contains("temperature must be a number"));
+    chat.send_line("/frobnicate");
+    let screen = chat.wait_for_screen("the unknown command error", |s| s.contains("unknown command /frobnicate"));
+    assert!(!chat.pane_dead(), "an error quit the chat:\n{screen}");
+
+    // A second message after the stop is answered; multi-line input goes in one message.
+    chat.run(&["send-keys", "-t", "chat", "-l", "first line"]);
+    chat.send_key("M-Enter");
+    chat.run(&["send-keys", "-t", "chat", "-l", "second line"]);
+    chat.send_key("Enter");
+    chat.wait_for_screen("the second reply", |s| s.contains("second line") && s.contains("first line") && count(s, "The kestrel hovers") >= 1 && s.contains("generating"));
+    chat.send_key("C-c");
+    chat.wait_for_screen("the second stop", |s| count(s, "[stopped]") >= 1 && !s.contains("(generating…)"));
+
+    chat.send_line("/clear");
+    chat.wait_for_screen("the cleared conversation", |s| s.contains("Conversation cleared.") && !s.contains("second line"));
+    chat.send_key("C-c");
+    wait_for(Duration::from_secs(20), "the chat to quit on Ctrl-C when idle", || chat.pane_dead().then_some(()));
+    let status = chat.run(&["display-message", "-p", "-t", "chat", "#{pane_dead_status}"]);
+    assert_eq!(status.trim(), "0", "kestrel chat exited with status {status}");
+}
