@@ -363,17 +363,33 @@ def concurrency(ctx):
     assert peak_running[0] >= 2, f"the requests never shared a batch (peak running {peak_running[0]})"
 
 
-@check
-def disconnect(ctx):
-    before = ctx.metrics()
+def open_chat_request(ctx, stream):
+    """Sends a long chat request on a raw socket and returns the socket."""
     body = json.dumps({"model": ctx.model, "messages": [{"role": "user", "content": "Talk forever."}],
-                       "max_tokens": 3000, "temperature": 0, "stream": True})
+                       "max_tokens": 3000, "temperature": 0, "stream": stream})
     sock = socket.create_connection((ctx.host, ctx.port), timeout=60)
     request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {ctx.host}\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(body.encode())}\r\n")
     if ctx.args.api_key:
         request += f"Authorization: Bearer {ctx.args.api_key}\r\n"
     sock.sendall((request + "\r\n" + body).encode())
+    return sock
+
+
+def wait_until_idle(ctx, what):
+    deadline = time.time() + 30
+    while True:
+        metrics = ctx.metrics()
+        if metrics["kestrel_requests_running"] == 0 and metrics["kestrel_requests_waiting"] == 0:
+            return metrics
+        assert time.time() < deadline, f"{what}: the request kept running after the client left: {metrics}"
+        time.sleep(0.05)
+
+
+@check
+def disconnect(ctx):
+    before = ctx.metrics()
+    sock = open_chat_request(ctx, stream=True)
     received = b""
     deadline = time.time() + 60
     while received.count(b"data: ") < 5 and time.time() < deadline:
@@ -386,19 +402,25 @@ def disconnect(ctx):
     assert running == 1, f"expected the stream to be running, metrics say {running}"
     sock.close()
 
-    deadline = time.time() + 30
-    while True:
-        metrics = ctx.metrics()
-        if metrics["kestrel_requests_running"] == 0 and metrics["kestrel_requests_waiting"] == 0:
-            break
-        assert time.time() < deadline, f"the request kept running after the client left: {metrics}"
-        time.sleep(0.05)
+    metrics = wait_until_idle(ctx, "streaming")
     assert metrics["kestrel_requests_cancelled_total"] == before["kestrel_requests_cancelled_total"] + 1, metrics
     assert metrics["kestrel_kv_blocks_used"] == 0 and metrics["kestrel_state_slots_used"] == 0, metrics
     generated = metrics["kestrel_generated_tokens_total"] - before["kestrel_generated_tokens_total"]
     assert generated < 3000, f"{generated} tokens were generated: the request was not cancelled"
     time.sleep(0.3)
     assert ctx.metrics()["kestrel_generated_tokens_total"] == metrics["kestrel_generated_tokens_total"], "generation went on"
+
+    # A client waiting for a whole (non-streamed) response that gives up cancels it as well.
+    before = metrics
+    sock = open_chat_request(ctx, stream=False)
+    deadline = time.time() + 30
+    while ctx.metrics()["kestrel_generated_tokens_total"] < before["kestrel_generated_tokens_total"] + 10:
+        assert time.time() < deadline, "the non-streamed request did not start"
+        time.sleep(0.05)
+    sock.close()
+    metrics = wait_until_idle(ctx, "not streaming")
+    assert metrics["kestrel_requests_cancelled_total"] == before["kestrel_requests_cancelled_total"] + 1, metrics
+    assert metrics["kestrel_kv_blocks_used"] == 0, metrics
 
 
 def main():
