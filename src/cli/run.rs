@@ -76,9 +76,6 @@ fn read_prompt(argument: Option<String>) -> Result<String> {
 
 pub fn run(args: RunArgs) -> Result<()> {
     let prompt = read_prompt(args.prompt)?;
-    if args.max_tokens == 0 {
-        bail!("--max-tokens must be at least 1");
-    }
     let params = args.sampling.params();
     params.validate()?;
     let files = args.engine.open_model()?;
@@ -90,7 +87,9 @@ pub fn run(args: RunArgs) -> Result<()> {
     };
     let prompt_ids = files.tokenizer.encode(&text, false).context("cannot tokenize the prompt")?;
     let mut engine = args.engine.build_engine(&files, 1)?;
-    let request = Request { prompt_ids, params, max_tokens: args.max_tokens, stop_token_ids: files.config.eos_token_ids.clone(), spec: None };
+    // A chat turn ends at the template's end-of-turn token as well as at end-of-sequence.
+    let stop_token_ids = if args.chat { kestrel::server::chat_stop_token_ids(&files) } else { files.config.eos_token_ids.clone() };
+    let request = Request { prompt_ids, params, max_tokens: args.max_tokens, stop_token_ids, spec: None };
 
     let start = Instant::now();
     let id = engine.add_request(request)?;

@@ -31,6 +31,10 @@ pub async fn start(state: &ServerState, request: Request, prompt_param: &str) ->
 fn refusal(err: EngineError, prompt_param: &str) -> ApiError {
     let message = err.to_string();
     match err {
+        // The prompt fits, so the requested completion length is what does not.
+        EngineError::ContextExceeded { prompt, context, .. } if prompt < context => {
+            ApiError { param: Some("max_tokens".to_string()), ..ApiError::context_length_exceeded(message) }
+        }
         EngineError::ContextExceeded { .. } | EngineError::CacheTooSmall { .. } => {
             ApiError { param: Some(prompt_param.to_string()), ..ApiError::context_length_exceeded(message) }
         }

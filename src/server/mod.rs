@@ -81,6 +81,19 @@ impl ServerState {
     }
 }
 
+/// The tokens that end an assistant turn: the model's end-of-sequence tokens, and ChatML's
+/// `<|im_end|>` when the vocabulary has it (a model trained on plain text may not list it as
+/// end-of-sequence, yet its chat template closes every turn with it).
+pub fn chat_stop_token_ids(files: &ModelFiles) -> Vec<u32> {
+    let mut stops = files.config.eos_token_ids.clone();
+    if let Some(end_of_turn) = files.tokenizer.token_to_id("<|im_end|>") {
+        if !stops.contains(&end_of_turn) {
+            stops.push(end_of_turn);
+        }
+    }
+    stops
+}
+
 /// The application: every route, the API-key check and the body limit.
 pub fn router(state: ServerState) -> axum::Router {
     routes::router(state)

@@ -180,7 +180,7 @@ impl App {
             seed: self.options.sampling.seed.wrapping_add(self.replies_started),
             ..self.options.sampling.clone()
         };
-        let request = Request { prompt_ids, params, max_tokens, stop_token_ids: self.files.config.eos_token_ids.clone(), spec: Some(self.view.settings.spec) };
+        let request = Request { prompt_ids, params, max_tokens, stop_token_ids: crate::server::chat_stop_token_ids(&self.files), spec: Some(self.view.settings.spec) };
         let generation = self.engine.submit(request).map_err(|err| err.to_string())?;
         self.view.transcript.push(Entry::new(Speaker::Assistant, ""));
         self.active = Some(ActiveReply { generation, generated: Vec::new(), entry: self.view.transcript.len() - 1 });

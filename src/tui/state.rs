@@ -117,7 +117,7 @@ impl ChatView {
     }
 }
 
-pub const IDLE_HINT: &str = "Enter sends · Alt-Enter new line · ↑↓ history · PgUp/PgDn scroll · /help · Ctrl-C quits";
+pub const IDLE_HINT: &str = "Enter send · Alt-Enter newline · PgUp/PgDn scroll · /help";
 pub const GENERATING_HINT: &str = "generating… Ctrl-C stops the reply";
 
 pub const HELP_TEXT: &str = "\

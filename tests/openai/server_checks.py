@@ -131,6 +131,12 @@ def chat(ctx):
                   {"role": "assistant", "content": reply}, {"role": "user", "content": [{"type": "text", "text": "Again"}]}])
     assert response.choices[0].message.content == reply
     assert response.usage.prompt_tokens > 20
+    # The `spec` extension picks the speculation method per request; it never changes the text.
+    for method in ("ngram", "none"):
+        response = ctx.client.chat.completions.create(
+            model=ctx.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3 * reply_tokens, temperature=0,
+            extra_body={"spec": method})
+        assert response.choices[0].message.content == reply * 3, (method, response.choices[0].message.content)
 
 
 @check
@@ -253,6 +259,9 @@ def errors(ctx):
         raise AssertionError("a conversation longer than the context was accepted")
     except openai.BadRequestError as err:
         assert err.code == "context_length_exceeded", err.code
+
+    status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, "max_tokens": 100000}))
+    assert_error(status, body, 400, want_param="max_tokens", want_code="context_length_exceeded")
 
     for field, value in (("temperature", 5.0), ("top_p", 0.0), ("max_tokens", 0), ("n", 2), ("top_k", -3),
                          ("presence_penalty", 1.0), ("spec", "telepathy")):
