@@ -333,13 +333,15 @@ impl<B: Backend> WorkerLoop<B> {
             Command::Submit { ticket, request, events } => match self.engine.add_request(*request) {
                 Ok(id) => {
                     self.counters.requests_accepted += 1;
-                    if events.send(GenerationEvent::Accepted).is_err() {
-                        // Gone before it started: nothing to run.
-                        self.abort(id);
-                        return true;
-                    }
                     self.live.insert(id, LiveRequest { ticket, events });
                     self.by_ticket.insert(ticket, id);
+                    // Whoever hears `Accepted` and then reads the snapshot must find the request in it.
+                    self.publish();
+                    let accepted = self.live.get(&id).is_some_and(|live| live.events.send(GenerationEvent::Accepted).is_ok());
+                    if !accepted {
+                        // Gone before it started: nothing to run.
+                        self.abort(id);
+                    }
                 }
                 Err(err) => {
                     self.counters.requests_rejected += 1;
