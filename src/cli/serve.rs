@@ -54,7 +54,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
         // Tests and scripts read this line to learn the port.
         eprintln!("kestrel serve: model `{model_name}` listening on http://{bound} (OpenAI base URL http://{bound}/v1)");
-        server::serve(listener, state, shutdown_signal()).await.context("the server stopped with an error")
+        let shutdown = async {
+            shutdown_signal().await;
+            eprintln!("kestrel serve: finishing the requests in flight (Ctrl-C again stops at once)");
+            tokio::spawn(async {
+                shutdown_signal().await;
+                eprintln!("kestrel serve: stopped");
+                std::process::exit(130);
+            });
+        };
+        server::serve(listener, state, shutdown).await.context("the server stopped with an error")
     })?;
     eprintln!("kestrel serve: shutting down");
     worker.shutdown();
