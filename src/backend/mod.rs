@@ -12,6 +12,7 @@
 //! leaves the canonical state alone until [`Backend::commit_state`]).
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::model::config::{LinearAttnConfig, MoeConfig};
 use crate::model::weights::MatrixBytes;

@@ -1,0 +1,137 @@
+// Gated full attention: q/gate split, per-head q/k RMSNorm, partial NeoX RoPE, paged KV
+// writes (attn_prep), then causal attention per (token, head) over key tiles of 64 aligned to
+// absolute positions, with an online softmax (attn_core). A query's arithmetic depends only on
+// its own context, so it is the same alone, in any batch, and in any prefill split.
+
+#define KEY_TILE 64
+#define MAX_ELEMS_PER_THREAD 8
+
+// grid (T, nq + nkv), 128 threads; dynamic shared memory: hd floats.
+extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cache, float* v_cache, const float* qg, const float* k, const float* v,
+        const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows,
+        const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, float eps) {
+    extern __shared__ float normed[];
+    __shared__ float scratch[33];
+    int t = blockIdx.x, h = blockIdx.y;
+    bool is_q = h < nq;
+    const float* src = is_q ? qg + (long long)t * nq * 2 * hd + (long long)h * 2 * hd : k + (long long)t * nkv * hd + (long long)(h - nq) * hd;
+    const float* w = is_q ? q_norm : k_norm;
+    float ss = 0.0f;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) ss += src[d] * src[d];
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)hd + eps);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) normed[d] = src[d] * inv * w[d];
+    __syncthreads();
+    int pos = positions[t], half = rot / 2;
+    float* dst;
+    float* vdst = 0;
+    const float* vsrc = 0;
+    if (is_q) {
+        dst = q_out + (long long)t * nq * hd + (long long)h * hd;
+        const float* gsrc = src + hd;
+        float* gdst = gate_out + (long long)t * nq * hd + (long long)h * hd;
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) gdst[d] = gsrc[d];
+    } else {
+        RowInfo row = rows[tok_row[t]];
+        int blk = block_tables[row.block_table_offset + pos / block_size];
+        long long slot = (long long)blk * block_size + pos % block_size;
+        dst = k_cache + slot * nkv * hd + (long long)(h - nq) * hd;
+        vdst = v_cache + slot * nkv * hd + (long long)(h - nq) * hd;
+        vsrc = v + (long long)t * nkv * hd + (long long)(h - nq) * hd;
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float val = normed[d];
+        if (d < rot) {
+            int j = d < half ? d : d - half;
+            float s, c;
+            sincosf((float)pos * inv_freq[j], &s, &c);
+            val = d < half ? normed[d] * c - normed[d + half] * s : normed[d] * c + normed[d - half] * s;
+        }
+        dst[d] = val;
+        if (vdst) vdst[d] = vsrc[d];
+    }
+}
+
+// grid (T, nq / heads_per_block), 256 threads. A block serves heads_per_block query heads of
+// one kv group (sharing the key/value reads); the per-(query, head) arithmetic is identical
+// for any heads_per_block. Dynamic shared memory: heads_per_block * (hd + KEY_TILE + 3) floats.
+extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const float* q, const float* gate, const float* k_cache, const float* v_cache,
+        const int* tok_row, const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd, int block_size,
+        int heads_per_block, float scale) {
+    extern __shared__ float sm[];
+    __shared__ long long slots[KEY_TILE];
+    int hpb = heads_per_block;
+    float* qs = sm;                      // [hpb][hd]
+    float* sc = qs + hpb * hd;           // [hpb][KEY_TILE]
+    float* mrun = sc + hpb * KEY_TILE;   // [hpb]
+    float* lrun = mrun + hpb;            // [hpb]
+    float* corr = lrun + hpb;            // [hpb]
+    int t = blockIdx.x, h0 = blockIdx.y * hpb;
+    int group = nq / nkv, kvh = h0 / group;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = blockDim.x >> 5;
+    for (int e = tid; e < hpb * hd; e += blockDim.x) qs[e] = q[(long long)t * nq * hd + (long long)h0 * hd + e];
+    if (tid < hpb) { mrun[tid] = NEG_INF; lrun[tid] = 0.0f; }
+    RowInfo row = rows[tok_row[t]];
+    const int* table = block_tables + row.block_table_offset;
+    int ctx = positions[t] + 1;
+    int kv_stride = nkv * hd;
+    float acc[MAX_ELEMS_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) acc[i] = 0.0f;
+    __syncthreads();
+    for (int p0 = 0; p0 < ctx; p0 += KEY_TILE) {
+        int np = min(KEY_TILE, ctx - p0);
+        if (tid < np) {
+            int p = p0 + tid;
+            slots[tid] = (long long)table[p / block_size] * block_size + p % block_size;
+        }
+        __syncthreads();
+        // Scores: one warp per (head, key), lanes over dims in a fixed stride, butterfly sum.
+        for (int pi = warp; pi < hpb * KEY_TILE; pi += nwarps) {
+            int g = pi / KEY_TILE, p = pi % KEY_TILE;
+            if (p >= np) continue;
+            const float* kr = k_cache + slots[p] * kv_stride + (long long)kvh * hd;
+            const float* qr = qs + g * hd;
+            float dot = 0.0f;
+            for (int d = lane; d < hd; d += 32) dot += qr[d] * kr[d];
+            dot = warp_sum(dot);
+            if (lane == 0) sc[g * KEY_TILE + p] = dot * scale;
+        }
+        __syncthreads();
+        // Online softmax, one thread per head, keys in order.
+        if (tid < hpb) {
+            float* s = sc + tid * KEY_TILE;
+            float mt = mrun[tid];
+            for (int p = 0; p < np; ++p) mt = fmaxf(mt, s[p]);
+            float c = expf(mrun[tid] - mt);
+            float sum = 0.0f;
+            for (int p = 0; p < np; ++p) {
+                s[p] = expf(s[p] - mt);
+                sum += s[p];
+            }
+            lrun[tid] = lrun[tid] * c + sum;
+            mrun[tid] = mt;
+            corr[tid] = c;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) {
+            int e = tid + i * blockDim.x;
+            if (e >= hpb * hd) break;
+            int g = e / hd, d = e % hd;
+            const float* s = sc + g * KEY_TILE;
+            float a = acc[i] * corr[g];
+            for (int p = 0; p < np; ++p) a += s[p] * v_cache[slots[p] * kv_stride + (long long)kvh * hd + d];
+            acc[i] = a;
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) {
+        int e = tid + i * blockDim.x;
+        if (e >= hpb * hd) break;
+        int g = e / hd;
+        long long o = (long long)t * nq * hd + (long long)h0 * hd + e;
+        out[o] = acc[i] / lrun[g] * sigmoidf_(gate[o]);
+    }
+}

@@ -1,0 +1,249 @@
+// Gated DeltaNet: causal conv with its window, gates and l2-normalized q/k, the delta rule
+// (chunked over chunks of 64 aligned to absolute positions for prefill rows; recurrent with a
+// state snapshot per token for generate rows) and the gated output RMSNorm.
+// Recurrent state per value head is S[i][j] (i over dk, j over dv), f32, as on the CPU.
+
+#define CHUNK 64
+#define MAX_DK 128
+#define MAX_HIST 8
+
+// Window value `idx` of a row: the K-1 stored inputs, then the row's own inputs.
+__device__ __forceinline__ float conv_window(const float* state, const float* mixed, int idx, int hist, int token_start, int c, int conv_dim) {
+    return idx < hist ? state[(long long)idx * conv_dim + c] : mixed[(long long)(token_start + idx - hist) * conv_dim + c];
+}
+
+// Thread per (token, channel): silu(sum_j w[c][j] * window[i + j]).
+extern "C" __global__ void gdn_conv(float* out, const float* mixed, const float* conv_state, const float* conv_w, const int* tok_row, const RowInfo* rows,
+        int T, int conv_dim, int kw) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)T * conv_dim) return;
+    int t = (int)(idx / conv_dim), c = (int)(idx % conv_dim);
+    RowInfo row = rows[tok_row[t]];
+    int hist = kw - 1, i = t - row.token_start;
+    const float* state = conv_state + (long long)row.state_slot * hist * conv_dim;
+    float acc = 0.0f;
+    for (int j = 0; j < kw; ++j) acc += conv_w[c * kw + j] * conv_window(state, mixed, i + j, hist, row.token_start, c, conv_dim);
+    out[idx] = siluf_(acc);
+}
+
+// Thread per (row, channel): the new window (prefill) or one window snapshot per token
+// (generate). Reads finish before writes, and each thread owns its channel of its row.
+extern "C" __global__ void gdn_conv_state(float* conv_state, float* conv_snap, const float* mixed, const RowInfo* rows, int num_rows, int conv_dim, int kw) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)num_rows * conv_dim) return;
+    int r = (int)(idx / conv_dim), c = (int)(idx % conv_dim);
+    RowInfo row = rows[r];
+    int hist = kw - 1, n = row.num_tokens;
+    float* state = conv_state + (long long)row.state_slot * hist * conv_dim;
+    if (row.kind == 0) {
+        float win[MAX_HIST];
+        for (int j = 0; j < hist; ++j) win[j] = conv_window(state, mixed, n + j, hist, row.token_start, c, conv_dim);
+        for (int j = 0; j < hist; ++j) state[(long long)j * conv_dim + c] = win[j];
+    } else {
+        for (int i = 0; i < n; ++i) {
+            float* snap = conv_snap + (long long)(row.snapshot_base + i) * hist * conv_dim;
+            for (int j = 0; j < hist; ++j) snap[(long long)j * conv_dim + c] = conv_window(state, mixed, i + 1 + j, hist, row.token_start, c, conv_dim);
+        }
+    }
+}
+
+// grid (T, nk + 1), 128 threads. Blocks y < nk: l2-normalize q (times dk^-1/2) and k of key
+// head y. Block y == nk: g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b).
+extern "C" __global__ void gdn_gates(float* qn, float* kn, float* g_out, float* beta_out, const float* conv_out, const float* a, const float* b,
+        const float* neg_a, const float* dt_bias, int nk, int nv, int dk, int conv_dim) {
+    __shared__ float scratch[33];
+    int t = blockIdx.x, h = blockIdx.y;
+    int key_dim = nk * dk;
+    if (h == nk) {
+        for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+            float x = a[(long long)t * nv + v] + dt_bias[v];
+            float sp = x > 20.0f ? x : log1pf(expf(x));
+            g_out[(long long)t * nv + v] = neg_a[v] * sp;
+            beta_out[(long long)t * nv + v] = 1.0f / (1.0f + expf(-b[(long long)t * nv + v]));
+        }
+        return;
+    }
+    const float* row = conv_out + (long long)t * conv_dim;
+    float q_scale = 1.0f / sqrtf((float)dk);
+    for (int which = 0; which < 2; ++which) {
+        const float* src = row + which * key_dim + h * dk;
+        float* dst = (which == 0 ? qn : kn) + (long long)t * key_dim + h * dk;
+        float ss = 0.0f;
+        for (int d = threadIdx.x; d < dk; d += blockDim.x) ss += src[d] * src[d];
+        ss = block_sum(ss, scratch);
+        float f = 1.0f / sqrtf(ss + 1e-6f) * (which == 0 ? q_scale : 1.0f);
+        for (int d = threadIdx.x; d < dk; d += blockDim.x) dst[d] = src[d] * f;
+    }
+}
+
+// Generate rows: grid (rows listed in row_ids, nv), dv threads; thread j keeps column j of
+// the state in registers. Writes the state after every token to its snapshot slot.
+extern "C" __global__ void __launch_bounds__(128) gdn_recurrent(float* core, const float* qn, const float* kn, const float* conv_out, const float* g,
+        const float* beta, const float* rec, float* rec_snap, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim) {
+    __shared__ float ks[MAX_DK], qs[MAX_DK];
+    RowInfo row = rows[row_ids[blockIdx.x]];
+    int h = blockIdx.y, j = threadIdx.x, kh = h / (nv / nk);
+    int key_dim = nk * dk, head_len = dk * dv;
+    long long state_len = (long long)nv * head_len;
+    float s[MAX_DK];
+    const float* s0 = rec + row.state_slot * state_len + (long long)h * head_len;
+#pragma unroll
+    for (int i = 0; i < MAX_DK; ++i) s[i] = (i < dk && j < dv) ? s0[i * dv + j] : 0.0f;
+    for (int n = 0; n < row.num_tokens; ++n) {
+        int t = row.token_start + n;
+        __syncthreads();
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            ks[i] = kn[(long long)t * key_dim + kh * dk + i];
+            qs[i] = qn[(long long)t * key_dim + kh * dk + i];
+        }
+        __syncthreads();
+        if (j >= dv) continue;
+        float decay = expf(g[(long long)t * nv + h]);
+        float kv = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MAX_DK; ++i)
+            if (i < dk) {
+                s[i] *= decay;
+                kv += s[i] * ks[i];
+            }
+        float vj = conv_out[(long long)t * conv_dim + 2 * key_dim + h * dv + j];
+        float u = beta[(long long)t * nv + h] * (vj - kv);
+        float o = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MAX_DK; ++i)
+            if (i < dk) {
+                s[i] += ks[i] * u;
+                o += s[i] * qs[i];
+            }
+        core[(long long)t * nv * dv + h * dv + j] = o;
+        float* snap = rec_snap + (long long)(row.snapshot_base + n) * state_len + (long long)h * head_len;
+#pragma unroll
+        for (int i = 0; i < MAX_DK; ++i)
+            if (i < dk) snap[i * dv + j] = s[i];
+    }
+}
+
+// Prefill rows: grid (rows listed in row_ids, nv), 128 threads; thread j owns column j of the
+// state (registers) and of U / V' (shared). Chunks start at absolute multiples of 64, so the
+// same chunks are computed however the prompt was split. Dynamic shared memory, floats:
+// 2*CHUNK*dk (k, q) + CHUNK*dv (U) + CHUNK*dk (W) + 2*CHUNK*CHUNK (A, P) + 2*CHUNK (gamma, beta).
+extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const float* qn, const float* kn, const float* conv_out, const float* g,
+        const float* beta, float* rec, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim) {
+    extern __shared__ float sm[];
+    float* ks = sm;                     // [CHUNK][dk]
+    float* qs = ks + CHUNK * dk;        // [CHUNK][dk]
+    float* us = qs + CHUNK * dk;        // [CHUNK][dv]  U, then V'
+    float* ws = us + CHUNK * dv;        // [CHUNK][dk]
+    float* am = ws + CHUNK * dk;        // [CHUNK][CHUNK] beta_l (k_l.k_m) exp(gam_l - gam_m), m < l
+    float* pm = am + CHUNK * CHUNK;     // [CHUNK][CHUNK] (q_l.k_m) exp(gam_l - gam_m), m <= l
+    float* gam = pm + CHUNK * CHUNK;    // [CHUNK]
+    float* bet = gam + CHUNK;           // [CHUNK]
+    RowInfo row = rows[row_ids[blockIdx.x]];
+    int h = blockIdx.y, tid = threadIdx.x, kh = h / (nv / nk);
+    int key_dim = nk * dk, head_len = dk * dv;
+    long long state_len = (long long)nv * head_len;
+    float* sp = rec + row.state_slot * state_len + (long long)h * head_len;
+    int j = tid;
+    float s[MAX_DK];
+#pragma unroll
+    for (int i = 0; i < MAX_DK; ++i) s[i] = (i < dk && j < dv) ? sp[i * dv + j] : 0.0f;
+    int i0 = 0;
+    while (i0 < row.num_tokens) {
+        int pos = row.start_position + i0;
+        int len = min(CHUNK - pos % CHUNK, row.num_tokens - i0);
+        int t0 = row.token_start + i0;
+        __syncthreads();
+        for (int e = tid; e < len * dk; e += blockDim.x) {
+            int l = e / dk, a = e % dk;
+            ks[e] = kn[(long long)(t0 + l) * key_dim + kh * dk + a];
+            qs[e] = qn[(long long)(t0 + l) * key_dim + kh * dk + a];
+        }
+        if (tid == 0) {
+            float acc = 0.0f;
+            for (int l = 0; l < len; ++l) {
+                acc += g[(long long)(t0 + l) * nv + h];
+                gam[l] = acc;
+                bet[l] = beta[(long long)(t0 + l) * nv + h];
+            }
+        }
+        __syncthreads();
+        for (int e = tid; e < len * len; e += blockDim.x) {
+            int l = e / len, m = e % len;
+            if (m > l) continue;
+            float kk = 0.0f, qk = 0.0f;
+            for (int a = 0; a < dk; ++a) {
+                kk += ks[l * dk + a] * ks[m * dk + a];
+                qk += qs[l * dk + a] * ks[m * dk + a];
+            }
+            float decay = expf(gam[l] - gam[m]);
+            am[l * CHUNK + m] = m < l ? bet[l] * kk * decay : 0.0f;
+            pm[l * CHUNK + m] = qk * decay;
+        }
+        __syncthreads();
+        // Forward substitution, column by column: U = (I+A)^-1 (beta v), W = (I+A)^-1 (beta exp(gam) k).
+        if (j < dv) {
+            for (int l = 0; l < len; ++l) {
+                float u = bet[l] * conv_out[(long long)(t0 + l) * conv_dim + 2 * key_dim + h * dv + j];
+                for (int m = 0; m < l; ++m) u -= am[l * CHUNK + m] * us[m * dv + j];
+                us[l * dv + j] = u;
+            }
+        }
+        if (j < dk) {
+            for (int l = 0; l < len; ++l) {
+                float w = bet[l] * expf(gam[l]) * ks[l * dk + j];
+                for (int m = 0; m < l; ++m) w -= am[l * CHUNK + m] * ws[m * dk + j];
+                ws[l * dk + j] = w;
+            }
+        }
+        __syncthreads();
+        if (j < dv) {
+            // V' = U - W S
+            for (int l = 0; l < len; ++l) {
+                float vp = us[l * dv + j];
+#pragma unroll
+                for (int a = 0; a < MAX_DK; ++a)
+                    if (a < dk) vp -= ws[l * dk + a] * s[a];
+                us[l * dv + j] = vp;
+            }
+            // O_l = exp(gam_l) q_l^T S + sum_{m<=l} P[l][m] V'_m
+            for (int l = 0; l < len; ++l) {
+                float el = expf(gam[l]);
+                float o = 0.0f;
+#pragma unroll
+                for (int a = 0; a < MAX_DK; ++a)
+                    if (a < dk) o += (qs[l * dk + a] * el) * s[a];
+                for (int m = 0; m <= l; ++m) o += pm[l * CHUNK + m] * us[m * dv + j];
+                core[(long long)(t0 + l) * nv * dv + h * dv + j] = o;
+            }
+            // S = exp(gam_last) S + sum_m exp(gam_last - gam_m) k_m (x) V'_m
+            float last = gam[len - 1];
+            float el = expf(last);
+#pragma unroll
+            for (int a = 0; a < MAX_DK; ++a) s[a] *= el;
+            for (int m = 0; m < len; ++m) {
+                float f = expf(last - gam[m]);
+                float vm = us[m * dv + j];
+#pragma unroll
+                for (int a = 0; a < MAX_DK; ++a)
+                    if (a < dk) s[a] += (ks[m * dk + a] * f) * vm;
+            }
+        }
+        i0 += len;
+    }
+    if (j < dv) {
+#pragma unroll
+        for (int i = 0; i < MAX_DK; ++i)
+            if (i < dk) sp[i * dv + j] = s[i];
+    }
+}
+
+// grid (T, nv), 128 threads: y = x * rsqrt(mean(x^2) + eps) * w * silu(z), per value head.
+extern "C" __global__ void gdn_out_norm(float* out, const float* core, const float* z, const float* w, int nv, int dv, float eps) {
+    __shared__ float scratch[33];
+    long long base = ((long long)blockIdx.x * nv + blockIdx.y) * dv;
+    float ss = 0.0f;
+    for (int d = threadIdx.x; d < dv; d += blockDim.x) ss += core[base + d] * core[base + d];
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+    for (int d = threadIdx.x; d < dv; d += blockDim.x) out[base + d] = core[base + d] * inv * w[d] * siluf_(z[base + d]);
+}

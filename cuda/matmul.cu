@@ -1,0 +1,303 @@
+// x[rows, K] (f32) @ W[N, K]^T (bf16) on tensor cores, batch-invariant.
+//
+// Every output element is computed by the same instruction sequence in both kernels below,
+// whatever the row count, the tile it lands in, or the kernel that runs it:
+//  - K is cut into 32-wide blocks, grouped into 4 fixed slices (of ceil(blocks/4) blocks each,
+//    from K alone). Within a slice, blocks are accumulated in order by m16n8k16 bf16 mma with
+//    an f32 accumulator that starts at zero; the 4 slice sums are then added in slice order.
+//  - Inside a 32-wide block, a thread's 8 consecutive k values feed two mmas (k permuted
+//    consistently for activations and weights, so 16-byte loads feed the fragments directly).
+//  - Each f32 activation is split as hi = bf16(x), lo = bf16(x - hi): the product keeps about
+//    16 bits of the activation. F32/F16 weights are split the same way (hi + lo matrices).
+//    Per half-block the order is hi*Whi, lo*Whi, then hi*Wlo when the weight has a lo part.
+// The small-row kernel gives each warp one slice and adds the slices through shared memory;
+// the tiled kernel walks the slices in sequence. Both add 0 + s0 + s1 + s2 + s3 in order.
+
+#define KSLICES 4
+
+__device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One 32-wide k block for one m16 x n8 tile. ahi/alo[s] are the fragments of half-block s.
+__device__ __forceinline__ void mma_kblock(float c[4], const u32 ahi[2][4], const u32 alo[2][4], uint4 whi, uint4 wlo, bool has_lo) {
+    mma_bf16(c, ahi[0], whi.x, whi.y);
+    mma_bf16(c, alo[0], whi.x, whi.y);
+    if (has_lo) mma_bf16(c, ahi[0], wlo.x, wlo.y);
+    mma_bf16(c, ahi[1], whi.z, whi.w);
+    mma_bf16(c, alo[1], whi.z, whi.w);
+    if (has_lo) mma_bf16(c, ahi[1], wlo.z, wlo.w);
+}
+
+__device__ __forceinline__ void load8_f32(const float* row, int k, int K, bool vec, float v[8]) {
+    if (row && vec && k + 8 <= K) {
+        float4 a = *(const float4*)(row + k), b = *(const float4*)(row + k + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = (row && k + i < K) ? row[k + i] : 0.0f;
+    }
+}
+
+__device__ __forceinline__ uint4 load8_bf16(const bf16_t* row, int k, int K, bool vec) {
+    if (row && vec && k + 8 <= K) return *(const uint4*)(row + k);
+    u32 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 a = (row && k + 2 * i < K) ? row[k + 2 * i] : 0u;
+        u32 b = (row && k + 2 * i + 1 < K) ? row[k + 2 * i + 1] : 0u;
+        w[i] = a | (b << 16);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// hi/lo bf16 pairs of 8 consecutive values: out[i] = {v[2i], v[2i+1]}.
+__device__ __forceinline__ void split8(const float v[8], u32 hi[4], u32 lo[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float a = v[2 * i], b = v[2 * i + 1];
+        float ah = bf16_to_f32(f32_to_bf16(a)), bh = bf16_to_f32(f32_to_bf16(b));
+        hi[i] = pack_bf16x2(a, b);
+        lo[i] = pack_bf16x2(a - ah, b - bh);
+    }
+}
+
+// Fragments of half-blocks 0 and 1 from rows g (r0) and g+8 (r1), 4 pairs each.
+__device__ __forceinline__ void make_frags(const u32 r0[4], const u32 r1[4], u32 f[2][4]) {
+    f[0][0] = r0[0]; f[0][1] = r1[0]; f[0][2] = r0[1]; f[0][3] = r1[1];
+    f[1][0] = r0[2]; f[1][1] = r1[2]; f[1][2] = r0[3]; f[1][3] = r1[3];
+}
+
+struct Group {
+    const bf16_t* whi;
+    const bf16_t* wlo;
+    int rows;
+    const int* list;
+};
+
+// Grouped launches (mixture of experts): blockIdx.z picks the expert's weights and row list;
+// list entries are output rows, and activation rows are entry / a_div.
+__device__ __forceinline__ Group group_of(const bf16_t* whi, const bf16_t* wlo, int rows, const u64* group_w, const int* counts, const int* lists, int list_stride) {
+    Group g;
+    if (group_w) {
+        int z = blockIdx.z;
+        g.whi = (const bf16_t*)group_w[2 * z];
+        g.wlo = (const bf16_t*)group_w[2 * z + 1];
+        g.rows = counts[z];
+        g.list = lists + (long long)z * list_stride;
+    } else {
+        g.whi = whi; g.wlo = wlo; g.rows = rows; g.list = 0;
+    }
+    return g;
+}
+
+#define SMALL_NT 2      // n8 tiles per block: 16 output columns
+#define SMALL_UNROLL 4  // k blocks loaded before use
+
+// Few rows: grid (ceil(N/16), ceil(rows/16), groups), 128 threads; warp w owns k-slice w.
+extern "C" __global__ void __launch_bounds__(128) matmul_small(float* out, const float* x, const bf16_t* whi_, const bf16_t* wlo_, int rows, int N, int K,
+        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div) {
+    __shared__ float red[KSLICES][SMALL_NT][32][4];
+    Group grp = group_of(whi_, wlo_, rows, group_w, counts, lists, list_stride);
+    int m0 = blockIdx.y * 16;
+    if (m0 >= grp.rows) return;
+    int n0 = blockIdx.x * 16;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    bool vec = (K % 8) == 0;
+    bool has_lo = grp.wlo != 0;
+    const float* xr0 = 0;
+    const float* xr1 = 0;
+    if (m0 + g < grp.rows) xr0 = x + (long long)(grp.list ? grp.list[m0 + g] / a_div : m0 + g) * K;
+    if (m0 + g + 8 < grp.rows) xr1 = x + (long long)(grp.list ? grp.list[m0 + g + 8] / a_div : m0 + g + 8) * K;
+    const bf16_t* wh[SMALL_NT];
+    const bf16_t* wl[SMALL_NT];
+#pragma unroll
+    for (int j = 0; j < SMALL_NT; ++j) {
+        int n = n0 + j * 8 + g;
+        wh[j] = n < N ? grp.whi + (long long)n * K : 0;
+        wl[j] = (has_lo && n < N) ? grp.wlo + (long long)n * K : 0;
+    }
+    float c[SMALL_NT][4];
+#pragma unroll
+    for (int j = 0; j < SMALL_NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+    int nkb = (K + 31) / 32, kps = (nkb + KSLICES - 1) / KSLICES;
+    int kb0 = warp * kps, kb1 = min(kb0 + kps, nkb);
+    for (int kb = kb0; kb < kb1; kb += SMALL_UNROLL) {
+        uint4 bh[SMALL_UNROLL][SMALL_NT], bl[SMALL_UNROLL][SMALL_NT];
+#pragma unroll
+        for (int u = 0; u < SMALL_UNROLL; ++u) {
+            int k = (kb + u) * 32 + q * 8;
+            bool live = kb + u < kb1;
+#pragma unroll
+            for (int j = 0; j < SMALL_NT; ++j) {
+                bh[u][j] = live ? load8_bf16(wh[j], k, K, vec) : make_uint4(0, 0, 0, 0);
+                bl[u][j] = (live && has_lo) ? load8_bf16(wl[j], k, K, vec) : make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < SMALL_UNROLL; ++u) {
+            if (kb + u >= kb1) break;
+            int k = (kb + u) * 32 + q * 8;
+            float v0[8], v1[8];
+            load8_f32(xr0, k, K, vec, v0);
+            load8_f32(xr1, k, K, vec, v1);
+            u32 h0[4], l0[4], h1[4], l1[4], ahi[2][4], alo[2][4];
+            split8(v0, h0, l0);
+            split8(v1, h1, l1);
+            make_frags(h0, h1, ahi);
+            make_frags(l0, l1, alo);
+#pragma unroll
+            for (int j = 0; j < SMALL_NT; ++j) mma_kblock(c[j], ahi, alo, bh[u][j], bl[u][j], has_lo);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < SMALL_NT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[warp][j][lane][i] = c[j][i];
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int j = 0; j < SMALL_NT; ++j) {
+        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int w = 0; w < KSLICES; ++w)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) t[i] += red[w][j][lane][i];
+        int col = n0 + j * 8 + 2 * q;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int r = m0 + g + 8 * half;
+            if (r >= grp.rows) continue;
+            long long orow = grp.list ? grp.list[r] : r;
+            if (col < N) out[orow * N + col] = t[2 * half];
+            if (col + 1 < N) out[orow * N + col + 1] = t[2 * half + 1];
+        }
+    }
+}
+
+#define TBM 64
+#define TBN 64
+
+// Many rows: grid (ceil(N/64), ceil(rows/64), groups), 128 threads as 2x2 warps of 32x32.
+// Shared tiles hold one 32-wide k block as bf16 (activations already split into hi/lo).
+extern "C" __global__ void __launch_bounds__(128) matmul_tiled(float* out, const float* x, const bf16_t* whi_, const bf16_t* wlo_, int rows, int N, int K,
+        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div) {
+    __shared__ __align__(16) bf16_t s_ahi[2][TBM][32];
+    __shared__ __align__(16) bf16_t s_alo[2][TBM][32];
+    __shared__ __align__(16) bf16_t s_whi[2][TBN][32];
+    __shared__ __align__(16) bf16_t s_wlo[2][TBN][32];
+    Group grp = group_of(whi_, wlo_, rows, group_w, counts, lists, list_stride);
+    int m0 = blockIdx.y * TBM;
+    if (m0 >= grp.rows) return;
+    int n0 = blockIdx.x * TBN;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    int wm = warp >> 1, wn = warp & 1;
+    bool vec = (K % 8) == 0;
+    bool has_lo = grp.wlo != 0;
+    // Loader role: row tid/2 of each tile, k offset (tid%2)*16.
+    int lr = tid >> 1, lk = (tid & 1) * 16;
+    const float* xrow = 0;
+    if (m0 + lr < grp.rows) xrow = x + (long long)(grp.list ? grp.list[m0 + lr] / a_div : m0 + lr) * K;
+    const bf16_t* whrow = n0 + lr < N ? grp.whi + (long long)(n0 + lr) * K : 0;
+    const bf16_t* wlrow = (has_lo && n0 + lr < N) ? grp.wlo + (long long)(n0 + lr) * K : 0;
+
+    float acc[2][4][4], tot[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = tot[i][j][e] = 0.0f;
+
+    int nkb = (K + 31) / 32, kps = (nkb + KSLICES - 1) / KSLICES;
+    float xv[2][8];
+    uint4 wv[2][2];
+    auto load = [&](int kb) {
+        int k = kb * 32 + lk;
+        load8_f32(xrow, k, K, vec, xv[0]);
+        load8_f32(xrow, k + 8, K, vec, xv[1]);
+        wv[0][0] = load8_bf16(whrow, k, K, vec);
+        wv[0][1] = load8_bf16(whrow, k + 8, K, vec);
+        wv[1][0] = has_lo ? load8_bf16(wlrow, k, K, vec) : make_uint4(0, 0, 0, 0);
+        wv[1][1] = has_lo ? load8_bf16(wlrow, k + 8, K, vec) : make_uint4(0, 0, 0, 0);
+    };
+    auto store = [&](int buf) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u32 hi[4], lo[4];
+            split8(xv[h], hi, lo);
+            *(uint4*)&s_ahi[buf][lr][lk + 8 * h] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            *(uint4*)&s_alo[buf][lr][lk + 8 * h] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+            *(uint4*)&s_whi[buf][lr][lk + 8 * h] = wv[0][h];
+            *(uint4*)&s_wlo[buf][lr][lk + 8 * h] = wv[1][h];
+        }
+    };
+    if (nkb > 0) {
+        load(0);
+        store(0);
+    }
+    __syncthreads();
+    int slice = 0, slice_end = min(kps, nkb);
+    for (int kb = 0; kb < nkb; ++kb) {
+        int buf = kb & 1;
+        if (kb + 1 < nkb) load(kb + 1);
+        u32 ahi[2][2][4], alo[2][2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            int r = wm * 32 + i * 16 + g;
+            uint4 h0 = *(const uint4*)&s_ahi[buf][r][q * 8], h1 = *(const uint4*)&s_ahi[buf][r + 8][q * 8];
+            uint4 l0 = *(const uint4*)&s_alo[buf][r][q * 8], l1 = *(const uint4*)&s_alo[buf][r + 8][q * 8];
+            u32 a0[4] = {h0.x, h0.y, h0.z, h0.w}, a1[4] = {h1.x, h1.y, h1.z, h1.w};
+            u32 b0[4] = {l0.x, l0.y, l0.z, l0.w}, b1[4] = {l1.x, l1.y, l1.z, l1.w};
+            make_frags(a0, a1, ahi[i]);
+            make_frags(b0, b1, alo[i]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int n = wn * 32 + j * 8 + g;
+            uint4 bh = *(const uint4*)&s_whi[buf][n][q * 8];
+            uint4 bl = *(const uint4*)&s_wlo[buf][n][q * 8];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) mma_kblock(acc[i][j], ahi[i], alo[i], bh, bl, has_lo);
+        }
+        if (kb + 1 == slice_end) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        tot[i][j][e] += acc[i][j][e];
+                        acc[i][j][e] = 0.0f;
+                    }
+            ++slice;
+            slice_end = min((slice + 1) * kps, nkb);
+        }
+        if (kb + 1 < nkb) store(buf ^ 1);
+        __syncthreads();
+    }
+    // Trailing empty slices add their zero sums, as the small-row kernel does.
+    for (; slice < KSLICES; ++slice)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) tot[i][j][e] += 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int col = n0 + wn * 32 + j * 8 + 2 * q;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                int r = m0 + wm * 32 + i * 16 + g + 8 * half;
+                if (r >= grp.rows) continue;
+                long long orow = grp.list ? grp.list[r] : r;
+                if (col < N) out[orow * N + col] = tot[i][j][2 * half];
+                if (col + 1 < N) out[orow * N + col + 1] = tot[i][j][2 * half + 1];
+            }
+        }
+}

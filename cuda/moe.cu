@@ -1,0 +1,91 @@
+// Mixture-of-experts routing and combination. Expert matmuls run through the grouped mode of
+// the matmul kernels, with per-expert row lists built here in token order.
+
+// One block (256 threads) per token: softmax over all experts, top-k by repeated argmax
+// (ties to the lower index), optional renormalization. Dynamic shared memory: E floats.
+extern "C" __global__ void moe_route(int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize) {
+    extern __shared__ float ex[];
+    __shared__ float scratch[33];
+    __shared__ float best_v[8];
+    __shared__ int best_i[8];
+    __shared__ float chosen[64];
+    int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float* l = logits + (long long)t * E;
+    float m = NEG_INF;
+    for (int e = tid; e < E; e += blockDim.x) m = fmaxf(m, l[e]);
+    m = block_max(m, scratch);
+    float sum = 0.0f;
+    for (int e = tid; e < E; e += blockDim.x) {
+        ex[e] = expf(l[e] - m);
+        sum += ex[e];
+    }
+    sum = block_sum(sum, scratch);
+    for (int s = 0; s < k; ++s) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+        for (int e = tid; e < E; e += blockDim.x) {
+            float v = ex[e];
+            if (v > bv || (v == bv && e < bi)) { bv = v; bi = e; }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+            int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) { best_v[warp] = bv; best_i[warp] = bi; }
+        __syncthreads();
+        if (tid == 0) {
+            float v = best_v[0];
+            int i = best_i[0];
+            for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+                if (best_v[w] > v || (best_v[w] == v && best_i[w] < i)) { v = best_v[w]; i = best_i[w]; }
+            topk_idx[t * k + s] = i;
+            chosen[s] = v / sum;
+            ex[i] = NEG_INF;
+        }
+        __syncthreads();
+    }
+    if (tid == 0) {
+        float total = 0.0f;
+        for (int s = 0; s < k; ++s) total += chosen[s];
+        for (int s = 0; s < k; ++s) topk_w[t * k + s] = renormalize ? chosen[s] / total : chosen[s];
+    }
+}
+
+// One block (256 threads) per expert: the (token, slot) entries routed to it, in entry order.
+// lists[e * cap + i] = t * k + s; counts[e] = number of entries.
+extern "C" __global__ void moe_group(int* lists, int* counts, const int* topk_idx, int entries, int cap) {
+    __shared__ int warp_counts[8];
+    int e = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int base_out = 0;
+    for (int base = 0; base < entries; base += blockDim.x) {
+        int i = base + tid;
+        bool hit = i < entries && topk_idx[i] == e;
+        u32 ballot = __ballot_sync(FULL_MASK, hit);
+        if (lane == 0) warp_counts[warp] = __popc(ballot);
+        __syncthreads();
+        int before = base_out;
+        for (int w = 0; w < warp; ++w) before += warp_counts[w];
+        int total = 0;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += warp_counts[w];
+        if (hit) lists[(long long)e * cap + before + __popc(ballot & ((1u << lane) - 1u))] = i;
+        base_out += total;
+        __syncthreads();
+    }
+    if (tid == 0) counts[e] = base_out;
+}
+
+// out[t] = sum_s w[t,s] * y[t*k+s] (slots in order), then + sigmoid(shared_gate[t]) * shared[t].
+extern "C" __global__ void moe_combine(float* out, const float* y, const float* topk_w, const float* shared, const float* shared_gate, int T, int H, int k) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)T * H) return;
+    int t = (int)(idx / H), d = (int)(idx % H);
+    float acc = 0.0f;
+    for (int s = 0; s < k; ++s) acc += topk_w[t * k + s] * y[((long long)t * k + s) * H + d];
+    if (shared) {
+        float scale = shared_gate ? 1.0f / (1.0f + expf(-shared_gate[t])) : 1.0f;
+        acc += scale * shared[idx];
+    }
+    out[idx] = acc;
+}

@@ -1,0 +1,182 @@
+//! GPU benchmark on dummy (random, device-generated) weights at real model sizes:
+//! batch-1 decode tokens/s and its fraction of the HBM roofline (weight bytes read per token
+//! over the copy bandwidth measured in the same run), and prefill tokens/s.
+//!
+//! `cargo run --release --example cuda_bench -- [--presets a,b] [--prompt N] [--decode N] [--prefill N,M]`
+//! Prints one JSON object per preset, then a table.
+
+use kestrel::backend::cuda::{dummy, CudaBackend};
+use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
+use kestrel::model::arch::qwen35::Qwen35;
+use kestrel::model::config::ModelConfig;
+use std::time::Instant;
+
+struct Options {
+    presets: Vec<String>,
+    prompt: usize,
+    decode: usize,
+    prefill: Vec<usize>,
+}
+
+fn parse_args() -> Result<Options, String> {
+    let mut o = Options { presets: vec!["qwen3.5-9b".into(), "qwen3.5-35b-a3b".into()], prompt: 512, decode: 64, prefill: vec![512, 4096] };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = || args.next().ok_or(format!("{a} needs a value"));
+        match a.as_str() {
+            "--presets" => o.presets = value()?.split(',').map(str::to_string).collect(),
+            "--prompt" => o.prompt = value()?.parse().map_err(|e| format!("--prompt: {e}"))?,
+            "--decode" => o.decode = value()?.parse().map_err(|e| format!("--decode: {e}"))?,
+            "--prefill" => o.prefill = value()?.split(',').map(|s| s.parse().map_err(|e| format!("--prefill: {e}"))).collect::<Result<_, _>>()?,
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok(o)
+}
+
+/// Weight bytes one decode step reads: every matrix once, except the embedding table (one row)
+/// and the experts a token is not routed to.
+fn bytes_per_token(c: &ModelConfig, uploaded: usize) -> f64 {
+    let embed = c.vocab_size * c.hidden_size * 2;
+    let mut bytes = uploaded as f64;
+    if !c.tie_word_embeddings {
+        bytes -= embed as f64;
+    }
+    if let Some(m) = &c.moe {
+        let expert = 3 * m.expert_intermediate * c.hidden_size * 2;
+        let layers = c.moe_layers.iter().filter(|x| **x).count();
+        bytes -= (layers * (m.num_experts - m.top_k) * expert) as f64;
+    }
+    bytes
+}
+
+fn prefill_row(n: usize, start: usize, blocks: usize) -> BatchLayout {
+    BatchLayout { rows: vec![RowLayout { kind: RowKind::Prefill, token_start: 0, num_tokens: n, start_position: start, block_table: (0..blocks as u32).collect(), state_slot: 0, snapshot_base: 0 }] }
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
+}
+
+fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> Result<serde_json::Value, String> {
+    let before = gpu.uploaded_bytes();
+    let t0 = Instant::now();
+    let model: Qwen35<CudaBackend> = dummy::load_dummy(gpu, preset, 1234, &indicatif::ProgressBar::hidden()).map_err(|e| e.to_string())?;
+    gpu.synchronize();
+    let load_s = t0.elapsed().as_secs_f64();
+    let c = model.config.clone();
+    let uploaded = gpu.uploaded_bytes() - before;
+    let per_token = bytes_per_token(&c, uploaded);
+    let max_len = o.prefill.iter().copied().max().unwrap_or(0).max(o.prompt + o.decode + 1);
+    let blocks = max_len.div_ceil(16) + 1;
+    let mut cache = gpu.alloc_cache(&model.cache_spec(blocks, 16, 1, 1)).map_err(|e| e.to_string())?;
+    let vocab = c.vocab_size as u32;
+    let ids = |n: usize, salt: u32| -> Vec<u32> { (0..n as u32).map(|i| (i.wrapping_mul(2654435761).wrapping_add(salt)) % vocab).collect() };
+
+    // Prefill: warm-up once at each size, then the median of three timed runs.
+    let mut prefill = serde_json::Map::new();
+    for &n in &o.prefill {
+        let mut times = Vec::new();
+        for rep in 0..4 {
+            gpu.reset_state(&mut cache, 0);
+            let prompt = ids(n, rep);
+            gpu.synchronize();
+            let t = Instant::now();
+            let out = model.forward(gpu, &prompt, &prefill_row(n, 0, blocks), &[n as u32 - 1], &mut cache);
+            let _ = gpu.to_host(&out.logits);
+            if rep > 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(|a, b| a.total_cmp(b));
+        let s = times[times.len() / 2];
+        prefill.insert(n.to_string(), serde_json::json!({"seconds": s, "tokens_per_s": n as f64 / s}));
+    }
+
+    // Decode at batch 1 after a prompt: one generate row per step, its state committed.
+    gpu.reset_state(&mut cache, 0);
+    let prompt = ids(o.prompt, 99);
+    let out = model.forward(gpu, &prompt, &prefill_row(o.prompt, 0, blocks), &[o.prompt as u32 - 1], &mut cache);
+    let mut next = argmax(&gpu.to_host(&out.logits));
+    let mut step_times = Vec::with_capacity(o.decode);
+    for i in 0..o.decode {
+        let layout = BatchLayout { rows: vec![RowLayout { kind: RowKind::Generate, token_start: 0, num_tokens: 1, start_position: o.prompt + i, block_table: (0..blocks as u32).collect(), state_slot: 0, snapshot_base: 0 }] };
+        let t = Instant::now();
+        let out = model.forward(gpu, &[next], &layout, &[0], &mut cache);
+        gpu.commit_state(&mut cache, 0, 0);
+        next = argmax(&gpu.to_host(&out.logits));
+        step_times.push(t.elapsed().as_secs_f64());
+    }
+    // The first steps include one-time costs (memory pool growth); report the steady state.
+    let steady = &step_times[step_times.len().min(4)..];
+    let mean = steady.iter().sum::<f64>() / steady.len().max(1) as f64;
+    let roofline_s = per_token / bandwidth;
+    Ok(serde_json::json!({
+        "preset": preset,
+        "load_seconds": load_s,
+        "weight_bytes_on_device": uploaded,
+        "weight_bytes_per_token": per_token,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "decode": {
+            "prompt_tokens": o.prompt,
+            "steps": steady.len(),
+            "ms_per_token": mean * 1e3,
+            "tokens_per_s": 1.0 / mean,
+            "roofline_ms_per_token": roofline_s * 1e3,
+            "fraction_of_roofline": roofline_s / mean,
+        },
+        "prefill": prefill,
+    }))
+}
+
+fn main() {
+    let o = match parse_args() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("cuda_bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = kestrel::backend::cuda::probe() {
+        eprintln!("cuda_bench: {e}");
+        std::process::exit(1);
+    }
+    let gpu = match CudaBackend::new(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("cuda_bench: {e}");
+            std::process::exit(1);
+        }
+    };
+    let bandwidth = match gpu.copy_bandwidth(2 << 30, 10) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("cuda_bench: bandwidth measurement failed: {e:?}");
+            std::process::exit(1);
+        }
+    };
+    eprintln!("{}: copy bandwidth {:.0} GB/s (read + write)", gpu.device_description(), bandwidth / 1e9);
+    let mut rows = Vec::new();
+    for p in &o.presets {
+        match run_preset(&gpu, p, &o, bandwidth) {
+            Ok(v) => {
+                println!("{v}");
+                rows.push(v);
+            }
+            Err(e) => eprintln!("{p}: {e}"),
+        }
+    }
+    println!("\n{:<22} {:>10} {:>10} {:>9} {:>14} {:>14}", "preset", "decode t/s", "ms/token", "roofline", "prefill512 t/s", "prefill4096 t/s");
+    for v in &rows {
+        let pf = |n: &str| v["prefill"][n]["tokens_per_s"].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "{:<22} {:>10.1} {:>10.2} {:>9.3} {:>14.0} {:>14.0}",
+            v["preset"].as_str().unwrap_or("?"),
+            v["decode"]["tokens_per_s"].as_f64().unwrap_or(f64::NAN),
+            v["decode"]["ms_per_token"].as_f64().unwrap_or(f64::NAN),
+            v["decode"]["fraction_of_roofline"].as_f64().unwrap_or(f64::NAN),
+            pf("512"),
+            pf("4096")
+        );
+    }
+}

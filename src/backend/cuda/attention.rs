@@ -1,0 +1,106 @@
+//! Gated attention launches (cuda/attention.cu).
+
+use super::cache::CudaCache;
+use super::{Arg, CudaBackend, CudaTensor, CudaVector};
+use crate::backend::{AttentionDims, BatchLayout};
+
+/// Keys per tile of the attention kernel (fixed: tiles are aligned to absolute positions).
+const KEY_TILE: usize = 64;
+/// Query-head elements one attention block keeps in registers (256 threads x 8).
+const MAX_BLOCK_ELEMS: usize = 2048;
+/// From this many tokens, a block serves every query head of a kv group (sharing key/value
+/// reads); below it, one head per block spreads a short step over more SMs. The per-(query,
+/// head) arithmetic is identical either way.
+const GROUPED_HEADS_MIN_TOKENS: usize = 64;
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gated_attention(
+    be: &CudaBackend,
+    q_gate: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    q_norm: &CudaVector,
+    k_norm: &CudaVector,
+    d: &AttentionDims,
+    layout: &BatchLayout,
+    cache: &mut CudaCache,
+    layer: usize,
+) -> CudaTensor {
+    let t = q_gate.rows;
+    let (nq, nkv, hd) = (d.num_heads, d.num_kv_heads, d.head_dim);
+    assert_eq!(q_gate.cols, nq * 2 * hd, "gated_attention: q projection width");
+    assert_eq!((k.rows, k.cols, v.rows, v.cols), (t, nkv * hd, t, nkv * hd), "gated_attention: k/v shapes");
+    assert_eq!((q_norm.len, k_norm.len), (hd, hd), "gated_attention: q/k norm length");
+    assert!(nkv > 0 && nq % nkv == 0 && hd <= MAX_BLOCK_ELEMS, "gated_attention: unsupported head layout {nq}/{nkv}x{hd}");
+    assert!(layer < cache.k.len(), "gated_attention: attention layer {layer} outside the cache");
+    assert_eq!((cache.spec.kv_heads, cache.spec.head_dim), (nkv, hd), "gated_attention: cache geometry");
+    let bs = cache.spec.block_size;
+    let dl = be.device_layout(layout, bs);
+    assert_eq!(dl.num_tokens, t, "gated_attention: layout covers {} tokens, activations have {t}", dl.num_tokens);
+    if let Some(b) = dl.max_block {
+        assert!((b as usize) < cache.spec.num_blocks, "gated_attention: block {b} outside the cache");
+    }
+    let base = be.ptr(&dl.buf);
+    let at = |off: usize| base + 4 * off as u64;
+    let q = be.tensor(t, nq * hd);
+    let gate = be.tensor(t, nq * hd);
+    let inv_freq = be.rope_table(d.rope_theta, d.rotary_dim);
+    let (kc, vc) = (be.ptr(&cache.k[layer]), be.ptr(&cache.v[layer]));
+    be.launch(
+        &be.k.attn_prep,
+        (t as u32, (nq + nkv) as u32, 1),
+        128,
+        hd * 4,
+        &[
+            Arg::Ptr(be.ptr(&q.data)),
+            Arg::Ptr(be.ptr(&gate.data)),
+            Arg::Ptr(kc),
+            Arg::Ptr(vc),
+            Arg::Ptr(be.ptr(&q_gate.data)),
+            Arg::Ptr(be.ptr(&k.data)),
+            Arg::Ptr(be.ptr(&v.data)),
+            Arg::Ptr(be.ptr(&q_norm.data)),
+            Arg::Ptr(be.ptr(&k_norm.data)),
+            Arg::Ptr(be.ptr(&*inv_freq)),
+            Arg::Ptr(at(dl.tok_row_off)),
+            Arg::Ptr(at(dl.pos_off)),
+            Arg::Ptr(base),
+            Arg::Ptr(base),
+            Arg::I32(nq as i32),
+            Arg::I32(nkv as i32),
+            Arg::I32(hd as i32),
+            Arg::I32(d.rotary_dim as i32),
+            Arg::I32(bs as i32),
+            Arg::F32(d.eps),
+        ],
+    );
+    let group = nq / nkv;
+    let heads_per_block = if t >= GROUPED_HEADS_MIN_TOKENS && group * hd <= MAX_BLOCK_ELEMS { group } else { 1 };
+    let smem = heads_per_block * (hd + KEY_TILE + 3) * 4;
+    assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
+    let out = be.tensor(t, nq * hd);
+    be.launch(
+        &be.k.attn_core,
+        (t as u32, (nq / heads_per_block) as u32, 1),
+        256,
+        smem,
+        &[
+            Arg::Ptr(be.ptr(&out.data)),
+            Arg::Ptr(be.ptr(&q.data)),
+            Arg::Ptr(be.ptr(&gate.data)),
+            Arg::Ptr(kc),
+            Arg::Ptr(vc),
+            Arg::Ptr(at(dl.tok_row_off)),
+            Arg::Ptr(at(dl.pos_off)),
+            Arg::Ptr(base),
+            Arg::Ptr(base),
+            Arg::I32(nq as i32),
+            Arg::I32(nkv as i32),
+            Arg::I32(hd as i32),
+            Arg::I32(bs as i32),
+            Arg::I32(heads_per_block as i32),
+            Arg::F32(1.0 / (hd as f32).sqrt()),
+        ],
+    );
+    out
+}

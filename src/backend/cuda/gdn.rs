@@ -1,0 +1,153 @@
+//! Gated DeltaNet launches (cuda/gdn.cu).
+
+use super::cache::CudaCache;
+use super::{Arg, CudaBackend, CudaTensor, CudaVector};
+use crate::backend::BatchLayout;
+use crate::model::config::LinearAttnConfig;
+
+/// Chunk of the chunked delta rule; must match CHUNK in cuda/gdn.cu and the CPU backend.
+const CHUNK: usize = crate::backend::cpu::gdn::CHUNK;
+
+pub(super) struct GdnArgs<'a> {
+    pub mixed: &'a CudaTensor,
+    pub z: &'a CudaTensor,
+    pub b: &'a CudaTensor,
+    pub a: &'a CudaTensor,
+    pub conv_weight: &'a CudaVector,
+    pub neg_a: &'a CudaVector,
+    pub dt_bias: &'a CudaVector,
+    pub norm_weight: &'a CudaVector,
+}
+
+pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnConfig, eps: f32, layout: &BatchLayout, cache: &mut CudaCache, layer: usize) -> CudaTensor {
+    let t = x.mixed.rows;
+    let (nk, nv, dk, dv, kw) = (cfg.num_key_heads, cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim, cfg.conv_kernel);
+    let (conv_dim, key_dim, value_dim) = (cfg.conv_dim(), cfg.key_dim(), cfg.value_dim());
+    assert_eq!(x.mixed.cols, conv_dim, "gated_delta_net: mixed width");
+    assert_eq!((x.z.rows, x.z.cols), (t, value_dim), "gated_delta_net: z shape");
+    assert_eq!((x.b.rows, x.b.cols, x.a.rows, x.a.cols), (t, nv, t, nv), "gated_delta_net: a/b shapes");
+    assert_eq!((x.conv_weight.len, x.neg_a.len, x.dt_bias.len, x.norm_weight.len), (conv_dim * kw, nv, nv, dv), "gated_delta_net: parameter lengths");
+    assert!(layer < cache.conv.len(), "gated_delta_net: linear layer {layer} outside the cache");
+    assert_eq!(&cache.spec.linear, cfg, "gated_delta_net: cache built for another linear-attention shape");
+    let dl = be.device_layout(layout, cache.spec.block_size);
+    assert_eq!(dl.num_tokens, t, "gated_delta_net: layout covers {} tokens, activations have {t}", dl.num_tokens);
+    if let Some(s) = dl.max_state_slot {
+        assert!(s < cache.spec.state_slots, "gated_delta_net: state slot {s} outside the cache");
+    }
+    if let Some(s) = dl.max_snapshot {
+        assert!(s < cache.spec.snapshot_slots, "gated_delta_net: snapshot slot {s} outside the cache");
+    }
+    let base = be.ptr(&dl.buf);
+    let at = |off: usize| base + 4 * off as u64;
+    let (conv_state, conv_snap) = (be.ptr(&cache.conv[layer]), be.ptr(&cache.conv_snap[layer]));
+    let (rec, rec_snap) = (be.ptr(&cache.rec[layer]), be.ptr(&cache.rec_snap[layer]));
+
+    // 1. Conv + SiLU (reads the stored windows), then the windows are advanced.
+    let conv_out = be.tensor(t, conv_dim);
+    let n = t * conv_dim;
+    be.launch(
+        &be.k.gdn_conv,
+        (n.div_ceil(256) as u32, 1, 1),
+        256,
+        0,
+        &[
+            Arg::Ptr(be.ptr(&conv_out.data)),
+            Arg::Ptr(be.ptr(&x.mixed.data)),
+            Arg::Ptr(conv_state),
+            Arg::Ptr(be.ptr(&x.conv_weight.data)),
+            Arg::Ptr(at(dl.tok_row_off)),
+            Arg::Ptr(base),
+            Arg::I32(t as i32),
+            Arg::I32(conv_dim as i32),
+            Arg::I32(kw as i32),
+        ],
+    );
+    let n = dl.num_rows * conv_dim;
+    be.launch(
+        &be.k.gdn_conv_state,
+        (n.div_ceil(256) as u32, 1, 1),
+        256,
+        0,
+        &[Arg::Ptr(conv_state), Arg::Ptr(conv_snap), Arg::Ptr(be.ptr(&x.mixed.data)), Arg::Ptr(base), Arg::I32(dl.num_rows as i32), Arg::I32(conv_dim as i32), Arg::I32(kw as i32)],
+    );
+
+    // 2. Normalized q/k and the gates.
+    let qn = be.tensor(t, key_dim);
+    let kn = be.tensor(t, key_dim);
+    let g = be.tensor(t, nv);
+    let beta = be.tensor(t, nv);
+    be.launch(
+        &be.k.gdn_gates,
+        (t as u32, (nk + 1) as u32, 1),
+        128,
+        0,
+        &[
+            Arg::Ptr(be.ptr(&qn.data)),
+            Arg::Ptr(be.ptr(&kn.data)),
+            Arg::Ptr(be.ptr(&g.data)),
+            Arg::Ptr(be.ptr(&beta.data)),
+            Arg::Ptr(be.ptr(&conv_out.data)),
+            Arg::Ptr(be.ptr(&x.a.data)),
+            Arg::Ptr(be.ptr(&x.b.data)),
+            Arg::Ptr(be.ptr(&x.neg_a.data)),
+            Arg::Ptr(be.ptr(&x.dt_bias.data)),
+            Arg::I32(nk as i32),
+            Arg::I32(nv as i32),
+            Arg::I32(dk as i32),
+            Arg::I32(conv_dim as i32),
+        ],
+    );
+
+    // 3. Delta rule: recurrent for generate rows, chunked for prefill rows.
+    let core = be.tensor(t, value_dim);
+    let common = |row_ids: u64| {
+        [
+            Arg::Ptr(be.ptr(&core.data)),
+            Arg::Ptr(be.ptr(&qn.data)),
+            Arg::Ptr(be.ptr(&kn.data)),
+            Arg::Ptr(be.ptr(&conv_out.data)),
+            Arg::Ptr(be.ptr(&g.data)),
+            Arg::Ptr(be.ptr(&beta.data)),
+            Arg::Ptr(rec),
+            Arg::Ptr(rec_snap),
+            Arg::Ptr(base),
+            Arg::Ptr(row_ids),
+            Arg::I32(nk as i32),
+            Arg::I32(nv as i32),
+            Arg::I32(dk as i32),
+            Arg::I32(dv as i32),
+            Arg::I32(conv_dim as i32),
+        ]
+    };
+    if dl.num_generate > 0 {
+        let threads = dv.div_ceil(32) as u32 * 32;
+        be.launch(&be.k.gdn_recurrent, (dl.num_generate as u32, nv as u32, 1), threads, 0, &common(at(dl.generate_off)));
+    }
+    if dl.num_prefill > 0 {
+        let smem = (3 * CHUNK * dk + CHUNK * dv + 2 * CHUNK * CHUNK + 2 * CHUNK) * 4;
+        assert!(smem <= be.max_dynamic_smem, "gated_delta_net: dk {dk} / dv {dv} need {smem} bytes of shared memory");
+        // The chunked kernel has no snapshot argument: drop it from the shared list.
+        let mut args: Vec<Arg> = common(at(dl.prefill_off)).into_iter().collect();
+        args.remove(7);
+        be.launch(&be.k.gdn_chunked, (dl.num_prefill as u32, nv as u32, 1), 128, smem, &args);
+    }
+
+    // 4. Gated RMSNorm per value head.
+    let out = be.tensor(t, value_dim);
+    be.launch(
+        &be.k.gdn_out_norm,
+        (t as u32, nv as u32, 1),
+        128,
+        0,
+        &[
+            Arg::Ptr(be.ptr(&out.data)),
+            Arg::Ptr(be.ptr(&core.data)),
+            Arg::Ptr(be.ptr(&x.z.data)),
+            Arg::Ptr(be.ptr(&x.norm_weight.data)),
+            Arg::I32(nv as i32),
+            Arg::I32(dv as i32),
+            Arg::F32(eps),
+        ],
+    );
+    out
+}

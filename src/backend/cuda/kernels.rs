@@ -1,0 +1,136 @@
+//! Kernel sources (cuda/*.cu, embedded in the binary) compiled by NVRTC into a CUBIN for the
+//! GPU's exact architecture, and cached on disk so later runs skip the compiler.
+
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use std::ffi::{CStr, CString};
+use std::path::PathBuf;
+
+/// Helpers prepended to every source.
+pub const COMMON_SOURCE: &str = include_str!("../../../cuda/common.cuh");
+
+/// Every kernel source: (module name, text).
+pub const SOURCES: [(&str, &str); 5] = [
+    ("elementwise", include_str!("../../../cuda/elementwise.cu")),
+    ("matmul", include_str!("../../../cuda/matmul.cu")),
+    ("attention", include_str!("../../../cuda/attention.cu")),
+    ("gdn", include_str!("../../../cuda/gdn.cu")),
+    ("moe", include_str!("../../../cuda/moe.cu")),
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("NVRTC library (libnvrtc.so.13) not found")]
+    NoNvrtc,
+    #[error("NVRTC failed on {module}.cu for {arch}: {reason}\n{log}")]
+    Compile { module: String, arch: String, reason: String, log: String },
+    #[error("NVRTC error on {module}.cu: {reason}")]
+    Nvrtc { module: String, reason: String },
+}
+
+/// `sm_XY` for a compute capability.
+pub fn arch_name(major: i32, minor: i32) -> String {
+    format!("sm_{major}{minor}")
+}
+
+/// The full translation unit NVRTC compiles for one module.
+pub fn module_source(body: &str) -> String {
+    format!("{COMMON_SOURCE}\n{body}")
+}
+
+fn options(arch: &str) -> Vec<String> {
+    // Precise division, square root and denormals (NVRTC's defaults): results stay close to
+    // the f32 CPU reference.
+    vec![format!("--gpu-architecture={arch}"), "-std=c++17".to_string(), "--fmad=true".to_string()]
+}
+
+/// NVRTC's version, e.g. (13, 0).
+pub fn nvrtc_version() -> Result<(i32, i32), KernelError> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: plain out-parameters.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }.result().map_err(|e| KernelError::Nvrtc { module: "-".into(), reason: format!("{e:?}") })?;
+    Ok((major, minor))
+}
+
+/// True when libnvrtc can be loaded (checked before any NVRTC call, which would panic).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { nvrtc_sys::is_culib_present() }
+}
+
+/// Compiles one module to a CUBIN for `arch` (e.g. "sm_90").
+pub fn compile_cubin(module: &str, body: &str, arch: &str) -> Result<Vec<u8>, KernelError> {
+    if !nvrtc_present() {
+        return Err(KernelError::NoNvrtc);
+    }
+    let err = |reason: String| KernelError::Nvrtc { module: module.to_string(), reason };
+    let src = CString::new(module_source(body)).map_err(|_| err("source holds a NUL byte".into()))?;
+    let name = CString::new(format!("{module}.cu")).map_err(|_| err("bad module name".into()))?;
+    let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| err(format!("{e:?}")))?;
+    // SAFETY: `prog` was just created and is destroyed exactly once below.
+    let result = unsafe { nvrtc::compile_program(prog, &options(arch)) };
+    let out = match result {
+        Err(e) => {
+            // SAFETY: valid program handle.
+            let log = unsafe { nvrtc::get_program_log(prog) }.map(|l| unsafe { CStr::from_ptr(l.as_ptr()) }.to_string_lossy().into_owned()).unwrap_or_default();
+            Err(KernelError::Compile { module: module.to_string(), arch: arch.to_string(), reason: format!("{e:?}"), log })
+        }
+        Ok(()) => {
+            let mut size = 0usize;
+            // SAFETY: valid compiled program; the buffer has the size NVRTC reported.
+            unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) }.result().map_err(|e| err(format!("{e:?}")))?;
+            let mut cubin = vec![0u8; size];
+            unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()) }.result().map_err(|e| err(format!("{e:?}")))?;
+            Ok(cubin)
+        }
+    };
+    // SAFETY: destroyed once; a failure here only leaks the program.
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    out
+}
+
+/// `$XDG_CACHE_HOME/kestrel/kernels` or `~/.cache/kestrel/kernels`.
+fn cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from).filter(|p| p.is_absolute()).or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("kestrel").join("kernels"))
+}
+
+/// FNV-1a: a stable 64-bit key for the cache file name.
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for p in parts {
+        for b in p.iter().chain(&[0xffu8]) {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x100000001b3);
+        }
+    }
+    h
+}
+
+/// The CUBIN of one module: from the disk cache when the source, options, architecture and
+/// NVRTC version match, else compiled and stored (a cache that cannot be written is skipped).
+pub fn cached_cubin(module: &str, body: &str, arch: &str) -> Result<Vec<u8>, KernelError> {
+    let (major, minor) = nvrtc_version()?;
+    let version = format!("{major}.{minor}");
+    let opts = options(arch).join(" ");
+    let key = fnv1a(&[COMMON_SOURCE.as_bytes(), body.as_bytes(), opts.as_bytes(), version.as_bytes()]);
+    let path = cache_dir().map(|d| d.join(format!("{module}-{arch}-{key:016x}.cubin")));
+    if let Some(p) = &path {
+        if let Ok(bytes) = std::fs::read(p) {
+            if !bytes.is_empty() {
+                return Ok(bytes);
+            }
+        }
+    }
+    let cubin = compile_cubin(module, body, arch)?;
+    if let Some(p) = &path {
+        if let Some(dir) = p.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        // Write then rename, so a concurrent reader never sees half a file.
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &cubin).is_ok() {
+            let _ = std::fs::rename(&tmp, p);
+        }
+    }
+    Ok(cubin)
+}

@@ -1,0 +1,308 @@
+//! The CUDA backend: cudarc with dynamic loading (a binary built without CUDA runs wherever the
+//! driver is), kernels from cuda/*.cu compiled by NVRTC for the detected GPU and cached on
+//! disk, one non-default stream, f32 activations and recurrent state, bf16 weights.
+//!
+//! Every op is batch-invariant (DESIGN Invariant 3): the arithmetic of a row never depends on
+//! the other rows or on how many there are (see cuda/matmul.cu for the matmul argument,
+//! cuda/attention.cu and cuda/gdn.cu for tiles and chunks aligned to absolute positions).
+//!
+//! The [`Backend`] ops are infallible; a device failure inside one (a fault, an exhausted
+//! device) panics with the driver's message, since no result could be produced.
+
+mod attention;
+mod cache;
+pub mod dummy;
+mod gdn;
+pub mod kernels;
+mod layout;
+mod matmul;
+mod moe;
+mod ops;
+mod tensor;
+
+pub use cache::CudaCache;
+pub use tensor::{CudaMatrix, CudaTensor, CudaVector};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig, PushKernelArg};
+use kernels::KernelError;
+use layout::DeviceLayout;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaInitError {
+    #[error("no CUDA driver (libcuda.so.1 cannot be loaded)")]
+    NoDriver,
+    #[error("NVRTC (libnvrtc.so.13) cannot be loaded; it compiles the kernels at run time")]
+    NoNvrtc,
+    #[error("no CUDA device found")]
+    NoDevice,
+    #[error("CUDA driver error: {0}")]
+    Driver(String),
+    #[error("GPU {name} has compute capability {major}.{minor}; the kernels need 8.0 or newer (bf16 tensor cores)")]
+    Unsupported { name: String, major: i32, minor: i32 },
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+}
+
+/// Whether the CUDA driver and NVRTC can be loaded. Call before anything else in this module:
+/// cudarc panics on a missing library.
+pub fn probe() -> Result<(), CudaInitError> {
+    // SAFETY: these only try to dlopen the libraries.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(CudaInitError::NoDriver);
+    }
+    if !kernels::nvrtc_present() {
+        return Err(CudaInitError::NoNvrtc);
+    }
+    Ok(())
+}
+
+/// Panics with the driver's message: an op of the infallible [`Backend`] interface failed on
+/// the device.
+#[track_caller]
+pub(super) fn ck<T>(r: Result<T, DriverError>, what: &str) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => panic!("CUDA error in {what}: {e:?}"),
+    }
+}
+
+/// A kernel argument.
+pub(super) enum Arg {
+    Ptr(u64),
+    I32(i32),
+    F32(f32),
+    U64(u64),
+    I64(i64),
+}
+
+macro_rules! kernel_table {
+    ($($module:literal => [$($name:ident),* $(,)?]),* $(,)?) => {
+        /// Every kernel, loaded once.
+        pub(super) struct Kernels { $($(pub $name: CudaFunction,)*)* }
+
+        impl Kernels {
+            fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<(Self, Vec<Arc<CudaModule>>), CudaInitError> {
+                let mut modules = Vec::new();
+                $(
+                    let body = kernels::SOURCES.iter().find(|s| s.0 == $module).map(|s| s.1).unwrap_or("");
+                    let cubin = kernels::cached_cubin($module, body, arch)?;
+                    let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(|e| CudaInitError::Driver(format!("loading {}.cu: {e:?}", $module)))?;
+                    $(let $name = module.load_function(stringify!($name)).map_err(|e| CudaInitError::Driver(format!("kernel {}: {e:?}", stringify!($name))))?;)*
+                    modules.push(module);
+                )*
+                Ok((Kernels { $($($name,)*)* }, modules))
+            }
+        }
+    };
+}
+
+kernel_table! {
+    "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth],
+    "matmul" => [matmul_small, matmul_tiled],
+    "attention" => [attn_prep, attn_core],
+    "gdn" => [gdn_conv, gdn_conv_state, gdn_gates, gdn_recurrent, gdn_chunked, gdn_out_norm],
+    "moe" => [moe_route, moe_group, moe_combine],
+}
+
+/// Per-expert weight pointer tables of one MoE block: (gate, up, down), each `[E][hi, lo]`.
+pub(super) type ExpertTables = Arc<[CudaSlice<u64>; 3]>;
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    pub(super) stream: Arc<CudaStream>,
+    pub(super) k: Kernels,
+    _modules: Vec<Arc<CudaModule>>,
+    name: String,
+    arch: String,
+    /// Seed of device-generated random weights (`--load-format dummy`), while loading one.
+    random_weights: Mutex<Option<u64>>,
+    uploaded_bytes: AtomicUsize,
+    layout_cache: Mutex<Option<(Vec<i32>, Arc<DeviceLayout>)>>,
+    rope_tables: Mutex<HashMap<(u64, usize), Arc<CudaSlice<f32>>>>,
+    pub(super) max_dynamic_smem: usize,
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`, compiles (or loads cached) kernels for its architecture.
+    pub fn new(ordinal: usize) -> Result<Self, CudaInitError> {
+        probe()?;
+        let driver = |e: DriverError| CudaInitError::Driver(format!("{e:?}"));
+        if CudaContext::device_count().map_err(driver)? <= ordinal as i32 {
+            return Err(CudaInitError::NoDevice);
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver)?;
+        // Per-slice event tracking breaks graph capture; this backend orders all work on one stream.
+        // SAFETY: called before any allocation on this context.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().map_err(driver)?;
+        let name = ctx.name().map_err(driver)?;
+        if major < 8 {
+            return Err(CudaInitError::Unsupported { name, major, minor });
+        }
+        let arch = kernels::arch_name(major, minor);
+        let (k, modules) = Kernels::load(&ctx, &arch)?;
+        let optin = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)?;
+        for f in [&k.gdn_chunked, &k.attn_core, &k.moe_route] {
+            f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin).map_err(driver)?;
+        }
+        let stream = ctx.new_stream().map_err(driver)?;
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            k,
+            _modules: modules,
+            name,
+            arch,
+            random_weights: Mutex::new(None),
+            uploaded_bytes: AtomicUsize::new(0),
+            layout_cache: Mutex::new(None),
+            rope_tables: Mutex::new(HashMap::new()),
+            max_dynamic_smem: optin.max(0) as usize,
+        })
+    }
+
+    /// GPU name and architecture, e.g. "NVIDIA H100 80GB HBM3 (sm_90)".
+    pub fn device_description(&self) -> String {
+        format!("{} ({})", self.name, self.arch)
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize), DriverError> {
+        self.ctx.mem_get_info()
+    }
+
+    /// Bytes of weights uploaded so far.
+    pub fn uploaded_bytes(&self) -> usize {
+        self.uploaded_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) {
+        ck(self.stream.synchronize(), "synchronize");
+    }
+
+    /// While `Some(seed)`, `upload_matrix` ignores the bytes it is given and fills the matrix
+    /// with random bf16 values generated on the device (shape placeholders of a dummy model).
+    pub fn set_random_weights(&self, seed: Option<u64>) {
+        *self.random_weights.lock().unwrap_or_else(|p| p.into_inner()) = seed;
+    }
+
+    pub(super) fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.stream).0
+    }
+
+    pub(super) fn launch(&self, f: &CudaFunction, grid: (u32, u32, u32), block: u32, smem: usize, args: &[Arg]) {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return;
+        }
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(v) | Arg::U64(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+                Arg::I64(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem as u32 };
+        // SAFETY: the argument lists match the kernel signatures in cuda/*.cu; every pointer is a
+        // live allocation of the size the kernel indexes (checked by the op wrappers).
+        ck(unsafe { b.launch(cfg) }, "kernel launch");
+    }
+
+    /// Uninitialized f32 buffer (at least one element, so every pointer is valid).
+    pub(super) fn alloc_f32(&self, n: usize) -> CudaSlice<f32> {
+        // SAFETY: every op writes all elements it later reads.
+        ck(unsafe { self.stream.alloc::<f32>(n.max(1)) }, "alloc")
+    }
+
+    pub(super) fn alloc_i32(&self, n: usize) -> CudaSlice<i32> {
+        // SAFETY: as above.
+        ck(unsafe { self.stream.alloc::<i32>(n.max(1)) }, "alloc")
+    }
+
+    pub(super) fn upload_i32(&self, v: &[i32]) -> CudaSlice<i32> {
+        if v.is_empty() {
+            return self.alloc_i32(1);
+        }
+        ck(self.stream.clone_htod(v), "host to device copy")
+    }
+
+    pub(super) fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
+        CudaTensor { data: self.alloc_f32(rows * cols), rows, cols }
+    }
+
+    /// The step layout on the device, re-uploaded only when it changed.
+    pub(super) fn device_layout(&self, layout: &crate::backend::BatchLayout, block_size: usize) -> Arc<DeviceLayout> {
+        let packed = layout::pack(layout, block_size);
+        let mut cached = self.layout_cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((ints, dl)) = cached.as_ref() {
+            if *ints == packed.ints {
+                return dl.clone();
+            }
+        }
+        let dl = Arc::new(DeviceLayout {
+            buf: self.upload_i32(&packed.ints),
+            num_rows: packed.num_rows,
+            num_tokens: packed.num_tokens,
+            tok_row_off: packed.tok_row_off,
+            pos_off: packed.pos_off,
+            prefill_off: packed.prefill_off,
+            num_prefill: packed.num_prefill,
+            generate_off: packed.generate_off,
+            num_generate: packed.num_generate,
+            max_block: packed.max_block,
+            max_state_slot: packed.max_state_slot,
+            max_snapshot: packed.max_snapshot,
+        });
+        *cached = Some((packed.ints, dl.clone()));
+        dl
+    }
+
+    /// RoPE inverse frequencies, computed exactly as the CPU backend does.
+    pub(super) fn rope_table(&self, theta: f64, rotary_dim: usize) -> Arc<CudaSlice<f32>> {
+        let mut tables = self.rope_tables.lock().unwrap_or_else(|p| p.into_inner());
+        tables
+            .entry((theta.to_bits(), rotary_dim))
+            .or_insert_with(|| {
+                let inv: Vec<f32> = (0..rotary_dim / 2).map(|j| 1.0f32 / (theta as f32).powf((2 * j) as f32 / rotary_dim as f32)).collect();
+                let inv = if inv.is_empty() { vec![0.0] } else { inv };
+                Arc::new(ck(self.stream.clone_htod(&inv), "host to device copy"))
+            })
+            .clone()
+    }
+
+    fn random_seed(&self) -> Option<u64> {
+        let mut s = self.random_weights.lock().unwrap_or_else(|p| p.into_inner());
+        let seed = *s;
+        // Each matrix gets its own stream of random numbers.
+        *s = seed.map(|v| v.wrapping_add(0x9E37_79B9_7F4A_7C15));
+        seed
+    }
+
+    /// Measures device memory bandwidth with a copy kernel: (bytes read + written) / time,
+    /// median of `repeats`, over `bytes`-sized buffers.
+    pub fn copy_bandwidth(&self, bytes: usize, repeats: usize) -> Result<f64, DriverError> {
+        let n16 = bytes / 16;
+        let src = self.stream.alloc_zeros::<u8>(n16 * 16)?;
+        let dst = self.stream.alloc_zeros::<u8>(n16 * 16)?;
+        let sms = self.ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32;
+        let args = [Arg::Ptr(self.ptr(&dst)), Arg::Ptr(self.ptr(&src)), Arg::I64(n16 as i64)];
+        let mut times = Vec::with_capacity(repeats);
+        for i in 0..repeats + 2 {
+            self.stream.synchronize()?;
+            let t0 = std::time::Instant::now();
+            self.launch(&self.k.copy_bandwidth, (sms * 8, 1, 1), 256, 0, &args);
+            self.stream.synchronize()?;
+            if i >= 2 {
+                times.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(|a, b| a.total_cmp(b));
+        let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+        Ok(2.0 * (n16 * 16) as f64 / median)
+    }
+}

@@ -1,0 +1,93 @@
+//! Mixture of experts on the device: routing, per-expert row lists in token order, grouped
+//! expert matmuls (one launch per projection for all experts), and the weighted sum.
+
+use super::matmul::{launch_matmul, Grouped};
+use super::{ck, Arg, CudaBackend, CudaTensor, ExpertTables};
+use crate::backend::MoeWeights;
+use crate::model::config::MoeConfig;
+use std::sync::Arc;
+
+/// Most experts per token the routing kernel keeps.
+const MAX_TOP_K: usize = 64;
+
+/// Device tables of expert weight pointers, built on first use and kept on the router weight
+/// (which belongs to exactly this block and lives as long as its experts).
+fn expert_tables(be: &CudaBackend, w: &MoeWeights<CudaBackend>) -> ExpertTables {
+    w.router
+        .expert_tables
+        .get_or_init(|| {
+            let table = |which: usize| {
+                let ptrs: Vec<u64> = w.experts.iter().flat_map(|m| [be.ptr(&m[which].hi), m[which].lo.as_ref().map_or(0, |l| be.ptr(l))]).collect();
+                ck(be.stream.clone_htod(&ptrs), "expert table upload")
+            };
+            Arc::new([table(0), table(1), table(2)])
+        })
+        .clone()
+}
+
+pub(super) fn moe(be: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig) -> CudaTensor {
+    let (t, h) = (x.rows, x.cols);
+    let (e, k, inter) = (cfg.num_experts, cfg.top_k, cfg.expert_intermediate);
+    assert_eq!(w.experts.len(), e, "moe: {} experts loaded, config says {e}", w.experts.len());
+    assert!(k >= 1 && k <= e && k <= MAX_TOP_K, "moe: top-k {k} unsupported");
+    for (i, [g, u, d]) in w.experts.iter().enumerate() {
+        assert!((g.rows, g.cols, u.rows, u.cols, d.rows, d.cols) == (inter, h, inter, h, h, inter), "moe: expert {i} has unexpected shapes");
+    }
+    let logits = super::matmul::matmul(be, x, &w.router);
+    let topk_idx = be.alloc_i32(t * k);
+    let topk_w = be.alloc_f32(t * k);
+    assert!(e * 4 <= be.max_dynamic_smem, "moe: {e} experts exceed the routing kernel's shared memory");
+    be.launch(
+        &be.k.moe_route,
+        (t as u32, 1, 1),
+        256,
+        e * 4,
+        &[Arg::Ptr(be.ptr(&topk_idx)), Arg::Ptr(be.ptr(&topk_w)), Arg::Ptr(be.ptr(&logits.data)), Arg::I32(e as i32), Arg::I32(k as i32), Arg::I32(i32::from(cfg.norm_topk_prob))],
+    );
+    // Each token picks an expert at most once, so an expert's list holds at most t entries.
+    let lists = be.alloc_i32(e * t);
+    let counts = be.alloc_i32(e);
+    be.launch(
+        &be.k.moe_group,
+        (e as u32, 1, 1),
+        256,
+        0,
+        &[Arg::Ptr(be.ptr(&lists)), Arg::Ptr(be.ptr(&counts)), Arg::Ptr(be.ptr(&topk_idx)), Arg::I32((t * k) as i32), Arg::I32(t as i32)],
+    );
+    let tables = expert_tables(be, w);
+    let grouped = |which: usize, a_div: usize| Grouped { table: be.ptr(&tables[which]), counts: be.ptr(&counts), lists: be.ptr(&lists), list_stride: t, a_div, groups: e };
+    let gate = be.tensor(t * k, inter);
+    let up = be.tensor(t * k, inter);
+    launch_matmul(be, be.ptr(&gate.data), be.ptr(&x.data), 0, 0, t, inter, h, Some(&grouped(0, k)));
+    launch_matmul(be, be.ptr(&up.data), be.ptr(&x.data), 0, 0, t, inter, h, Some(&grouped(1, k)));
+    let act = super::ops::silu_mul(be, &gate, &up);
+    let y = be.tensor(t * k, h);
+    launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), 0, 0, t, h, inter, Some(&grouped(2, 1)));
+
+    let shared = w.shared.as_ref().map(|[g, u, d]| {
+        let a = super::ops::silu_mul(be, &super::matmul::matmul(be, x, g), &super::matmul::matmul(be, x, u));
+        super::matmul::matmul(be, &a, d)
+    });
+    let shared_gate = match (&shared, &w.shared_gate) {
+        (Some(_), Some(g)) => Some(super::matmul::matmul(be, x, g)),
+        _ => None,
+    };
+    let out = be.tensor(t, h);
+    be.launch(
+        &be.k.moe_combine,
+        ((t * h).div_ceil(256) as u32, 1, 1),
+        256,
+        0,
+        &[
+            Arg::Ptr(be.ptr(&out.data)),
+            Arg::Ptr(be.ptr(&y.data)),
+            Arg::Ptr(be.ptr(&topk_w)),
+            Arg::Ptr(shared.as_ref().map_or(0, |s| be.ptr(&s.data))),
+            Arg::Ptr(shared_gate.as_ref().map_or(0, |s| be.ptr(&s.data))),
+            Arg::I32(t as i32),
+            Arg::I32(h as i32),
+            Arg::I32(k as i32),
+        ],
+    );
+    out
+}

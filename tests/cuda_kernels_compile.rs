@@ -1,0 +1,51 @@
+//! Every kernel source compiles with NVRTC, on machines without a GPU (CI).
+//!
+//! `.ci/run` installs NVRTC from the PyPI wheel `nvidia-cuda-nvrtc==13.0.88` and sets
+//! `KESTREL_NVRTC_LIB` to its `libnvrtc.so.13`. With the variable set, any compile error fails
+//! the test; under `CI=true` a missing variable fails it too. Elsewhere, the system NVRTC is
+//! used when present.
+
+use kestrel::backend::cuda::kernels;
+
+/// Architectures compiled for: Ampere (the oldest the kernels support), Ada, Hopper.
+const ARCHES: [&str; 3] = ["sm_80", "sm_89", "sm_90"];
+
+#[test]
+fn every_kernel_source_compiles_with_nvrtc() {
+    let in_ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    // Keeps the library loaded for the whole test.
+    let _preloaded = match std::env::var_os("KESTREL_NVRTC_LIB") {
+        Some(path) => {
+            // Loaded by full path first (with its builtins library beside it): the lookups by
+            // soname that follow then find these copies.
+            let path = std::path::PathBuf::from(path);
+            let builtins = path.parent().map(|d| d.join("libnvrtc-builtins.so.13.0")).filter(|p| p.exists());
+            let mut libs = Vec::new();
+            for p in builtins.iter().chain(std::iter::once(&path)) {
+                // SAFETY: loading NVRTC runs no initialisation code with preconditions.
+                let lib = unsafe { libloading::Library::new(p) };
+                libs.push(lib.unwrap_or_else(|e| panic!("{} (from KESTREL_NVRTC_LIB) cannot be loaded: {e}", p.display())));
+            }
+            Some(libs)
+        }
+        None if in_ci => panic!("KESTREL_NVRTC_LIB is not set: .ci/run installs nvidia-cuda-nvrtc==13.0.88 and sets it to the wheel's libnvrtc.so.13"),
+        None if !kernels::nvrtc_present() => {
+            eprintln!("skipped: no NVRTC (set KESTREL_NVRTC_LIB to a libnvrtc.so.13, as .ci/run does)");
+            return;
+        }
+        None => None,
+    };
+    assert!(kernels::nvrtc_present(), "NVRTC did not load");
+    let (major, minor) = kernels::nvrtc_version().expect("NVRTC version");
+    eprintln!("NVRTC {major}.{minor}");
+    let mut failures = Vec::new();
+    for arch in ARCHES {
+        for (module, body) in kernels::SOURCES {
+            match kernels::compile_cubin(module, body, arch) {
+                Ok(cubin) => assert!(!cubin.is_empty(), "{module}.cu for {arch}: empty CUBIN"),
+                Err(e) => failures.push(e.to_string()),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} kernel compilations failed:\n{}", failures.len(), failures.join("\n\n"));
+}

@@ -1,0 +1,222 @@
+//! The whole forward on the GPU: fixture models against Hugging Face transformers and the CPU
+//! backend, and batch invariance of a row's logits. Runs where a GPU is present.
+
+mod cuda_support;
+
+use cuda_support::*;
+use kestrel::backend::cpu::CpuBackend;
+use kestrel::backend::cuda::{dummy, CudaBackend};
+use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
+use kestrel::engine::request::{Request, RequestEvent, SpecMethod};
+use kestrel::engine::sampler::SamplingParams;
+use kestrel::engine::{Engine, EngineConfig};
+use kestrel::model::arch::qwen35::Qwen35;
+use kestrel::model::config::ModelConfig;
+use kestrel::model::ModelFiles;
+use std::path::{Path, PathBuf};
+
+const FIXTURES: [&str; 3] = ["qwen35-dense", "qwen35-moe", "qwen3-next"];
+const GREEDY_TOKENS: usize = 40;
+
+fn fixture_dir(name: &str) -> PathBuf {
+    let root = std::env::var_os("KESTREL_FIXTURES_DIR").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"));
+    root.join(name)
+}
+
+struct Reference {
+    prompt_ids: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+fn reference(name: &str) -> Reference {
+    let bytes = std::fs::read(fixture_dir(name).join("reference.safetensors")).expect("reference.safetensors");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid reference file");
+    let ids = st.tensor("prompt_ids").expect("prompt_ids").data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect();
+    let logits = st.tensor("logits").expect("logits").data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    Reference { prompt_ids: ids, logits }
+}
+
+fn load<B: Backend>(b: &B, files: &ModelFiles) -> Qwen35<B> {
+    Qwen35::load(b, files.config.clone(), &files.store, &indicatif::ProgressBar::hidden()).expect("weights load")
+}
+
+/// Logits of every prompt token, prefilled in one piece.
+fn prefill_logits<B: Backend>(b: &B, model: &Qwen35<B>, ids: &[u32]) -> Vec<f32> {
+    let blocks = ids.len().div_ceil(16);
+    let mut cache = b.alloc_cache(&model.cache_spec(blocks, 16, 1, 1)).unwrap();
+    b.reset_state(&mut cache, 0);
+    let layout = BatchLayout { rows: vec![RowLayout { kind: RowKind::Prefill, token_start: 0, num_tokens: ids.len(), start_position: 0, block_table: (0..blocks as u32).collect(), state_slot: 0, snapshot_base: 0 }] };
+    let rows: Vec<u32> = (0..ids.len() as u32).collect();
+    b.to_host(&model.forward(b, ids, &layout, &rows, &mut cache).logits)
+}
+
+fn greedy<B: Backend>(backend: B, model: Qwen35<B>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut engine = Engine::new(backend, model, EngineConfig { max_num_seqs: 1, max_num_batched_tokens: 64, ..EngineConfig::default() }).expect("engine starts");
+    engine.add_request(Request { prompt_ids: prompt.to_vec(), params: SamplingParams::greedy(), max_tokens: n, stop_token_ids: Vec::new(), spec: Some(SpecMethod::None) }).expect("request accepted");
+    let mut out = None;
+    while engine.has_unfinished() {
+        for ev in engine.step() {
+            if let RequestEvent::Finished { output, .. } = ev {
+                out = Some(output.generated);
+            }
+        }
+    }
+    out.expect("request finished")
+}
+
+#[test]
+fn fixtures_match_transformers_and_cpu_greedy() {
+    let Some(gpu) = gpu() else { return };
+    for name in FIXTURES {
+        let files = ModelFiles::open_dir(&fixture_dir(name)).expect("fixture opens");
+        let r = reference(name);
+        let model = load(&gpu, &files);
+        let logits = prefill_logits(&gpu, &model, &r.prompt_ids);
+        let err = relative_error(&logits, &r.logits);
+        eprintln!("{name}: GPU logits vs transformers, relative error {err:.2e}");
+        assert!(err < 1e-2, "{name}: GPU logits off transformers' by {err}");
+        let on_gpu = greedy(gpu_backend(), model, &r.prompt_ids, GREEDY_TOKENS);
+        let cpu = CpuBackend::new();
+        let cpu_model = load(&cpu, &files);
+        let on_cpu = greedy(cpu, cpu_model, &r.prompt_ids, GREEDY_TOKENS);
+        assert_eq!(on_gpu, on_cpu, "{name}: greedy continuation differs between GPU and CPU");
+        eprintln!("{name}: {GREEDY_TOKENS} greedy tokens equal on GPU and CPU");
+    }
+}
+
+/// A second handle on the GPU for an engine (the first one owns the model's buffers; both
+/// share the device's primary context).
+fn gpu_backend() -> CudaBackend {
+    CudaBackend::new(0).expect("CUDA backend starts")
+}
+
+/// One request of the invariance test: prompt, next position, blocks, slot.
+struct Req {
+    prompt: Vec<u32>,
+    prefilled: usize,
+    generated: usize,
+    table: Vec<u32>,
+    slot: usize,
+}
+
+/// How request 0's prompt is prefilled.
+#[derive(Clone, Copy)]
+enum Prefill {
+    OneChunk,
+    /// Pieces ending at multiples of 64 (the last at the prompt's end).
+    Pieces(usize),
+}
+
+const STEP_TOKENS: [u32; 5] = [7, 11, 13, 17, 19];
+
+/// Runs request 0 with `others` other requests in every step; returns request 0's logits at
+/// the end of its prefill and at every generated token (decode rows and a 3-token verify row).
+fn run_invariance(gpu: &CudaBackend, model: &Qwen35<CudaBackend>, others: usize, prefill: Prefill) -> Vec<Vec<f32>> {
+    let vocab = model.config.vocab_size as u32;
+    let n = others + 1;
+    let blocks_each = 16;
+    let mut cache = gpu.alloc_cache(&model.cache_spec(n * blocks_each, 16, n, 3 * n)).unwrap();
+    let mut reqs: Vec<Req> = (0..n)
+        .map(|i| {
+            let len = if i == 0 { 150 } else { 20 + (i * 37) % 120 };
+            Req { prompt: (0..len).map(|j| ((i * 131 + j * 17 + 3) as u32) % vocab).collect(), prefilled: 0, generated: 0, table: (0..blocks_each as u32).map(|b| (i * blocks_each) as u32 + b).collect(), slot: i }
+        })
+        .collect();
+    for i in 0..n {
+        gpu.reset_state(&mut cache, i);
+    }
+    let mut out = Vec::new();
+    let mut step = 0;
+    while reqs[0].generated < STEP_TOKENS.len() {
+        let mut ids = Vec::new();
+        let mut layout = BatchLayout::default();
+        let mut logit_rows = Vec::new();
+        let mut snap = 0;
+        let mut req0_rows = (0, 0);
+        for (i, r) in reqs.iter().enumerate() {
+            let (kind, tokens): (RowKind, Vec<u32>) = if r.prefilled < r.prompt.len() {
+                let limit = match (i, prefill) {
+                    (0, Prefill::OneChunk) => r.prompt.len(),
+                    (0, Prefill::Pieces(p)) => (r.prefilled / p + 1) * p,
+                    _ => (r.prefilled / 64 + 1) * 64,
+                };
+                (RowKind::Prefill, r.prompt[r.prefilled..limit.min(r.prompt.len())].to_vec())
+            } else {
+                // Request 0's third generate step is a verify row of 3 tokens.
+                let k = if i == 0 && r.generated == 2 { 3 } else { 1 };
+                (RowKind::Generate, (0..k).map(|j| STEP_TOKENS[(r.generated + j) % STEP_TOKENS.len()]).collect())
+            };
+            let start = ids.len();
+            let pos = r.prefilled + r.generated;
+            layout.rows.push(RowLayout { kind, token_start: start, num_tokens: tokens.len(), start_position: pos, block_table: r.table.clone(), state_slot: r.slot, snapshot_base: snap });
+            if kind == RowKind::Generate {
+                snap += tokens.len();
+            }
+            if i == 0 {
+                req0_rows = (logit_rows.len(), tokens.len());
+            }
+            let first_logit = if kind == RowKind::Prefill { start + tokens.len() - 1 } else { start };
+            for t in first_logit..start + tokens.len() {
+                logit_rows.push(t as u32);
+            }
+            ids.extend(tokens);
+        }
+        let fw = model.forward(gpu, &ids, &layout, &logit_rows, &mut cache);
+        let logits = gpu.to_host(&fw.logits);
+        let v = vocab as usize;
+        let r0 = &layout.rows[0];
+        let r0_logits = if r0.kind == RowKind::Prefill { 1 } else { req0_rows.1 };
+        if r0.kind == RowKind::Generate || reqs[0].prefilled + r0.num_tokens == reqs[0].prompt.len() {
+            for j in 0..r0_logits {
+                out.push(logits[(req0_rows.0 + j) * v..(req0_rows.0 + j + 1) * v].to_vec());
+            }
+        }
+        for (i, row) in layout.rows.iter().enumerate() {
+            let r = &mut reqs[i];
+            match row.kind {
+                RowKind::Prefill => r.prefilled += row.num_tokens,
+                RowKind::Generate => {
+                    gpu.commit_state(&mut cache, row.state_slot, row.snapshot_base + row.num_tokens - 1);
+                    r.generated += row.num_tokens;
+                }
+            }
+        }
+        step += 1;
+        assert!(step < 100, "invariance run did not finish");
+    }
+    out
+}
+
+fn tiny_config(model_type: &str) -> ModelConfig {
+    let moe = r#""num_experts":8,"num_experts_per_tok":2,"moe_intermediate_size":64,"shared_expert_intermediate_size":64,"#;
+    let json = format!(
+        r#"{{"model_type":"{model_type}","vocab_size":512,"hidden_size":128,"num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":64,"intermediate_size":192,{}"linear_num_key_heads":2,"linear_num_value_heads":4,"linear_key_head_dim":32,"linear_value_head_dim":48,"linear_conv_kernel_dim":4,"rope_theta":10000000,"partial_rotary_factor":0.25}}"#,
+        if model_type == "qwen3_5_text" { "" } else { moe }
+    );
+    ModelConfig::from_json_str(&json, Path::new("tiny")).expect("tiny config")
+}
+
+#[test]
+fn row_logits_are_batch_invariant() {
+    let Some(gpu) = gpu() else { return };
+    for model_type in ["qwen3_5_text", "qwen3_5_moe_text"] {
+        let model = dummy::load_random(&gpu, tiny_config(model_type), 42, &indicatif::ProgressBar::hidden()).expect("random model");
+        let alone = run_invariance(&gpu, &model, 0, Prefill::OneChunk);
+        assert_eq!(alone.len(), 1 + STEP_TOKENS.len() + 1, "{model_type}: unexpected number of logit rows");
+        assert!(alone.iter().flatten().all(|v| v.is_finite()), "{model_type}: non-finite logits");
+        for (others, prefill, what) in [
+            (7, Prefill::OneChunk, "among 7 others"),
+            (63, Prefill::OneChunk, "among 63 others"),
+            (0, Prefill::Pieces(64), "prefilled in pieces of 64"),
+            (0, Prefill::Pieces(128), "prefilled in pieces of 128"),
+            (7, Prefill::Pieces(64), "among 7 others, prefilled in pieces of 64"),
+        ] {
+            let got = run_invariance(&gpu, &model, others, prefill);
+            assert_eq!(got.len(), alone.len(), "{model_type} {what}: logit rows");
+            for (i, (a, b)) in got.iter().zip(&alone).enumerate() {
+                assert!(bitwise_equal(a, b), "{model_type}: logits row {i} {what} differ from the row alone (relative {})", relative_error(a, b));
+            }
+            eprintln!("{model_type}: request 0 bitwise equal {what}");
+        }
+    }
+}

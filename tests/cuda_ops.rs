@@ -1,0 +1,268 @@
+//! Every CUDA op against the CPU reference on fresh random inputs of several sizes, and the
+//! row invariance of the matmul and MoE kernels. Runs where a GPU is present.
+
+mod cuda_support;
+
+use cuda_support::*;
+use kestrel::backend::cpu::{CpuBackend, CpuCache};
+use kestrel::backend::cuda::CudaBackend;
+use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowKind, RowLayout};
+use kestrel::model::config::{LinearAttnConfig, MoeConfig};
+use kestrel::model::weights::Dtype;
+
+fn seed() -> u64 {
+    // Fresh inputs each run; the seed is printed so a failure can be replayed.
+    let s = std::env::var("KESTREL_TEST_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
+    eprintln!("seed {s}");
+    s
+}
+
+#[test]
+fn matmul_matches_cpu_and_rows_are_independent() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(seed());
+    for (inputs, outputs) in [(19, 37), (128, 64), (96, 100), (264, 257), (1024, 512)] {
+        for dtype in [Dtype::F32, Dtype::BF16] {
+            let w = random_matrix(&mut rng, outputs, inputs, dtype);
+            let gw = gpu.upload_matrix(&w).unwrap();
+            let max_rows = 200;
+            let x = rng.vec(max_rows * inputs, 1.0);
+            let full = gpu.to_host(&gpu.matmul(&gpu.from_host(&x, max_rows, inputs), &gw));
+            for rows in [1, 8, 17, 64, 65, 200] {
+                let xs = &x[..rows * inputs];
+                let got = gpu.to_host(&gpu.matmul(&gpu.from_host(xs, rows, inputs), &gw));
+                let want = cpu.to_host(&cpu.matmul(&cpu.from_host(xs, rows, inputs), &w));
+                let err = relative_error(&got, &want);
+                assert!(err < 1e-4, "matmul {rows}x{inputs} @ {outputs} ({dtype:?}): relative error {err}");
+                assert!(bitwise_equal(&got, &full[..rows * outputs]), "matmul {inputs}->{outputs} ({dtype:?}): rows differ between {rows} and {max_rows} rows");
+            }
+        }
+    }
+}
+
+#[test]
+fn row_ops_match_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(seed());
+    for (rows, cols) in [(1, 7), (5, 64), (33, 300), (130, 1024)] {
+        let x = rng.vec(rows * cols, 2.0);
+        let y = rng.vec(rows * cols, 2.0);
+        let (gx, gy) = (gpu.from_host(&x, rows, cols), gpu.from_host(&y, rows, cols));
+        let (cx, cy) = (cpu.from_host(&x, rows, cols), cpu.from_host(&y, rows, cols));
+        let w = rng.vec(cols, 1.5);
+        let check = |name: &str, got: Vec<f32>, want: Vec<f32>| {
+            let err = relative_error(&got, &want);
+            assert!(err < 2e-6, "{name} {rows}x{cols}: relative error {err}");
+        };
+        check("rms_norm", gpu.to_host(&gpu.rms_norm(&gx, &gpu.upload_vector(&w).unwrap(), 1e-6)), cpu.to_host(&cpu.rms_norm(&cx, &w, 1e-6)));
+        check("silu_mul", gpu.to_host(&gpu.silu_mul(&gx, &gy)), cpu.to_host(&cpu.silu_mul(&cx, &cy)));
+        let (mut gs, mut cs) = (gpu.from_host(&x, rows, cols), cpu.from_host(&x, rows, cols));
+        gpu.add_assign(&mut gs, &gy);
+        cpu.add_assign(&mut cs, &cy);
+        check("add_assign", gpu.to_host(&gs), cpu.to_host(&cs));
+        let picks: Vec<u32> = (0..cols + 3).map(|_| rng.below(cols) as u32).collect();
+        check("gather_cols", gpu.to_host(&gpu.gather_cols(&gx, &picks)), cpu.to_host(&cpu.gather_cols(&cx, &picks)));
+        let rpicks: Vec<u32> = (0..rows + 2).map(|_| rng.below(rows) as u32).collect();
+        check("gather_rows", gpu.to_host(&gpu.gather_rows(&gx, &rpicks)), cpu.to_host(&cpu.gather_rows(&cx, &rpicks)));
+        check("concat_cols", gpu.to_host(&gpu.concat_cols(&gx, &gy)), cpu.to_host(&cpu.concat_cols(&cx, &cy)));
+        for dtype in [Dtype::F32, Dtype::BF16] {
+            let table = random_matrix(&mut rng, 50, cols, dtype);
+            let ids: Vec<u32> = (0..rows).map(|_| rng.below(50) as u32).collect();
+            let got = gpu.to_host(&gpu.embed(&gpu.upload_matrix(&table).unwrap(), &ids));
+            let want = cpu.to_host(&cpu.embed(&table, &ids));
+            let err = relative_error(&got, &want);
+            assert!(err < 2e-5, "embed ({dtype:?}): relative error {err}");
+        }
+    }
+}
+
+/// One request of a cache test: its block table, state slot and next position.
+struct Seq {
+    table: Vec<u32>,
+    slot: usize,
+    pos: usize,
+}
+
+fn row(kind: RowKind, seq: &Seq, token_start: usize, n: usize, snapshot_base: usize) -> RowLayout {
+    RowLayout { kind, token_start, num_tokens: n, start_position: seq.pos, block_table: seq.table.clone(), state_slot: seq.slot, snapshot_base }
+}
+
+/// Rows (kind, seq index, tokens) laid out one after another; snapshot bases in order.
+fn layout(seqs: &[Seq], rows: &[(RowKind, usize, usize)]) -> BatchLayout {
+    let (mut start, mut snap) = (0, 0);
+    let mut out = BatchLayout::default();
+    for &(kind, s, n) in rows {
+        out.rows.push(row(kind, &seqs[s], start, n, snap));
+        start += n;
+        if kind == RowKind::Generate {
+            snap += n;
+        }
+    }
+    out
+}
+
+fn advance(seqs: &mut [Seq], rows: &[(RowKind, usize, usize)]) {
+    for &(_, s, n) in rows {
+        seqs[s].pos += n;
+    }
+}
+
+/// Three sequences with shuffled blocks of 16 positions.
+fn sequences(rng: &mut Rng, blocks_each: usize) -> Vec<Seq> {
+    let mut blocks: Vec<u32> = (0..(3 * blocks_each) as u32).collect();
+    for i in (1..blocks.len()).rev() {
+        blocks.swap(i, rng.below(i + 1));
+    }
+    (0..3).map(|i| Seq { table: blocks[i * blocks_each..(i + 1) * blocks_each].to_vec(), slot: i, pos: 0 }).collect()
+}
+
+/// Steps of a cache test: prefill rows from position 0, a prefill continuing at an unaligned
+/// position, generate rows of 1 and 3 tokens.
+fn cache_steps() -> Vec<Vec<(RowKind, usize, usize)>> {
+    use RowKind::*;
+    vec![vec![(Prefill, 0, 37), (Prefill, 1, 100)], vec![(Prefill, 0, 40), (Generate, 1, 3), (Prefill, 2, 5)], vec![(Generate, 0, 1), (Generate, 2, 2), (Generate, 1, 1)]]
+}
+
+fn linear_spec(l: LinearAttnConfig) -> CacheSpec {
+    CacheSpec { attention_layers: 0, num_blocks: 1, block_size: 16, kv_heads: 1, head_dim: 1, linear_layers: 1, linear: l, state_slots: 3, snapshot_slots: 8 }
+}
+
+#[test]
+fn gated_attention_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(seed());
+    for (nq, nkv, hd, rot) in [(4, 2, 32, 8), (3, 1, 16, 4), (6, 3, 64, 16), (16, 4, 256, 64)] {
+        let dims = AttentionDims { num_heads: nq, num_kv_heads: nkv, head_dim: hd, rotary_dim: rot, rope_theta: 1e6, eps: 1e-6 };
+        let spec = CacheSpec {
+            attention_layers: 1,
+            num_blocks: 30,
+            block_size: 16,
+            kv_heads: nkv,
+            head_dim: hd,
+            linear_layers: 0,
+            linear: LinearAttnConfig { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4 },
+            state_slots: 3,
+            snapshot_slots: 8,
+        };
+        let mut gcache = gpu.alloc_cache(&spec).unwrap();
+        let mut ccache = cpu.alloc_cache(&spec).unwrap();
+        let (qn, kn) = (rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect::<Vec<_>>(), rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect::<Vec<_>>());
+        let (gqn, gkn) = (gpu.upload_vector(&qn).unwrap(), gpu.upload_vector(&kn).unwrap());
+        let mut seqs = sequences(&mut rng, 10);
+        for (step, rows) in cache_steps().iter().enumerate() {
+            let lay = layout(&seqs, rows);
+            let t = lay.num_tokens();
+            let qg = rng.vec(t * nq * 2 * hd, 2.0);
+            let k = rng.vec(t * nkv * hd, 2.0);
+            let v = rng.vec(t * nkv * hd, 1.0);
+            let got = gpu.gated_attention(&gpu.from_host(&qg, t, nq * 2 * hd), &gpu.from_host(&k, t, nkv * hd), &gpu.from_host(&v, t, nkv * hd), &gqn, &gkn, &dims, &lay, &mut gcache, 0);
+            let want = cpu.gated_attention(&cpu.from_host(&qg, t, nq * 2 * hd), &cpu.from_host(&k, t, nkv * hd), &cpu.from_host(&v, t, nkv * hd), &qn, &kn, &dims, &lay, &mut ccache, 0);
+            let err = relative_error(&gpu.to_host(&got), &cpu.to_host(&want));
+            assert!(err < 1e-4, "attention {nq}/{nkv}x{hd} step {step}: relative error {err}");
+            advance(&mut seqs, rows);
+        }
+        let host = gpu.cache_to_host(&gcache);
+        assert!(relative_error(&host.k[0], &ccache.k[0]) < 1e-5, "attention {nq}/{nkv}x{hd}: K cache differs");
+        assert!(relative_error(&host.v[0], &ccache.v[0]) < 1e-6, "attention {nq}/{nkv}x{hd}: V cache differs");
+    }
+}
+
+fn compare_linear_caches(what: &str, got: &CpuCache, want: &CpuCache) {
+    for (name, a, b) in [("conv", &got.conv, &want.conv), ("rec", &got.rec, &want.rec), ("conv_snap", &got.conv_snap, &want.conv_snap), ("rec_snap", &got.rec_snap, &want.rec_snap)] {
+        let err = relative_error(&a[0], &b[0]);
+        assert!(err < 1e-3, "{what}: {name} state relative error {err}");
+    }
+}
+
+#[test]
+fn gated_delta_net_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(seed());
+    for (nk, nv, dk, dv) in [(2, 4, 16, 24), (3, 3, 32, 32), (1, 2, 128, 128), (2, 2, 64, 128)] {
+        let cfg = LinearAttnConfig { num_key_heads: nk, num_value_heads: nv, key_head_dim: dk, value_head_dim: dv, conv_kernel: 4 };
+        let what = format!("gdn {nk}/{nv} heads, dk {dk}, dv {dv}");
+        let spec = linear_spec(cfg.clone());
+        let mut gcache = gpu.alloc_cache(&spec).unwrap();
+        let mut ccache = cpu.alloc_cache(&spec).unwrap();
+        let conv_w = rng.vec(cfg.conv_dim() * 4, 0.5);
+        let neg_a: Vec<f32> = rng.vec(nv, 1.0).iter().map(|v| -v.exp()).collect();
+        let dt_bias = rng.vec(nv, 1.0);
+        let norm_w: Vec<f32> = rng.vec(dv, 0.2).iter().map(|v| 1.0 + v).collect();
+        let cparams = GdnParams::<CpuBackend> { conv_weight: conv_w.clone(), neg_a: neg_a.clone(), dt_bias: dt_bias.clone(), norm_weight: norm_w.clone() };
+        let gparams = GdnParams::<CudaBackend> {
+            conv_weight: gpu.upload_vector(&conv_w).unwrap(),
+            neg_a: gpu.upload_vector(&neg_a).unwrap(),
+            dt_bias: gpu.upload_vector(&dt_bias).unwrap(),
+            norm_weight: gpu.upload_vector(&norm_w).unwrap(),
+        };
+        let mut seqs = sequences(&mut rng, 10);
+        for (step, rows) in cache_steps().iter().enumerate() {
+            if step == 2 {
+                // Accept the second of sequence 1's three generated tokens; start over on slot 2.
+                gpu.commit_state(&mut gcache, 1, 1);
+                cpu.commit_state(&mut ccache, 1, 1);
+                gpu.reset_state(&mut gcache, 2);
+                cpu.reset_state(&mut ccache, 2);
+                seqs[1].pos -= 1;
+                seqs[2].pos = 0;
+            }
+            let lay = layout(&seqs, rows);
+            let t = lay.num_tokens();
+            let mixed = rng.vec(t * cfg.conv_dim(), 1.0);
+            let z = rng.vec(t * cfg.value_dim(), 2.0);
+            let b = rng.vec(t * nv, 2.0);
+            let a = rng.vec(t * nv, 2.0);
+            let got = {
+                let f = |v: &[f32], c: usize| gpu.from_host(v, t, c);
+                gpu.gated_delta_net(&f(&mixed, cfg.conv_dim()), &f(&z, cfg.value_dim()), &f(&b, nv), &f(&a, nv), &gparams, &cfg, 1e-6, &lay, &mut gcache, 0)
+            };
+            let want = {
+                let f = |v: &[f32], c: usize| cpu.from_host(v, t, c);
+                cpu.gated_delta_net(&f(&mixed, cfg.conv_dim()), &f(&z, cfg.value_dim()), &f(&b, nv), &f(&a, nv), &cparams, &cfg, 1e-6, &lay, &mut ccache, 0)
+            };
+            let err = relative_error(&gpu.to_host(&got), &cpu.to_host(&want));
+            assert!(err < 1e-3, "{what} step {step}: relative error {err}");
+            compare_linear_caches(&format!("{what} step {step}"), &gpu.cache_to_host(&gcache), &ccache);
+            advance(&mut seqs, rows);
+        }
+    }
+}
+
+#[test]
+fn moe_matches_cpu_and_tokens_are_independent() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(seed());
+    for (h, e, k, inter, shared, renorm) in [(64, 8, 2, 48, 32, true), (96, 16, 5, 40, 0, false), (128, 64, 8, 64, 64, true)] {
+        let cfg = MoeConfig { num_experts: e, top_k: k, expert_intermediate: inter, shared_intermediate: shared, norm_topk_prob: renorm };
+        let m = |rng: &mut Rng, r, c| random_matrix(rng, r, c, Dtype::F32);
+        let router = m(&mut rng, e, h);
+        let experts: Vec<[_; 3]> = (0..e).map(|_| [m(&mut rng, inter, h), m(&mut rng, inter, h), m(&mut rng, h, inter)]).collect();
+        let shared_w = (shared > 0).then(|| [m(&mut rng, shared, h), m(&mut rng, shared, h), m(&mut rng, h, shared)]);
+        let shared_gate = (shared > 0).then(|| m(&mut rng, 1, h));
+        let up = |x: &kestrel::model::weights::MatrixBytes| gpu.upload_matrix(x).unwrap();
+        let gw = MoeWeights::<CudaBackend> {
+            router: up(&router),
+            experts: experts.iter().map(|[a, b, c]| [up(a), up(b), up(c)]).collect(),
+            shared: shared_w.as_ref().map(|[a, b, c]| [up(a), up(b), up(c)]),
+            shared_gate: shared_gate.as_ref().map(up),
+        };
+        let cw = MoeWeights::<CpuBackend> { router, experts, shared: shared_w, shared_gate };
+        let max_t = 150;
+        // Router logits spread enough that the top-k choice has no near-ties.
+        let x = rng.vec(max_t * h, 3.0);
+        let full = gpu.to_host(&gpu.moe(&gpu.from_host(&x, max_t, h), &gw, &cfg));
+        for t in [1, 5, 70, 150] {
+            let xs = &x[..t * h];
+            let got = gpu.to_host(&gpu.moe(&gpu.from_host(xs, t, h), &gw, &cfg));
+            let want = cpu.to_host(&cpu.moe(&cpu.from_host(xs, t, h), &cw, &cfg));
+            let err = relative_error(&got, &want);
+            assert!(err < 1e-4, "moe E{e} k{k} with {t} tokens: relative error {err}");
+            assert!(bitwise_equal(&got, &full[..t * h]), "moe E{e} k{k}: tokens differ between {t} and {max_t} tokens");
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! Helpers shared by the GPU tests (tests/cuda_*.rs).
+#![allow(dead_code)]
+
+use kestrel::backend::cuda::{probe, CudaBackend, CudaInitError};
+use kestrel::model::weights::{Dtype, MatrixBytes, SharedBytes};
+
+/// The GPU backend, or `None` (with the skip message) where no CUDA driver is present.
+pub fn gpu() -> Option<CudaBackend> {
+    match probe() {
+        Err(CudaInitError::NoDriver) => {
+            eprintln!("skipped: no CUDA driver");
+            return None;
+        }
+        Err(e) => panic!("CUDA driver present but unusable: {e}"),
+        Ok(()) => {}
+    }
+    match CudaBackend::new(0) {
+        Err(CudaInitError::NoDevice) => {
+            eprintln!("skipped: no CUDA driver (no device visible)");
+            None
+        }
+        Err(e) => panic!("CUDA backend failed to start: {e}"),
+        Ok(b) => Some(b),
+    }
+}
+
+/// A seeded stream of uniform values.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+    pub fn next_f32(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 40) as f32 / (1u64 << 24) as f32
+    }
+    /// Uniform in [-scale, scale).
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| (self.next_f32() * 2.0 - 1.0) * scale).collect()
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        ((self.next_f32() * n as f32) as usize).min(n - 1)
+    }
+}
+
+/// max |got - want| / max |want|; NaN never passes.
+pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "lengths differ");
+    if got.iter().any(|v| !v.is_finite()) {
+        return f32::INFINITY;
+    }
+    let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
+    got.iter().zip(want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / max_ref
+}
+
+pub fn bitwise_equal(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// A `[rows, cols]` matrix of random values stored as `dtype` (F32 or BF16).
+pub fn random_matrix(rng: &mut Rng, rows: usize, cols: usize, dtype: Dtype) -> MatrixBytes {
+    let scale = 1.0 / (cols as f32).sqrt();
+    let values = rng.vec(rows * cols, scale);
+    match dtype {
+        Dtype::BF16 => {
+            let bytes: Vec<u8> = values.iter().flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()).collect();
+            MatrixBytes { data: SharedBytes::from_static(Box::leak(bytes.into_boxed_slice())), start: 0, dtype, rows, cols }
+        }
+        _ => MatrixBytes::from_f32(values, rows, cols),
+    }
+}
