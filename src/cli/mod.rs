@@ -12,6 +12,8 @@ pub mod serve;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use kestrel::backend::cpu::CpuBackend;
+use kestrel::backend::cuda::CudaBackend;
+use kestrel::backend::Backend;
 use kestrel::engine::request::SpecMethod;
 use kestrel::engine::sampler::SamplingParams;
 use kestrel::engine::{Engine, EngineConfig};
@@ -43,6 +45,12 @@ pub enum Quantization {
 pub enum LoadFormat {
     Auto,
     Dummy,
+}
+
+/// The backend chosen by `--device`.
+pub enum SelectedBackend {
+    Cpu(CpuBackend),
+    Cuda(CudaBackend),
 }
 
 /// Model, device, speculation and memory flags shared by every subcommand that runs a model.
@@ -125,9 +133,6 @@ pub fn progress_bar(len: u64, message: &str) -> indicatif::ProgressBar {
 impl EngineArgs {
     /// Rejects flag combinations this build cannot honour, with a message saying so.
     fn check_supported(&self) -> Result<()> {
-        if self.device == Device::Cuda {
-            bail!("--device cuda: this build has no CUDA backend yet; use --device cpu (or auto)");
-        }
         if self.kv_cache_dtype != KvCacheDtype::Bf16 {
             bail!("--kv-cache-dtype {:?}: only bf16 (full precision on the CPU) is supported by the CPU backend", self.kv_cache_dtype);
         }
@@ -135,7 +140,7 @@ impl EngineArgs {
             bail!("--quantization fp8 needs the CUDA backend");
         }
         if self.load_format == LoadFormat::Dummy {
-            bail!("--load-format dummy needs the CUDA backend (random weights at real sizes are for GPU benchmarks)");
+            bail!("--load-format dummy: random weights at real sizes are benchmarked by `cargo run --release --example cuda_bench -- --presets NAME`");
         }
         if self.spec_tokens == 0 && self.spec.iter().any(|m| *m != SpecMethod::None) {
             bail!("--spec-tokens must be at least 1 with speculation on");
@@ -163,9 +168,37 @@ impl EngineArgs {
         }
     }
 
+    /// The backend `--device` asks for. `auto` takes CUDA where its libraries and a GPU are
+    /// present, else the CPU (saying why on stderr). The libraries are probed before any CUDA
+    /// call, since a missing one would abort the process.
+    pub fn select_backend(&self) -> Result<SelectedBackend> {
+        match self.device {
+            Device::Cpu => Ok(SelectedBackend::Cpu(CpuBackend::new())),
+            Device::Cuda => {
+                kestrel::backend::cuda::probe().context("--device cuda")?;
+                Ok(SelectedBackend::Cuda(CudaBackend::new(0).context("--device cuda: cannot start the CUDA backend")?))
+            }
+            Device::Auto => match kestrel::backend::cuda::probe().map_err(anyhow::Error::from).and_then(|()| Ok(CudaBackend::new(0)?)) {
+                Ok(b) => Ok(SelectedBackend::Cuda(b)),
+                Err(e) => {
+                    eprintln!("kestrel: CUDA unavailable ({e}); running on the CPU");
+                    Ok(SelectedBackend::Cpu(CpuBackend::new()))
+                }
+            },
+        }
+    }
+
+    /// A CPU engine, for subcommands that do not run on CUDA yet (`--device cuda` is refused).
     pub fn build_engine(&self, files: &ModelFiles, max_num_seqs: usize) -> Result<Engine<CpuBackend>> {
+        if self.device == Device::Cuda {
+            bail!("--device cuda: this subcommand runs on the CPU so far (`kestrel run` supports CUDA)");
+        }
+        self.build_engine_on(CpuBackend::new(), files, max_num_seqs)
+    }
+
+    /// Uploads the weights to `backend` and builds an engine for up to `max_num_seqs` requests.
+    pub fn build_engine_on<B: Backend>(&self, backend: B, files: &ModelFiles, max_num_seqs: usize) -> Result<Engine<B>> {
         let spec = self.single_spec()?;
-        let backend = CpuBackend::new();
         let bar = progress_bar(0, "loading");
         let model = Qwen35::load(&backend, files.config.clone(), &files.store, &bar).with_context(|| format!("cannot load weights of {}", files.source))?;
         bar.finish_and_clear();

@@ -1,10 +1,13 @@
 //! `kestrel run`: one prompt, streamed to stdout (or one JSON object with `--json`); statistics
 //! go to stderr so that stdout carries exactly the generated text.
 
-use super::{EngineArgs, SamplingArgs};
+use super::{EngineArgs, SamplingArgs, SelectedBackend};
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use kestrel::backend::Backend;
 use kestrel::engine::request::{FinishReason, Request, RequestEvent, SpecMethod};
+use kestrel::engine::Engine;
+use kestrel::model::ModelFiles;
 use kestrel::tokenizer::ChatMessage;
 use std::io::{ErrorKind, IsTerminal, Read, Write};
 use std::time::Instant;
@@ -86,18 +89,24 @@ pub fn run(args: RunArgs) -> Result<()> {
         prompt
     };
     let prompt_ids = files.tokenizer.encode(&text, false).context("cannot tokenize the prompt")?;
-    let mut engine = args.engine.build_engine(&files, 1)?;
     // A chat turn ends at the template's end-of-turn token as well as at end-of-sequence.
     let stop_token_ids = if args.chat { kestrel::server::chat_stop_token_ids(&files) } else { files.config.eos_token_ids.clone() };
     let request = Request { prompt_ids, params, max_tokens: args.max_tokens, stop_token_ids, spec: None };
+    match args.engine.select_backend()? {
+        SelectedBackend::Cpu(b) => generate(args.engine.build_engine_on(b, &files, 1)?, request, &files, args.json),
+        SelectedBackend::Cuda(b) => generate(args.engine.build_engine_on(b, &files, 1)?, request, &files, args.json),
+    }
+}
 
+/// Runs the request to the end on `engine`, streaming text (or printing one JSON object).
+fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFiles, json: bool) -> Result<()> {
     let start = Instant::now();
     let id = engine.add_request(request)?;
     let mut decoder = files.tokenizer.stream_decoder(true);
     let mut out = TextOut { stdout: std::io::stdout().lock(), closed: false, ends_with_newline: false };
     let (mut first_token_at, mut finished) = (None, None);
     while engine.has_unfinished() {
-        if out.closed && !args.json {
+        if out.closed && !json {
             // Nobody reads the rest: stop generating it.
             if let Ok(RequestEvent::Finished { reason, output, .. }) = engine.abort(id) {
                 finished = Some((reason, output));
@@ -110,7 +119,7 @@ pub fn run(args: RunArgs) -> Result<()> {
                     first_token_at.get_or_insert_with(Instant::now);
                     for t in tokens {
                         if let Some(delta) = decoder.push(t)? {
-                            if !args.json {
+                            if !json {
                                 out.write(&delta)?;
                             }
                         }
@@ -121,7 +130,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         }
     }
     if let Some(rest) = decoder.flush()? {
-        if !args.json {
+        if !json {
             out.write(&rest)?;
         }
     }
@@ -133,7 +142,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let decode_tps = if n > 1 && decode_s > 0.0 { (n - 1) as f64 / decode_s } else { 0.0 };
     let k = if output.method == SpecMethod::None { 0 } else { engine.config.spec_tokens };
     let spec = output.spec.to_json(output.method.name(), k);
-    if args.json {
+    if json {
         let text = files.tokenizer.decode(&output.generated, true)?;
         let obj = serde_json::json!({
             "text": text,
