@@ -80,20 +80,27 @@ extern "C" __global__ void gdn_gates(float* qn, float* kn, float* g_out, float* 
 // the state in registers. Writes the state after every token to its snapshot slot.
 extern "C" __global__ void __launch_bounds__(128) gdn_recurrent(float* core, const float* qn, const float* kn, const float* conv_out, const float* g,
         const float* beta, const float* rec, float* rec_snap, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim) {
-    __shared__ float ks[MAX_DK], qs[MAX_DK];
+    // k is stored twice: reading the second copy in the update loop keeps the compiler from
+    // holding all of k in registers between the two loops (which spilled the state).
+    __shared__ float ks[MAX_DK], ks2[MAX_DK], qs[MAX_DK];
     RowInfo row = rows[row_ids[blockIdx.x]];
     int h = blockIdx.y, j = threadIdx.x, kh = h / (nv / nk);
     int key_dim = nk * dk, head_len = dk * dv;
     long long state_len = (long long)nv * head_len;
     float s[MAX_DK];
-    const float* s0 = rec + row.state_slot * state_len + (long long)h * head_len;
+    // Column j of the state, walked with a running pointer (precomputing 128 addresses
+    // would not fit in registers).
+    const float* s0 = rec + row.state_slot * state_len + (long long)h * head_len + min(j, dv - 1);
 #pragma unroll
-    for (int i = 0; i < MAX_DK; ++i) s[i] = (i < dk && j < dv) ? s0[i * dv + j] : 0.0f;
+    for (int i = 0; i < MAX_DK; ++i) {
+        s[i] = (i < dk && j < dv) ? *s0 : 0.0f;
+        if (i < dk) s0 += dv;
+    }
     for (int n = 0; n < row.num_tokens; ++n) {
         int t = row.token_start + n;
         __syncthreads();
         for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-            ks[i] = kn[(long long)t * key_dim + kh * dk + i];
+            ks[i] = ks2[i] = kn[(long long)t * key_dim + kh * dk + i];
             qs[i] = qn[(long long)t * key_dim + kh * dk + i];
         }
         __syncthreads();
@@ -112,14 +119,17 @@ extern "C" __global__ void __launch_bounds__(128) gdn_recurrent(float* core, con
 #pragma unroll
         for (int i = 0; i < MAX_DK; ++i)
             if (i < dk) {
-                s[i] += ks[i] * u;
+                s[i] += ks2[i] * u;
                 o += s[i] * qs[i];
             }
         core[(long long)t * nv * dv + h * dv + j] = o;
-        float* snap = rec_snap + (long long)(row.snapshot_base + n) * state_len + (long long)h * head_len;
+        float* snap = rec_snap + (long long)(row.snapshot_base + n) * state_len + (long long)h * head_len + j;
 #pragma unroll
         for (int i = 0; i < MAX_DK; ++i)
-            if (i < dk) snap[i * dv + j] = s[i];
+            if (i < dk) {
+                *snap = s[i];
+                snap += dv;
+            }
     }
 }
 

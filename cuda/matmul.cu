@@ -78,12 +78,17 @@ struct Group {
     const int* list;
 };
 
-// Grouped launches (mixture of experts): blockIdx.z picks the expert's weights and row list;
-// list entries are output rows, and activation rows are entry / a_div.
-__device__ __forceinline__ Group group_of(const bf16_t* whi, const bf16_t* wlo, int rows, const u64* group_w, const int* counts, const int* lists, int list_stride) {
+// Grouped launches (mixture of experts): blockIdx.z picks an expert from the `active` list
+// ([count, experts...], in expert order), hence its weights and row list; list entries are
+// output rows, and activation rows are entry / a_div.
+__device__ __forceinline__ Group group_of(const bf16_t* whi, const bf16_t* wlo, int rows, const u64* group_w, const int* counts, const int* lists, int list_stride, const int* active) {
     Group g;
     if (group_w) {
-        int z = blockIdx.z;
+        if ((int)blockIdx.z >= active[0]) {
+            g.whi = 0; g.wlo = 0; g.rows = 0; g.list = 0;
+            return g;
+        }
+        int z = active[1 + blockIdx.z];
         g.whi = (const bf16_t*)group_w[2 * z];
         g.wlo = (const bf16_t*)group_w[2 * z + 1];
         g.rows = counts[z];
@@ -99,9 +104,9 @@ __device__ __forceinline__ Group group_of(const bf16_t* whi, const bf16_t* wlo, 
 
 // Few rows: grid (ceil(N/16), ceil(rows/16), groups), 128 threads; warp w owns k-slice w.
 extern "C" __global__ void __launch_bounds__(128) matmul_small(float* out, const float* x, const bf16_t* whi_, const bf16_t* wlo_, int rows, int N, int K,
-        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div) {
+        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active) {
     __shared__ float red[KSLICES][SMALL_NT][32][4];
-    Group grp = group_of(whi_, wlo_, rows, group_w, counts, lists, list_stride);
+    Group grp = group_of(whi_, wlo_, rows, group_w, counts, lists, list_stride, active);
     int m0 = blockIdx.y * 16;
     if (m0 >= grp.rows) return;
     int n0 = blockIdx.x * 16;
@@ -183,12 +188,12 @@ extern "C" __global__ void __launch_bounds__(128) matmul_small(float* out, const
 // Many rows: grid (ceil(N/64), ceil(rows/64), groups), 128 threads as 2x2 warps of 32x32.
 // Shared tiles hold one 32-wide k block as bf16 (activations already split into hi/lo).
 extern "C" __global__ void __launch_bounds__(128) matmul_tiled(float* out, const float* x, const bf16_t* whi_, const bf16_t* wlo_, int rows, int N, int K,
-        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div) {
+        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active) {
     __shared__ __align__(16) bf16_t s_ahi[2][TBM][32];
     __shared__ __align__(16) bf16_t s_alo[2][TBM][32];
     __shared__ __align__(16) bf16_t s_whi[2][TBN][32];
     __shared__ __align__(16) bf16_t s_wlo[2][TBN][32];
-    Group grp = group_of(whi_, wlo_, rows, group_w, counts, lists, list_stride);
+    Group grp = group_of(whi_, wlo_, rows, group_w, counts, lists, list_stride, active);
     int m0 = blockIdx.y * TBM;
     if (m0 >= grp.rows) return;
     int n0 = blockIdx.x * TBN;

@@ -76,6 +76,16 @@ extern "C" __global__ void moe_group(int* lists, int* counts, const int* topk_id
     if (tid == 0) counts[e] = base_out;
 }
 
+// active = [number of experts with rows, those experts in order]: grouped matmuls launch one
+// grid slice per active expert instead of one per expert.
+extern "C" __global__ void moe_active(int* active, const int* counts, int E) {
+    if (threadIdx.x != 0) return;
+    int n = 0;
+    for (int e = 0; e < E; ++e)
+        if (counts[e] > 0) active[1 + n++] = e;
+    active[0] = n;
+}
+
 // out[t] = sum_s w[t,s] * y[t*k+s] (slots in order), then + sigmoid(shared_gate[t]) * shared[t].
 extern "C" __global__ void moe_combine(float* out, const float* y, const float* topk_w, const float* shared, const float* shared_gate, int T, int H, int k) {
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -58,6 +58,68 @@ fn argmax(v: &[f32]) -> u32 {
     v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
 }
 
+fn profile_json(report: &[(&'static str, f64, usize)], divide: usize) -> serde_json::Value {
+    let d = divide.max(1) as f64;
+    serde_json::Value::Object(report.iter().map(|(name, ms, n)| (name.to_string(), serde_json::json!({"ms": ms / d, "calls": *n as f64 / d}))).collect())
+}
+
+/// Median seconds of `f` over `reps` runs after one warm-up.
+fn time_median(gpu: &CudaBackend, reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    gpu.synchronize();
+    let mut t: Vec<f64> = (0..reps)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            gpu.synchronize();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(|a, b| a.total_cmp(b));
+    t[t.len() / 2]
+}
+
+/// The matmul kernels alone on this model's shapes: weight bandwidth at 1 row (GB/s of
+/// weight bytes) and tensor throughput at 4096 rows (TFLOP/s, 2*rows*N*K).
+fn matmul_microbench(gpu: &CudaBackend, c: &ModelConfig) -> serde_json::Value {
+    let h = c.hidden_size;
+    let inter = if c.intermediate_size > 0 { c.intermediate_size } else { 4 * h };
+    let mut out = serde_json::Map::new();
+    for (name, n, k) in [("up", inter, h), ("down", h, inter), ("lm_head", c.vocab_size, h)] {
+        let weight = match random_weight(gpu, n, k) {
+            Ok(w) => w,
+            Err(e) => {
+                out.insert(name.into(), serde_json::json!({"error": e}));
+                continue;
+            }
+        };
+        let mut entry = serde_json::Map::new();
+        for rows in [1usize, 4096] {
+            if rows * n > 1 << 30 {
+                continue;
+            }
+            let x = gpu.from_host(&vec![0.5f32; rows * k], rows, k);
+            let s = time_median(gpu, 5, || {
+                let _ = gpu.matmul(&x, &weight);
+            });
+            let key = format!("rows_{rows}");
+            entry.insert(key, serde_json::json!({"ms": s * 1e3, "weight_GB_per_s": (n * k * 2) as f64 / s / 1e9, "TFLOP_per_s": 2.0 * (rows * n * k) as f64 / s / 1e12}));
+        }
+        out.insert(format!("{name} {n}x{k}"), serde_json::Value::Object(entry));
+    }
+    serde_json::Value::Object(out)
+}
+
+fn random_weight(gpu: &CudaBackend, n: usize, k: usize) -> Result<kestrel::backend::cuda::CudaMatrix, String> {
+    // Shape-only bytes: in random mode the backend fills the matrix on the device.
+    let placeholder = memmap2::MmapOptions::new().len(n * k * 2).map_anon().map_err(|e| e.to_string())?.make_read_only().map_err(|e| e.to_string())?;
+    let m = kestrel::model::weights::MatrixBytes { data: kestrel::model::weights::SharedBytes::from_mmap(placeholder), start: 0, dtype: kestrel::model::weights::Dtype::BF16, rows: n, cols: k };
+    gpu.set_random_weights(Some(77));
+    let w = gpu.upload_matrix(&m).map_err(|e| e.to_string());
+    gpu.set_random_weights(None);
+    w
+}
+
 fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> Result<serde_json::Value, String> {
     let before = gpu.uploaded_bytes();
     let t0 = Instant::now();
@@ -75,6 +137,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
 
     // Prefill: warm-up once at each size, then the median of three timed runs.
     let mut prefill = serde_json::Map::new();
+    let mut profiles = serde_json::Map::new();
     for &n in &o.prefill {
         let mut times = Vec::new();
         for rep in 0..4 {
@@ -88,6 +151,11 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
                 times.push(t.elapsed().as_secs_f64());
             }
         }
+        // Split of one more prefill's device time between ops (KESTREL_CUDA_PROFILE=1 only).
+        gpu.profile_report();
+        gpu.reset_state(&mut cache, 0);
+        let _ = gpu.to_host(&model.forward(gpu, &ids(n, 7), &prefill_row(n, 0, blocks), &[n as u32 - 1], &mut cache).logits);
+        profiles.insert(format!("prefill_{n}"), profile_json(&gpu.profile_report(), 1));
         times.sort_by(|a, b| a.total_cmp(b));
         let s = times[times.len() / 2];
         prefill.insert(n.to_string(), serde_json::json!({"seconds": s, "tokens_per_s": n as f64 / s}));
@@ -99,6 +167,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
     let out = model.forward(gpu, &prompt, &prefill_row(o.prompt, 0, blocks), &[o.prompt as u32 - 1], &mut cache);
     let mut next = argmax(&gpu.to_host(&out.logits));
     let mut step_times = Vec::with_capacity(o.decode);
+    gpu.profile_report();
     for i in 0..o.decode {
         let layout = BatchLayout { rows: vec![RowLayout { kind: RowKind::Generate, token_start: 0, num_tokens: 1, start_position: o.prompt + i, block_table: (0..blocks as u32).collect(), state_slot: 0, snapshot_base: 0 }] };
         let t = Instant::now();
@@ -107,6 +176,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
         next = argmax(&gpu.to_host(&out.logits));
         step_times.push(t.elapsed().as_secs_f64());
     }
+    profiles.insert("decode_per_token".into(), profile_json(&gpu.profile_report(), o.decode));
     // The first steps include one-time costs (memory pool growth); report the steady state.
     let steady = &step_times[step_times.len().min(4)..];
     let mean = steady.iter().sum::<f64>() / steady.len().max(1) as f64;
@@ -126,6 +196,8 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
             "fraction_of_roofline": roofline_s / mean,
         },
         "prefill": prefill,
+        "device_ms_by_op": profiles,
+        "matmul_kernels": matmul_microbench(gpu, &c),
     }))
 }
 

@@ -15,6 +15,9 @@ pub(super) struct Grouped {
     pub lists: u64,
     pub list_stride: usize,
     pub a_div: usize,
+    /// Device `[count, experts...]`: the groups that have rows.
+    pub active: u64,
+    /// Upper bound of the active count (grid slices launched).
     pub groups: usize,
 }
 
@@ -25,9 +28,9 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, whi: u64, wlo: u
     if rows == 0 || n == 0 {
         return;
     }
-    let (table, counts, lists, stride, a_div, groups) = match grouped {
-        Some(g) => (g.table, g.counts, g.lists, g.list_stride, g.a_div, g.groups),
-        None => (0, 0, 0, 0, 1, 1),
+    let (table, counts, lists, stride, a_div, active, groups) = match grouped {
+        Some(g) => (g.table, g.counts, g.lists, g.list_stride, g.a_div, g.active, g.groups),
+        None => (0, 0, 0, 0, 1, 0, 1),
     };
     let args = [
         Arg::Ptr(out),
@@ -42,6 +45,7 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, whi: u64, wlo: u
         Arg::Ptr(lists),
         Arg::I32(stride as i32),
         Arg::I32(a_div as i32),
+        Arg::Ptr(active),
     ];
     if rows <= SMALL_MAX_ROWS {
         be.launch(&be.k.matmul_small, (n.div_ceil(16) as u32, rows.div_ceil(16) as u32, groups as u32), 128, 0, &args);

@@ -18,6 +18,7 @@ mod layout;
 mod matmul;
 mod moe;
 mod ops;
+mod profile;
 mod tensor;
 
 pub use cache::CudaCache;
@@ -104,7 +105,7 @@ kernel_table! {
     "matmul" => [matmul_small, matmul_tiled],
     "attention" => [attn_prep, attn_core],
     "gdn" => [gdn_conv, gdn_conv_state, gdn_gates, gdn_recurrent, gdn_chunked, gdn_out_norm],
-    "moe" => [moe_route, moe_group, moe_combine],
+    "moe" => [moe_route, moe_group, moe_active, moe_combine],
 }
 
 /// Per-expert weight pointer tables of one MoE block: (gate, up, down), each `[E][hi, lo]`.
@@ -123,6 +124,7 @@ pub struct CudaBackend {
     layout_cache: Mutex<Option<(Vec<i32>, Arc<DeviceLayout>)>>,
     rope_tables: Mutex<HashMap<(u64, usize), Arc<CudaSlice<f32>>>>,
     pub(super) max_dynamic_smem: usize,
+    profiler: profile::Profiler,
 }
 
 impl CudaBackend {
@@ -145,8 +147,14 @@ impl CudaBackend {
         let arch = kernels::arch_name(major, minor);
         let (k, modules) = Kernels::load(&ctx, &arch)?;
         let optin = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)?;
+        use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
+        // Kernels with large dynamic shared memory may use all of it beside their static part.
+        let mut max_dynamic_smem = optin;
         for f in [&k.gdn_chunked, &k.attn_core, &k.moe_route] {
-            f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin).map_err(driver)?;
+            // SAFETY: a loaded function handle and a valid attribute.
+            let fixed = unsafe { cudarc::driver::result::function::get_function_attribute(f.cu_function(), FuncAttr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) }.map_err(driver)?;
+            f.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - fixed).map_err(driver)?;
+            max_dynamic_smem = max_dynamic_smem.min(optin - fixed);
         }
         let stream = ctx.new_stream().map_err(driver)?;
         Ok(CudaBackend {
@@ -160,7 +168,8 @@ impl CudaBackend {
             uploaded_bytes: AtomicUsize::new(0),
             layout_cache: Mutex::new(None),
             rope_tables: Mutex::new(HashMap::new()),
-            max_dynamic_smem: optin.max(0) as usize,
+            max_dynamic_smem: max_dynamic_smem.max(0) as usize,
+            profiler: profile::Profiler::from_env(),
         })
     }
 

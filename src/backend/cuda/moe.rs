@@ -54,8 +54,12 @@ pub(super) fn moe(be: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>,
         0,
         &[Arg::Ptr(be.ptr(&lists)), Arg::Ptr(be.ptr(&counts)), Arg::Ptr(be.ptr(&topk_idx)), Arg::I32((t * k) as i32), Arg::I32(t as i32)],
     );
+    let active = be.alloc_i32(e + 1);
+    be.launch(&be.k.moe_active, (1, 1, 1), 32, 0, &[Arg::Ptr(be.ptr(&active)), Arg::Ptr(be.ptr(&counts)), Arg::I32(e as i32)]);
     let tables = expert_tables(be, w);
-    let grouped = |which: usize, a_div: usize| Grouped { table: be.ptr(&tables[which]), counts: be.ptr(&counts), lists: be.ptr(&lists), list_stride: t, a_div, groups: e };
+    // At most t * k experts have rows: one grid slice each.
+    let groups = e.min(t * k);
+    let grouped = |which: usize, a_div: usize| Grouped { table: be.ptr(&tables[which]), counts: be.ptr(&counts), lists: be.ptr(&lists), list_stride: t, a_div, active: be.ptr(&active), groups };
     let gate = be.tensor(t * k, inter);
     let up = be.tensor(t * k, inter);
     launch_matmul(be, be.ptr(&gate.data), be.ptr(&x.data), 0, 0, t, inter, h, Some(&grouped(0, k)));

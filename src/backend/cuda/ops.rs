@@ -104,6 +104,7 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaMatrix, ids: &[u32]) -> CudaTensor {
+        let _span = self.span("embed");
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= table.rows) {
             panic!("embed: token id {bad} outside the table of {} rows", table.rows);
         }
@@ -122,6 +123,7 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaVector, eps: f32) -> CudaTensor {
+        let _span = self.span("rms_norm");
         assert_eq!(w.len, x.cols, "rms_norm: weight length {} for {} columns", w.len, x.cols);
         let out = self.tensor(x.rows, x.cols);
         self.launch(
@@ -135,20 +137,24 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, x: &CudaTensor, w: &CudaMatrix) -> CudaTensor {
+        let _span = self.span("matmul");
         super::matmul::matmul(self, x, w)
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) {
+        let _span = self.span("add_assign");
         assert_eq!((x.rows, x.cols), (y.rows, y.cols), "add_assign: shapes differ");
         let n = x.rows * x.cols;
         self.launch(&self.k.add_assign, (blocks(n), 1, 1), THREADS, 0, &[Arg::Ptr(self.ptr(&x.data)), Arg::Ptr(self.ptr(&y.data)), Arg::I64(n as i64)]);
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
+        let _span = self.span("silu_mul");
         silu_mul(self, gate, up)
     }
 
     fn gather_cols(&self, x: &CudaTensor, cols: &[u32]) -> CudaTensor {
+        let _span = self.span("gather");
         if let Some(&bad) = cols.iter().find(|&&c| c as usize >= x.cols) {
             panic!("gather_cols: column {bad} outside {} columns", x.cols);
         }
@@ -167,6 +173,7 @@ impl Backend for CudaBackend {
     }
 
     fn gather_rows(&self, x: &CudaTensor, rows: &[u32]) -> CudaTensor {
+        let _span = self.span("gather");
         if let Some(&bad) = rows.iter().find(|&&r| r as usize >= x.rows) {
             panic!("gather_rows: row {bad} outside {} rows", x.rows);
         }
@@ -185,6 +192,7 @@ impl Backend for CudaBackend {
     }
 
     fn concat_cols(&self, a: &CudaTensor, b: &CudaTensor) -> CudaTensor {
+        let _span = self.span("concat_cols");
         assert_eq!(a.rows, b.rows, "concat_cols: row counts differ");
         let out = self.tensor(a.rows, a.cols + b.cols);
         let n = a.rows * (a.cols + b.cols);
@@ -210,6 +218,7 @@ impl Backend for CudaBackend {
         cache: &mut CudaCache,
         attention_layer: usize,
     ) -> CudaTensor {
+        let _span = self.span("attention");
         super::attention::gated_attention(self, q_gate, k, v, q_norm, k_norm, dims, layout, cache, attention_layer)
     }
 
@@ -226,19 +235,23 @@ impl Backend for CudaBackend {
         cache: &mut CudaCache,
         linear_layer: usize,
     ) -> CudaTensor {
+        let _span = self.span("gated_delta_net");
         let args = super::gdn::GdnArgs { mixed, z, b, a, conv_weight: &params.conv_weight, neg_a: &params.neg_a, dt_bias: &params.dt_bias, norm_weight: &params.norm_weight };
         super::gdn::gated_delta_net(self, &args, cfg, eps, layout, cache, linear_layer)
     }
 
     fn moe(&self, x: &CudaTensor, w: &MoeWeights<Self>, cfg: &MoeConfig) -> CudaTensor {
+        let _span = self.span("moe");
         super::moe::moe(self, x, w, cfg)
     }
 
     fn commit_state(&self, cache: &mut CudaCache, slot: usize, snapshot: usize) {
+        let _span = self.span("commit_state");
         cache::commit(self, cache, slot, snapshot)
     }
 
     fn reset_state(&self, cache: &mut CudaCache, slot: usize) {
+        let _span = self.span("reset_state");
         cache::reset(self, cache, slot)
     }
 }
