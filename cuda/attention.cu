@@ -93,6 +93,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
             const float* kr = k_cache + slots[p] * kv_stride + (long long)kvh * hd;
             const float* qr = qs + g * hd;
             float dot = 0.0f;
+#pragma unroll 8
             for (int d = lane; d < hd; d += 32) dot += qr[d] * kr[d];
             dot = warp_sum(dot);
             if (lane == 0) sc[g * KEY_TILE + p] = dot * scale;
@@ -121,7 +122,10 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
             int g = e / hd, d = e % hd;
             const float* s = sc + g * KEY_TILE;
             float a = acc[i] * corr[g];
-            for (int p = 0; p < np; ++p) a += s[p] * v_cache[slots[p] * kv_stride + (long long)kvh * hd + d];
+            const float* vcol = v_cache + (long long)kvh * hd + d;
+            // Unrolled so that several value loads are in flight; the sum stays in key order.
+#pragma unroll 8
+            for (int p = 0; p < np; ++p) a += s[p] * vcol[slots[p] * kv_stride];
             acc[i] = a;
         }
         __syncthreads();

@@ -133,30 +133,43 @@ extern "C" __global__ void __launch_bounds__(128) gdn_recurrent(float* core, con
     }
 }
 
-// Prefill rows: grid (rows listed in row_ids, nv), 128 threads; thread j owns column j of the
-// state (registers) and of U / V' (shared). Chunks start at absolute multiples of 64, so the
-// same chunks are computed however the prompt was split. Dynamic shared memory, floats:
-// 2*CHUNK*dk (k, q) + CHUNK*dv (U) + CHUNK*dk (W) + 2*CHUNK*CHUNK (A, P) + 2*CHUNK (gamma, beta).
+#define CHUNK_COLS 32   // value columns per block of the chunked kernel
+#define ROW_GROUPS 4    // threads per value column, each holding every 4th state row
+
+// Prefill rows: grid (rows listed in row_ids, nv, ceil(dv / 32)), 128 threads. A block owns 32
+// value columns of one head; thread (column c, group r) keeps state rows a = r, r+4, ... of
+// its column in registers, and the 4 groups of a column combine sums over a with a fixed
+// butterfly. Chunks start at absolute multiples of 64, so the same chunks are computed however
+// the prompt was split. Dynamic shared memory, floats: 3*CHUNK*(dk+1) (k, q, W) +
+// CHUNK*CHUNK_COLS (U, then V') + 2*CHUNK*CHUNK (A, P) + 2*CHUNK (gamma, beta). Rows of k, q
+// and W are padded by one float: the pair loop reads rows of 32 different keys at once.
 extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const float* qn, const float* kn, const float* conv_out, const float* g,
         const float* beta, float* rec, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim) {
     extern __shared__ float sm[];
-    float* ks = sm;                     // [CHUNK][dk]
-    float* qs = ks + CHUNK * dk;        // [CHUNK][dk]
-    float* us = qs + CHUNK * dk;        // [CHUNK][dv]  U, then V'
-    float* ws = us + CHUNK * dv;        // [CHUNK][dk]
-    float* am = ws + CHUNK * dk;        // [CHUNK][CHUNK] beta_l (k_l.k_m) exp(gam_l - gam_m), m < l
-    float* pm = am + CHUNK * CHUNK;     // [CHUNK][CHUNK] (q_l.k_m) exp(gam_l - gam_m), m <= l
-    float* gam = pm + CHUNK * CHUNK;    // [CHUNK]
-    float* bet = gam + CHUNK;           // [CHUNK]
+    const int ld = dk + 1;
+    float* ks = sm;                       // [CHUNK][ld]
+    float* qs = ks + CHUNK * ld;          // [CHUNK][ld]
+    float* ws = qs + CHUNK * ld;          // [CHUNK][ld]
+    float* us = ws + CHUNK * ld;          // [CHUNK][CHUNK_COLS]  U, then V'
+    float* am = us + CHUNK * CHUNK_COLS;  // [CHUNK][CHUNK] beta_l (k_l.k_m) exp(gam_l - gam_m), m < l
+    float* pm = am + CHUNK * CHUNK;       // [CHUNK][CHUNK] (q_l.k_m) exp(gam_l - gam_m), m <= l
+    float* gam = pm + CHUNK * CHUNK;      // [CHUNK]
+    float* bet = gam + CHUNK;             // [CHUNK]
     RowInfo row = rows[row_ids[blockIdx.x]];
     int h = blockIdx.y, tid = threadIdx.x, kh = h / (nv / nk);
+    int cc = tid >> 2, rg = tid & 3;      // column within the block, row group
+    int j = blockIdx.z * CHUNK_COLS + cc; // value column
+    bool col_ok = j < dv;
     int key_dim = nk * dk, head_len = dk * dv;
     long long state_len = (long long)nv * head_len;
     float* sp = rec + row.state_slot * state_len + (long long)h * head_len;
-    int j = tid;
-    float s[MAX_DK];
+    const int SR = MAX_DK / ROW_GROUPS;
+    float s[SR];
 #pragma unroll
-    for (int i = 0; i < MAX_DK; ++i) s[i] = (i < dk && j < dv) ? sp[i * dv + j] : 0.0f;
+    for (int i = 0; i < SR; ++i) {
+        int a = rg + ROW_GROUPS * i;
+        s[i] = (a < dk && col_ok) ? sp[a * dv + j] : 0.0f;
+    }
     int i0 = 0;
     while (i0 < row.num_tokens) {
         int pos = row.start_position + i0;
@@ -165,15 +178,19 @@ extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const
         __syncthreads();
         for (int e = tid; e < len * dk; e += blockDim.x) {
             int l = e / dk, a = e % dk;
-            ks[e] = kn[(long long)(t0 + l) * key_dim + kh * dk + a];
-            qs[e] = qn[(long long)(t0 + l) * key_dim + kh * dk + a];
+            ks[l * ld + a] = kn[(long long)(t0 + l) * key_dim + kh * dk + a];
+            qs[l * ld + a] = qn[(long long)(t0 + l) * key_dim + kh * dk + a];
         }
+        if (tid < len) {
+            bet[tid] = beta[(long long)(t0 + tid) * nv + h];
+            gam[tid] = g[(long long)(t0 + tid) * nv + h];
+        }
+        __syncthreads();
         if (tid == 0) {
             float acc = 0.0f;
             for (int l = 0; l < len; ++l) {
-                acc += g[(long long)(t0 + l) * nv + h];
+                acc += gam[l];
                 gam[l] = acc;
-                bet[l] = beta[(long long)(t0 + l) * nv + h];
             }
         }
         __syncthreads();
@@ -181,69 +198,89 @@ extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const
             int l = e / len, m = e % len;
             if (m > l) continue;
             float kk = 0.0f, qk = 0.0f;
+#pragma unroll 4
             for (int a = 0; a < dk; ++a) {
-                kk += ks[l * dk + a] * ks[m * dk + a];
-                qk += qs[l * dk + a] * ks[m * dk + a];
+                kk += ks[l * ld + a] * ks[m * ld + a];
+                qk += qs[l * ld + a] * ks[m * ld + a];
             }
             float decay = expf(gam[l] - gam[m]);
             am[l * CHUNK + m] = m < l ? bet[l] * kk * decay : 0.0f;
             pm[l * CHUNK + m] = qk * decay;
         }
         __syncthreads();
-        // Forward substitution, column by column: U = (I+A)^-1 (beta v), W = (I+A)^-1 (beta exp(gam) k).
-        if (j < dv) {
+        // Forward substitution, column by column: U = (I+A)^-1 (beta v) for this block's
+        // columns (row group 0), W = (I+A)^-1 (beta exp(gam) k) for every key column.
+        if (rg == 0 && col_ok) {
             for (int l = 0; l < len; ++l) {
                 float u = bet[l] * conv_out[(long long)(t0 + l) * conv_dim + 2 * key_dim + h * dv + j];
-                for (int m = 0; m < l; ++m) u -= am[l * CHUNK + m] * us[m * dv + j];
-                us[l * dv + j] = u;
+#pragma unroll 4
+                for (int m = 0; m < l; ++m) u -= am[l * CHUNK + m] * us[m * CHUNK_COLS + cc];
+                us[l * CHUNK_COLS + cc] = u;
             }
         }
-        if (j < dk) {
+        for (int c = tid; c < dk; c += blockDim.x) {
             for (int l = 0; l < len; ++l) {
-                float w = bet[l] * expf(gam[l]) * ks[l * dk + j];
-                for (int m = 0; m < l; ++m) w -= am[l * CHUNK + m] * ws[m * dk + j];
-                ws[l * dk + j] = w;
+                float w = bet[l] * expf(gam[l]) * ks[l * ld + c];
+#pragma unroll 4
+                for (int m = 0; m < l; ++m) w -= am[l * CHUNK + m] * ws[m * ld + c];
+                ws[l * ld + c] = w;
             }
         }
         __syncthreads();
-        if (j < dv) {
-            // V' = U - W S
-            for (int l = 0; l < len; ++l) {
-                float vp = us[l * dv + j];
+        // V' = U - W S (the 4 row groups' partial sums added by a fixed butterfly).
+        for (int l = 0; l < len; ++l) {
+            float part = 0.0f;
 #pragma unroll
-                for (int a = 0; a < MAX_DK; ++a)
-                    if (a < dk) vp -= ws[l * dk + a] * s[a];
-                us[l * dv + j] = vp;
+            for (int i = 0; i < SR; ++i) {
+                int a = rg + ROW_GROUPS * i;
+                if (a < dk) part += ws[l * ld + a] * s[i];
             }
-            // O_l = exp(gam_l) q_l^T S + sum_{m<=l} P[l][m] V'_m
-            for (int l = 0; l < len; ++l) {
-                float el = expf(gam[l]);
-                float o = 0.0f;
+            part += __shfl_xor_sync(FULL_MASK, part, 1);
+            part += __shfl_xor_sync(FULL_MASK, part, 2);
+            __syncwarp();
+            if (rg == 0) us[l * CHUNK_COLS + cc] -= part;
+            __syncwarp();
+        }
+        __syncwarp();
+        // O_l = exp(gam_l) q_l^T S + sum_{m<=l} P[l][m] V'_m
+        for (int l = 0; l < len; ++l) {
+            float el = expf(gam[l]);
+            float part = 0.0f;
 #pragma unroll
-                for (int a = 0; a < MAX_DK; ++a)
-                    if (a < dk) o += (qs[l * dk + a] * el) * s[a];
-                for (int m = 0; m <= l; ++m) o += pm[l * CHUNK + m] * us[m * dv + j];
+            for (int i = 0; i < SR; ++i) {
+                int a = rg + ROW_GROUPS * i;
+                if (a < dk) part += (qs[l * ld + a] * el) * s[i];
+            }
+            part += __shfl_xor_sync(FULL_MASK, part, 1);
+            part += __shfl_xor_sync(FULL_MASK, part, 2);
+            if (rg == 0 && col_ok) {
+                float o = part;
+                for (int m = 0; m <= l; ++m) o += pm[l * CHUNK + m] * us[m * CHUNK_COLS + cc];
                 core[(long long)(t0 + l) * nv * dv + h * dv + j] = o;
             }
-            // S = exp(gam_last) S + sum_m exp(gam_last - gam_m) k_m (x) V'_m
-            float last = gam[len - 1];
-            float el = expf(last);
+        }
+        // S = exp(gam_last) S + sum_m exp(gam_last - gam_m) k_m (x) V'_m
+        float last = gam[len - 1];
+        float el = expf(last);
 #pragma unroll
-            for (int a = 0; a < MAX_DK; ++a) s[a] *= el;
-            for (int m = 0; m < len; ++m) {
-                float f = expf(last - gam[m]);
-                float vm = us[m * dv + j];
+        for (int i = 0; i < SR; ++i) s[i] *= el;
+        for (int m = 0; m < len; ++m) {
+            float f = expf(last - gam[m]);
+            float vm = us[m * CHUNK_COLS + cc];
 #pragma unroll
-                for (int a = 0; a < MAX_DK; ++a)
-                    if (a < dk) s[a] += (ks[m * dk + a] * f) * vm;
+            for (int i = 0; i < SR; ++i) {
+                int a = rg + ROW_GROUPS * i;
+                if (a < dk) s[i] += (ks[m * ld + a] * f) * vm;
             }
         }
         i0 += len;
     }
-    if (j < dv) {
+    if (col_ok) {
 #pragma unroll
-        for (int i = 0; i < MAX_DK; ++i)
-            if (i < dk) sp[i * dv + j] = s[i];
+        for (int i = 0; i < SR; ++i) {
+            int a = rg + ROW_GROUPS * i;
+            if (a < dk) sp[a * dv + j] = s[i];
+        }
     }
 }
 

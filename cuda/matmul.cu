@@ -99,10 +99,33 @@ __device__ __forceinline__ Group group_of(const bf16_t* whi, const bf16_t* wlo, 
     return g;
 }
 
-#define SMALL_NT 2      // n8 tiles per block: 16 output columns
-#define SMALL_UNROLL 4  // k blocks loaded before use
+#define SMALL_NT 2  // n8 tiles per block: 16 output columns
+
+// Weights are read once: bypass L1.
+__device__ __forceinline__ uint4 ldg_stream(const bf16_t* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// One 32-wide k block of the small-row kernel for both n8 tiles.
+__device__ __forceinline__ void small_kblock(float c[SMALL_NT][4], const float* xr0, const float* xr1, int k, int K, bool vec, const uint4 bh[SMALL_NT], const uint4 bl[SMALL_NT], bool has_lo) {
+    float v0[8], v1[8];
+    load8_f32(xr0, k, K, vec, v0);
+    load8_f32(xr1, k, K, vec, v1);
+    u32 h0[4], l0[4], h1[4], l1[4], ahi[2][4], alo[2][4];
+    split8(v0, h0, l0);
+    split8(v1, h1, l1);
+    make_frags(h0, h1, ahi);
+    make_frags(l0, l1, alo);
+#pragma unroll
+    for (int j = 0; j < SMALL_NT; ++j) mma_kblock(c[j], ahi, alo, bh[j], bl[j], has_lo);
+}
 
 // Few rows: grid (ceil(N/16), ceil(rows/16), groups), 128 threads; warp w owns k-slice w.
+// Bf16 weights with K a multiple of 32 take the streaming path (8 k blocks of loads in
+// flight per warp, no bounds checks); other shapes the checked path. Both issue the same
+// mma sequence per output element.
 extern "C" __global__ void __launch_bounds__(128) matmul_small(float* out, const float* x, const bf16_t* whi_, const bf16_t* wlo_, int rows, int N, int K,
         const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active) {
     __shared__ float red[KSLICES][SMALL_NT][32][4];
@@ -117,45 +140,51 @@ extern "C" __global__ void __launch_bounds__(128) matmul_small(float* out, const
     const float* xr1 = 0;
     if (m0 + g < grp.rows) xr0 = x + (long long)(grp.list ? grp.list[m0 + g] / a_div : m0 + g) * K;
     if (m0 + g + 8 < grp.rows) xr1 = x + (long long)(grp.list ? grp.list[m0 + g + 8] / a_div : m0 + g + 8) * K;
-    const bf16_t* wh[SMALL_NT];
-    const bf16_t* wl[SMALL_NT];
-#pragma unroll
-    for (int j = 0; j < SMALL_NT; ++j) {
-        int n = n0 + j * 8 + g;
-        wh[j] = n < N ? grp.whi + (long long)n * K : 0;
-        wl[j] = (has_lo && n < N) ? grp.wlo + (long long)n * K : 0;
-    }
     float c[SMALL_NT][4];
 #pragma unroll
     for (int j = 0; j < SMALL_NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
     int nkb = (K + 31) / 32, kps = (nkb + KSLICES - 1) / KSLICES;
     int kb0 = warp * kps, kb1 = min(kb0 + kps, nkb);
-    for (int kb = kb0; kb < kb1; kb += SMALL_UNROLL) {
-        uint4 bh[SMALL_UNROLL][SMALL_NT], bl[SMALL_UNROLL][SMALL_NT];
+    if (!has_lo && (K % 32) == 0) {
+        // Rows past N read row N-1 (always valid); their results are never written.
+        const bf16_t* wh[SMALL_NT];
 #pragma unroll
-        for (int u = 0; u < SMALL_UNROLL; ++u) {
-            int k = (kb + u) * 32 + q * 8;
-            bool live = kb + u < kb1;
+        for (int j = 0; j < SMALL_NT; ++j) wh[j] = grp.whi + (long long)min(n0 + j * 8 + g, N - 1) * K + q * 8;
+        const uint4 zero[SMALL_NT] = {};
+        int kb = kb0;
+        for (; kb + 8 <= kb1; kb += 8) {
+            uint4 bh[8][SMALL_NT];
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+#pragma unroll
+                for (int j = 0; j < SMALL_NT; ++j) bh[u][j] = ldg_stream(wh[j] + (kb + u) * 32);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) small_kblock(c, xr0, xr1, (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
+        }
+        for (; kb < kb1; ++kb) {
+            uint4 bh[SMALL_NT];
+#pragma unroll
+            for (int j = 0; j < SMALL_NT; ++j) bh[j] = ldg_stream(wh[j] + kb * 32);
+            small_kblock(c, xr0, xr1, kb * 32 + q * 8, K, true, bh, zero, false);
+        }
+    } else {
+        const bf16_t* wh[SMALL_NT];
+        const bf16_t* wl[SMALL_NT];
+#pragma unroll
+        for (int j = 0; j < SMALL_NT; ++j) {
+            int n = n0 + j * 8 + g;
+            wh[j] = n < N ? grp.whi + (long long)n * K : 0;
+            wl[j] = (has_lo && n < N) ? grp.wlo + (long long)n * K : 0;
+        }
+        for (int kb = kb0; kb < kb1; ++kb) {
+            int k = kb * 32 + q * 8;
+            uint4 bh[SMALL_NT], bl[SMALL_NT];
 #pragma unroll
             for (int j = 0; j < SMALL_NT; ++j) {
-                bh[u][j] = live ? load8_bf16(wh[j], k, K, vec) : make_uint4(0, 0, 0, 0);
-                bl[u][j] = (live && has_lo) ? load8_bf16(wl[j], k, K, vec) : make_uint4(0, 0, 0, 0);
+                bh[j] = load8_bf16(wh[j], k, K, vec);
+                bl[j] = has_lo ? load8_bf16(wl[j], k, K, vec) : make_uint4(0, 0, 0, 0);
             }
-        }
-#pragma unroll
-        for (int u = 0; u < SMALL_UNROLL; ++u) {
-            if (kb + u >= kb1) break;
-            int k = (kb + u) * 32 + q * 8;
-            float v0[8], v1[8];
-            load8_f32(xr0, k, K, vec, v0);
-            load8_f32(xr1, k, K, vec, v1);
-            u32 h0[4], l0[4], h1[4], l1[4], ahi[2][4], alo[2][4];
-            split8(v0, h0, l0);
-            split8(v1, h1, l1);
-            make_frags(h0, h1, ahi);
-            make_frags(l0, l1, alo);
-#pragma unroll
-            for (int j = 0; j < SMALL_NT; ++j) mma_kblock(c[j], ahi, alo, bh[u][j], bl[u][j], has_lo);
+            small_kblock(c, xr0, xr1, k, K, vec, bh, bl, has_lo);
         }
     }
 #pragma unroll
@@ -299,6 +328,157 @@ extern "C" __global__ void __launch_bounds__(128) matmul_tiled(float* out, const
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 int r = m0 + wm * 32 + i * 16 + g + 8 * half;
+                if (r >= grp.rows) continue;
+                long long orow = grp.list ? grp.list[r] : r;
+                if (col < N) out[orow * N + col] = tot[i][j][2 * half];
+                if (col + 1 < N) out[orow * N + col + 1] = tot[i][j][2 * half + 1];
+            }
+        }
+}
+
+// Activations split once for the pipelined kernel: hi = bf16(x), lo = bf16(x - hi), exactly
+// the values the other kernels form in registers. Thread per 8 values (n8 = T*K/8).
+extern "C" __global__ void split_activations(bf16_t* hi, bf16_t* lo, const float* x, long long n8) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n8) return;
+    float4 a = *(const float4*)(x + 8 * i), b = *(const float4*)(x + 8 * i + 4);
+    float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    u32 h[4], l[4];
+    split8(v, h, l);
+    *(uint4*)(hi + 8 * i) = make_uint4(h[0], h[1], h[2], h[3]);
+    *(uint4*)(lo + 8 * i) = make_uint4(l[0], l[1], l[2], l[3]);
+}
+
+#define PBM 128
+#define PBN 128
+#define PSTAGES 3
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16 bytes global -> shared, zero-filled when !valid.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+
+// Many rows, bf16 weights, K a multiple of 32: grid (ceil(N/128), ceil(rows/128), groups),
+// 256 threads as 2x4 warps of 64x32, a 3-stage cp.async pipeline over 32-wide k blocks.
+// Same per-element mma sequence and slice sums as the kernels above.
+extern "C" __global__ void __launch_bounds__(256, 1) matmul_pipelined(float* out, const bf16_t* xhi, const bf16_t* xlo, const bf16_t* whi_, int rows, int N, int K,
+        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active) {
+    extern __shared__ __align__(16) unsigned char psm[];
+    bf16_t (*s_ahi)[PBM][32] = (bf16_t (*)[PBM][32])psm;
+    bf16_t (*s_alo)[PBM][32] = (bf16_t (*)[PBM][32])(psm + PSTAGES * PBM * 64);
+    bf16_t (*s_w)[PBN][32] = (bf16_t (*)[PBN][32])(psm + 2 * PSTAGES * PBM * 64);
+    Group grp = group_of(whi_, 0, rows, group_w, counts, lists, list_stride, active);
+    int m0 = blockIdx.y * PBM;
+    if (m0 >= grp.rows) return;
+    int n0 = blockIdx.x * PBN;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    int wm = warp >> 2, wn = warp & 3;
+    // Loader: each thread copies 2 16-byte chunks of each of A hi, A lo and W per stage.
+    long long a_off[2];
+    const bf16_t* w_src[2];
+    bool a_ok[2], w_ok[2];
+    int ld_row[2], ld_chunk[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        int c = tid + i * 256;  // 0..511: row c/4, chunk c%4
+        ld_row[i] = c >> 2;
+        ld_chunk[i] = c & 3;
+        int r = m0 + ld_row[i];
+        a_ok[i] = r < grp.rows;
+        long long arow = a_ok[i] ? (grp.list ? grp.list[r] / a_div : r) : 0;
+        a_off[i] = arow * K + ld_chunk[i] * 8;
+        int n = n0 + ld_row[i];
+        w_ok[i] = n < N;
+        w_src[i] = grp.whi + (long long)(w_ok[i] ? n : 0) * K + ld_chunk[i] * 8;
+    }
+    int nkb = K / 32, kps = (nkb + KSLICES - 1) / KSLICES;
+    auto load_stage = [&](int stage, int kb) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            long long off = a_off[i] + kb * 32;
+            cp_async16(&s_ahi[stage][ld_row[i]][ld_chunk[i] * 8], xhi + off, a_ok[i]);
+            cp_async16(&s_alo[stage][ld_row[i]][ld_chunk[i] * 8], xlo + off, a_ok[i]);
+            cp_async16(&s_w[stage][ld_row[i]][ld_chunk[i] * 8], w_src[i] + kb * 32, w_ok[i]);
+        }
+    };
+    float acc[4][4][4], tot[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = tot[i][j][e] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < PSTAGES - 1; ++s) {
+        if (s < nkb) load_stage(s, s);
+        asm volatile("cp.async.commit_group;");
+    }
+    int slice = 0, slice_end = min(kps, nkb);
+    for (int kb = 0; kb < nkb; ++kb) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(PSTAGES - 2));
+        __syncthreads();
+        if (kb + PSTAGES - 1 < nkb) load_stage((kb + PSTAGES - 1) % PSTAGES, kb + PSTAGES - 1);
+        asm volatile("cp.async.commit_group;");
+        int st = kb % PSTAGES;
+        u32 bw[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            uint4 v = *(const uint4*)&s_w[st][wn * 32 + j * 8 + g][q * 8];
+            bw[j][0] = v.x; bw[j][1] = v.y; bw[j][2] = v.z; bw[j][3] = v.w;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int r = wm * 64 + i * 16 + g;
+            uint4 h0 = *(const uint4*)&s_ahi[st][r][q * 8], h1 = *(const uint4*)&s_ahi[st][r + 8][q * 8];
+            uint4 l0 = *(const uint4*)&s_alo[st][r][q * 8], l1 = *(const uint4*)&s_alo[st][r + 8][q * 8];
+            u32 a0[4] = {h0.x, h0.y, h0.z, h0.w}, a1[4] = {h1.x, h1.y, h1.z, h1.w};
+            u32 b0[4] = {l0.x, l0.y, l0.z, l0.w}, b1[4] = {l1.x, l1.y, l1.z, l1.w};
+            u32 ahi[2][4], alo[2][4];
+            make_frags(a0, a1, ahi);
+            make_frags(b0, b1, alo);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                uint4 wv = make_uint4(bw[j][0], bw[j][1], bw[j][2], bw[j][3]);
+                mma_kblock(acc[i][j], ahi, alo, wv, make_uint4(0, 0, 0, 0), false);
+            }
+        }
+        if (kb + 1 == slice_end) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        tot[i][j][e] += acc[i][j][e];
+                        acc[i][j][e] = 0.0f;
+                    }
+            ++slice;
+            slice_end = min((slice + 1) * kps, nkb);
+        }
+    }
+    asm volatile("cp.async.wait_group 0;");
+    // Trailing empty slices add their zero sums, as the small-row kernel does.
+    for (; slice < KSLICES; ++slice)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) tot[i][j][e] += 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int col = n0 + wn * 32 + j * 8 + 2 * q;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                int r = m0 + wm * 64 + i * 16 + g + 8 * half;
                 if (r >= grp.rows) continue;
                 long long orow = grp.list ? grp.list[r] : r;
                 if (col < N) out[orow * N + col] = tot[i][j][2 * half];

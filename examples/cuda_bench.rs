@@ -167,12 +167,16 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
     let out = model.forward(gpu, &prompt, &prefill_row(o.prompt, 0, blocks), &[o.prompt as u32 - 1], &mut cache);
     let mut next = argmax(&gpu.to_host(&out.logits));
     let mut step_times = Vec::with_capacity(o.decode);
+    // Host time to enqueue a step (before waiting for its logits): near the step time means
+    // the host's launches, not the GPU, set the pace.
+    let mut enqueue_times = Vec::with_capacity(o.decode);
     gpu.profile_report();
     for i in 0..o.decode {
         let layout = BatchLayout { rows: vec![RowLayout { kind: RowKind::Generate, token_start: 0, num_tokens: 1, start_position: o.prompt + i, block_table: (0..blocks as u32).collect(), state_slot: 0, snapshot_base: 0 }] };
         let t = Instant::now();
         let out = model.forward(gpu, &[next], &layout, &[0], &mut cache);
         gpu.commit_state(&mut cache, 0, 0);
+        enqueue_times.push(t.elapsed().as_secs_f64());
         next = argmax(&gpu.to_host(&out.logits));
         step_times.push(t.elapsed().as_secs_f64());
     }
@@ -194,6 +198,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
             "tokens_per_s": 1.0 / mean,
             "roofline_ms_per_token": roofline_s * 1e3,
             "fraction_of_roofline": roofline_s / mean,
+            "host_enqueue_ms_per_token": enqueue_times[enqueue_times.len().min(4)..].iter().sum::<f64>() / steady.len().max(1) as f64 * 1e3,
         },
         "prefill": prefill,
         "device_ms_by_op": profiles,

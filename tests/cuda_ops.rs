@@ -237,9 +237,9 @@ fn moe_matches_cpu_and_tokens_are_independent() {
     let Some(gpu) = gpu() else { return };
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(seed());
-    for (h, e, k, inter, shared, renorm) in [(64, 8, 2, 48, 32, true), (96, 16, 5, 40, 0, false), (128, 64, 8, 64, 64, true)] {
+    for (h, e, k, inter, shared, renorm, dtype) in [(64, 8, 2, 48, 32, true, Dtype::F32), (96, 16, 5, 40, 0, false, Dtype::F32), (128, 64, 8, 64, 64, true, Dtype::BF16), (256, 16, 4, 96, 64, true, Dtype::BF16)] {
         let cfg = MoeConfig { num_experts: e, top_k: k, expert_intermediate: inter, shared_intermediate: shared, norm_topk_prob: renorm };
-        let m = |rng: &mut Rng, r, c| random_matrix(rng, r, c, Dtype::F32);
+        let m = |rng: &mut Rng, r, c| random_matrix(rng, r, c, dtype);
         let router = m(&mut rng, e, h);
         let experts: Vec<[_; 3]> = (0..e).map(|_| [m(&mut rng, inter, h), m(&mut rng, inter, h), m(&mut rng, h, inter)]).collect();
         let shared_w = (shared > 0).then(|| [m(&mut rng, shared, h), m(&mut rng, shared, h), m(&mut rng, h, shared)]);

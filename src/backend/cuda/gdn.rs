@@ -7,6 +7,8 @@ use crate::model::config::LinearAttnConfig;
 
 /// Chunk of the chunked delta rule; must match CHUNK in cuda/gdn.cu and the CPU backend.
 const CHUNK: usize = crate::backend::cpu::gdn::CHUNK;
+/// Value columns per block of the chunked kernel (CHUNK_COLS in cuda/gdn.cu).
+const CHUNK_COLS: usize = 32;
 
 pub(super) struct GdnArgs<'a> {
     pub mixed: &'a CudaTensor,
@@ -124,12 +126,12 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
         be.launch(&be.k.gdn_recurrent, (dl.num_generate as u32, nv as u32, 1), threads, 0, &common(at(dl.generate_off)));
     }
     if dl.num_prefill > 0 {
-        let smem = (3 * CHUNK * dk + CHUNK * dv + 2 * CHUNK * CHUNK + 2 * CHUNK) * 4;
+        let smem = (3 * CHUNK * (dk + 1) + CHUNK * CHUNK_COLS + 2 * CHUNK * CHUNK + 2 * CHUNK) * 4;
         assert!(smem <= be.max_dynamic_smem, "gated_delta_net: dk {dk} / dv {dv} need {smem} bytes of shared memory");
         // The chunked kernel has no snapshot argument: drop it from the shared list.
         let mut args: Vec<Arg> = common(at(dl.prefill_off)).into_iter().collect();
         args.remove(7);
-        be.launch(&be.k.gdn_chunked, (dl.num_prefill as u32, nv as u32, 1), 128, smem, &args);
+        be.launch(&be.k.gdn_chunked, (dl.num_prefill as u32, nv as u32, dv.div_ceil(CHUNK_COLS) as u32), 128, smem, &args);
     }
 
     // 4. Gated RMSNorm per value head.

@@ -1,7 +1,7 @@
 //! Launches of the batch-invariant matmul kernels (cuda/matmul.cu). Both kernels run the same
 //! per-element instruction sequence, so picking one by row count changes speed only.
 
-use super::{Arg, CudaBackend, CudaMatrix, CudaTensor};
+use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor};
 
 /// Up to this many rows (per group) go to the small-row kernel, which streams the weights
 /// once per 16 rows; above it the tiled kernel reuses each weight tile across 64 rows.
@@ -19,37 +19,43 @@ pub(super) struct Grouped {
     pub active: u64,
     /// Upper bound of the active count (grid slices launched).
     pub groups: usize,
+    /// Whether the group weights carry a lo part (F32/F16 sources).
+    pub has_lo: bool,
 }
 
-/// `out[rows, n] = x[., k] @ W^T`. Plain launches read rows `0..rows` of `x`; grouped
+/// Bytes of dynamic shared memory of the pipelined kernel (3 stages of A hi, A lo and W tiles
+/// of 128 rows x 32 bf16).
+pub(super) const PIPELINED_SMEM: usize = 3 * 3 * 128 * 64;
+
+/// `out[rows, n] = x[x_rows, k] @ W^T`. Plain launches read rows `0..rows` of `x`; grouped
 /// launches read the rows listed per group (at most `rows` per group).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, whi: u64, wlo: u64, rows: usize, n: usize, k: usize, grouped: Option<&Grouped>) {
+pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, whi: u64, wlo: u64, rows: usize, n: usize, k: usize, grouped: Option<&Grouped>) {
     if rows == 0 || n == 0 {
         return;
     }
-    let (table, counts, lists, stride, a_div, active, groups) = match grouped {
-        Some(g) => (g.table, g.counts, g.lists, g.list_stride, g.a_div, g.active, g.groups),
-        None => (0, 0, 0, 0, 1, 0, 1),
+    let (table, counts, lists, stride, a_div, active, groups, has_lo) = match grouped {
+        Some(g) => (g.table, g.counts, g.lists, g.list_stride, g.a_div, g.active, g.groups, g.has_lo),
+        None => (0, 0, 0, 0, 1, 0, 1, wlo != 0),
     };
-    let args = [
-        Arg::Ptr(out),
-        Arg::Ptr(x),
-        Arg::Ptr(whi),
-        Arg::Ptr(wlo),
-        Arg::I32(rows as i32),
-        Arg::I32(n as i32),
-        Arg::I32(k as i32),
-        Arg::Ptr(table),
-        Arg::Ptr(counts),
-        Arg::Ptr(lists),
-        Arg::I32(stride as i32),
-        Arg::I32(a_div as i32),
-        Arg::Ptr(active),
-    ];
+    let tail = [Arg::I32(rows as i32), Arg::I32(n as i32), Arg::I32(k as i32), Arg::Ptr(table), Arg::Ptr(counts), Arg::Ptr(lists), Arg::I32(stride as i32), Arg::I32(a_div as i32), Arg::Ptr(active)];
     if rows <= SMALL_MAX_ROWS {
+        let mut args = vec![Arg::Ptr(out), Arg::Ptr(x), Arg::Ptr(whi), Arg::Ptr(wlo)];
+        args.extend(tail);
         be.launch(&be.k.matmul_small, (n.div_ceil(16) as u32, rows.div_ceil(16) as u32, groups as u32), 128, 0, &args);
+    } else if !has_lo && k % 32 == 0 && PIPELINED_SMEM <= be.max_dynamic_smem {
+        // Split the activations once, then stream bf16 tiles with cp.async.
+        let elems = x_rows * k;
+        // SAFETY: fully written by split_activations before the matmul reads it.
+        let split = ck(unsafe { be.stream.alloc::<u16>(2 * elems) }, "alloc");
+        let (hi, lo) = (be.ptr(&split), be.ptr(&split) + 2 * elems as u64);
+        be.launch(&be.k.split_activations, ((elems / 8).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(hi), Arg::Ptr(lo), Arg::Ptr(x), Arg::I64((elems / 8) as i64)]);
+        let mut args = vec![Arg::Ptr(out), Arg::Ptr(hi), Arg::Ptr(lo), Arg::Ptr(whi)];
+        args.extend(tail);
+        be.launch(&be.k.matmul_pipelined, (n.div_ceil(128) as u32, rows.div_ceil(128) as u32, groups as u32), 256, PIPELINED_SMEM, &args);
     } else {
+        let mut args = vec![Arg::Ptr(out), Arg::Ptr(x), Arg::Ptr(whi), Arg::Ptr(wlo)];
+        args.extend(tail);
         be.launch(&be.k.matmul_tiled, (n.div_ceil(64) as u32, rows.div_ceil(64) as u32, groups as u32), 128, 0, &args);
     }
 }
@@ -58,6 +64,6 @@ pub(super) fn matmul(be: &CudaBackend, x: &CudaTensor, w: &CudaMatrix) -> CudaTe
     assert_eq!(x.cols, w.cols, "matmul: activation has {} columns, weight has {} inputs", x.cols, w.cols);
     let out = be.tensor(x.rows, w.rows);
     let wlo = w.lo.as_ref().map_or(0, |l| be.ptr(l));
-    launch_matmul(be, be.ptr(&out.data), be.ptr(&x.data), be.ptr(&w.hi), wlo, x.rows, w.rows, w.cols, None);
+    launch_matmul(be, be.ptr(&out.data), be.ptr(&x.data), x.rows, be.ptr(&w.hi), wlo, x.rows, w.rows, w.cols, None);
     out
 }

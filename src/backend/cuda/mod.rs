@@ -102,7 +102,7 @@ macro_rules! kernel_table {
 
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth],
-    "matmul" => [matmul_small, matmul_tiled],
+    "matmul" => [matmul_small, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core],
     "gdn" => [gdn_conv, gdn_conv_state, gdn_gates, gdn_recurrent, gdn_chunked, gdn_out_norm],
     "moe" => [moe_route, moe_group, moe_active, moe_combine],
@@ -150,7 +150,7 @@ impl CudaBackend {
         use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
         // Kernels with large dynamic shared memory may use all of it beside their static part.
         let mut max_dynamic_smem = optin;
-        for f in [&k.gdn_chunked, &k.attn_core, &k.moe_route] {
+        for f in [&k.gdn_chunked, &k.attn_core, &k.moe_route, &k.matmul_pipelined] {
             // SAFETY: a loaded function handle and a valid attribute.
             let fixed = unsafe { cudarc::driver::result::function::get_function_attribute(f.cu_function(), FuncAttr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) }.map_err(driver)?;
             f.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - fixed).map_err(driver)?;

@@ -59,14 +59,23 @@ pub(super) fn moe(be: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>,
     let tables = expert_tables(be, w);
     // At most t * k experts have rows: one grid slice each.
     let groups = e.min(t * k);
-    let grouped = |which: usize, a_div: usize| Grouped { table: be.ptr(&tables[which]), counts: be.ptr(&counts), lists: be.ptr(&lists), list_stride: t, a_div, active: be.ptr(&active), groups };
+    let grouped = |which: usize, a_div: usize| Grouped {
+        table: be.ptr(&tables[which]),
+        counts: be.ptr(&counts),
+        lists: be.ptr(&lists),
+        list_stride: t,
+        a_div,
+        active: be.ptr(&active),
+        groups,
+        has_lo: w.experts.iter().any(|m| m[which].lo.is_some()),
+    };
     let gate = be.tensor(t * k, inter);
     let up = be.tensor(t * k, inter);
-    launch_matmul(be, be.ptr(&gate.data), be.ptr(&x.data), 0, 0, t, inter, h, Some(&grouped(0, k)));
-    launch_matmul(be, be.ptr(&up.data), be.ptr(&x.data), 0, 0, t, inter, h, Some(&grouped(1, k)));
+    launch_matmul(be, be.ptr(&gate.data), be.ptr(&x.data), t, 0, 0, t, inter, h, Some(&grouped(0, k)));
+    launch_matmul(be, be.ptr(&up.data), be.ptr(&x.data), t, 0, 0, t, inter, h, Some(&grouped(1, k)));
     let act = super::ops::silu_mul(be, &gate, &up);
     let y = be.tensor(t * k, h);
-    launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), 0, 0, t, h, inter, Some(&grouped(2, 1)));
+    launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), t * k, 0, 0, t, h, inter, Some(&grouped(2, 1)));
 
     let shared = w.shared.as_ref().map(|[g, u, d]| {
         let a = super::ops::silu_mul(be, &super::matmul::matmul(be, x, g), &super::matmul::matmul(be, x, u));
