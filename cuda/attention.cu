@@ -5,6 +5,8 @@
 
 #define KEY_TILE 64
 #define MAX_ELEMS_PER_THREAD 8
+#define MAX_DIMS_PER_LANE 8   // head_dim <= 256
+#define KEYS_PER_PASS 4
 
 // grid (T, nq + nkv), 128 threads; dynamic shared memory: hd floats.
 extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cache, float* v_cache, const float* qg, const float* k, const float* v,
@@ -87,16 +89,29 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
         }
         __syncthreads();
         // Scores: one warp per (head, key), lanes over dims in a fixed stride, butterfly sum.
-        for (int pi = warp; pi < hpb * KEY_TILE; pi += nwarps) {
-            int g = pi / KEY_TILE, p = pi % KEY_TILE;
-            if (p >= np) continue;
-            const float* kr = k_cache + slots[p] * kv_stride + (long long)kvh * hd;
-            const float* qr = qs + g * hd;
-            float dot = 0.0f;
-#pragma unroll 8
-            for (int d = lane; d < hd; d += 32) dot += qr[d] * kr[d];
-            dot = warp_sum(dot);
-            if (lane == 0) sc[g * KEY_TILE + p] = dot * scale;
+        // A warp loads its next KEYS_PER_PASS keys before summing any (loads in flight).
+        for (int base = warp; base < hpb * KEY_TILE; base += nwarps * KEYS_PER_PASS) {
+            float kv[KEYS_PER_PASS][MAX_DIMS_PER_LANE];
+#pragma unroll
+            for (int u = 0; u < KEYS_PER_PASS; ++u) {
+                int pi = base + u * nwarps, p = pi % KEY_TILE;
+                bool live = pi < hpb * KEY_TILE && p < np;
+                const float* kr = k_cache + (live ? slots[p] : 0) * kv_stride + (long long)kvh * hd;
+#pragma unroll
+                for (int i = 0; i < MAX_DIMS_PER_LANE; ++i) kv[u][i] = (live && lane + 32 * i < hd) ? kr[lane + 32 * i] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < KEYS_PER_PASS; ++u) {
+                int pi = base + u * nwarps, g = pi / KEY_TILE, p = pi % KEY_TILE;
+                if (pi >= hpb * KEY_TILE || p >= np) continue;
+                const float* qr = qs + g * hd;
+                float dot = 0.0f;
+#pragma unroll
+                for (int i = 0; i < MAX_DIMS_PER_LANE; ++i)
+                    if (lane + 32 * i < hd) dot += qr[lane + 32 * i] * kv[u][i];
+                dot = warp_sum(dot);
+                if (lane == 0) sc[g * KEY_TILE + p] = dot * scale;
+            }
         }
         __syncthreads();
         // Online softmax, one thread per head, keys in order.
@@ -123,9 +138,15 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
             const float* s = sc + g * KEY_TILE;
             float a = acc[i] * corr[g];
             const float* vcol = v_cache + (long long)kvh * hd + d;
-            // Unrolled so that several value loads are in flight; the sum stays in key order.
-#pragma unroll 8
-            for (int p = 0; p < np; ++p) a += s[p] * vcol[slots[p] * kv_stride];
+            // Values loaded 8 keys at a time before use; the sum stays in key order.
+            for (int p0v = 0; p0v < np; p0v += 8) {
+                float vv[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) vv[u] = p0v + u < np ? vcol[slots[p0v + u] * kv_stride] : 0.0f;
+#pragma unroll
+                for (int u = 0; u < 8; ++u)
+                    if (p0v + u < np) a += s[p0v + u] * vv[u];
+            }
             acc[i] = a;
         }
         __syncthreads();

@@ -99,7 +99,7 @@ __device__ __forceinline__ Group group_of(const bf16_t* whi, const bf16_t* wlo, 
     return g;
 }
 
-#define SMALL_NT 2  // n8 tiles per block: 16 output columns
+#define SMALL_UNROLL 4  // k blocks of weight loads in flight per warp
 
 // Weights are read once: bypass L1.
 __device__ __forceinline__ uint4 ldg_stream(const bf16_t* p) {
@@ -108,31 +108,40 @@ __device__ __forceinline__ uint4 ldg_stream(const bf16_t* p) {
     return v;
 }
 
-// One 32-wide k block of the small-row kernel for both n8 tiles.
-__device__ __forceinline__ void small_kblock(float c[SMALL_NT][4], const float* xr0, const float* xr1, int k, int K, bool vec, const uint4 bh[SMALL_NT], const uint4 bl[SMALL_NT], bool has_lo) {
-    float v0[8], v1[8];
+// One 32-wide k block of the small-row kernel for its NT n8 tiles.
+// `two`: whether rows 8..15 of the tile exist (uniform across the warp); when not, their
+// fragments are the zeros the loads would give.
+template <int NT>
+__device__ __forceinline__ void small_kblock(float c[NT][4], const float* xr0, const float* xr1, bool two, int k, int K, bool vec, const uint4 bh[NT], const uint4 bl[NT], bool has_lo) {
+    float v0[8];
     load8_f32(xr0, k, K, vec, v0);
-    load8_f32(xr1, k, K, vec, v1);
-    u32 h0[4], l0[4], h1[4], l1[4], ahi[2][4], alo[2][4];
+    u32 h0[4], l0[4], h1[4] = {0, 0, 0, 0}, l1[4] = {0, 0, 0, 0}, ahi[2][4], alo[2][4];
     split8(v0, h0, l0);
-    split8(v1, h1, l1);
+    if (two) {
+        float v1[8];
+        load8_f32(xr1, k, K, vec, v1);
+        split8(v1, h1, l1);
+    }
     make_frags(h0, h1, ahi);
     make_frags(l0, l1, alo);
 #pragma unroll
-    for (int j = 0; j < SMALL_NT; ++j) mma_kblock(c[j], ahi, alo, bh[j], bl[j], has_lo);
+    for (int j = 0; j < NT; ++j) mma_kblock(c[j], ahi, alo, bh[j], bl[j], has_lo);
 }
 
-// Few rows: grid (ceil(N/16), ceil(rows/16), groups), 128 threads; warp w owns k-slice w.
-// Bf16 weights with K a multiple of 32 take the streaming path (8 k blocks of loads in
-// flight per warp, no bounds checks); other shapes the checked path. Both issue the same
+// Few rows: grid (blocks of 32 columns, ceil(rows/16), groups), 128 threads; warp w owns
+// k-slice w.
+// Bf16 weights with K a multiple of 32 take the streaming path (SMALL_UNROLL k blocks of
+// loads in flight per warp, no bounds checks); other shapes the checked path. Both issue the same
 // mma sequence per output element.
-extern "C" __global__ void __launch_bounds__(128) matmul_small(float* out, const float* x, const bf16_t* whi_, const bf16_t* wlo_, int rows, int N, int K,
+// NT (n8 tiles per block) trades per-column overhead against parallelism for small N; the
+// per-element arithmetic does not depend on it.
+template <int NT>
+__device__ __forceinline__ void matmul_small_body(float* out, const float* x, const bf16_t* whi_, const bf16_t* wlo_, int rows, int N, int K,
         const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active) {
-    __shared__ float red[KSLICES][SMALL_NT][32][4];
+    __shared__ float red[KSLICES][NT][32][4];
     Group grp = group_of(whi_, wlo_, rows, group_w, counts, lists, list_stride, active);
     int m0 = blockIdx.y * 16;
     if (m0 >= grp.rows) return;
-    int n0 = blockIdx.x * 16;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     bool vec = (K % 8) == 0;
     bool has_lo = grp.wlo != 0;
@@ -140,61 +149,64 @@ extern "C" __global__ void __launch_bounds__(128) matmul_small(float* out, const
     const float* xr1 = 0;
     if (m0 + g < grp.rows) xr0 = x + (long long)(grp.list ? grp.list[m0 + g] / a_div : m0 + g) * K;
     if (m0 + g + 8 < grp.rows) xr1 = x + (long long)(grp.list ? grp.list[m0 + g + 8] / a_div : m0 + g + 8) * K;
-    float c[SMALL_NT][4];
-#pragma unroll
-    for (int j = 0; j < SMALL_NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
     int nkb = (K + 31) / 32, kps = (nkb + KSLICES - 1) / KSLICES;
     int kb0 = warp * kps, kb1 = min(kb0 + kps, nkb);
+    // Column blocks in a grid-stride loop: a grid sized to the GPU streams without a tail wave.
+    bool two = m0 + 8 < grp.rows;
+    for (int n0 = blockIdx.x * 8 * NT; n0 < N; n0 += gridDim.x * 8 * NT) {
+    float c[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
     if (!has_lo && (K % 32) == 0) {
         // Rows past N read row N-1 (always valid); their results are never written.
-        const bf16_t* wh[SMALL_NT];
+        const bf16_t* wh[NT];
 #pragma unroll
-        for (int j = 0; j < SMALL_NT; ++j) wh[j] = grp.whi + (long long)min(n0 + j * 8 + g, N - 1) * K + q * 8;
-        const uint4 zero[SMALL_NT] = {};
+        for (int j = 0; j < NT; ++j) wh[j] = grp.whi + (long long)min(n0 + j * 8 + g, N - 1) * K + q * 8;
+        const uint4 zero[NT] = {};
         int kb = kb0;
-        for (; kb + 8 <= kb1; kb += 8) {
-            uint4 bh[8][SMALL_NT];
+        for (; kb + SMALL_UNROLL <= kb1; kb += SMALL_UNROLL) {
+            uint4 bh[SMALL_UNROLL][NT];
 #pragma unroll
-            for (int u = 0; u < 8; ++u)
+            for (int u = 0; u < SMALL_UNROLL; ++u)
 #pragma unroll
-                for (int j = 0; j < SMALL_NT; ++j) bh[u][j] = ldg_stream(wh[j] + (kb + u) * 32);
+                for (int j = 0; j < NT; ++j) bh[u][j] = ldg_stream(wh[j] + (kb + u) * 32);
 #pragma unroll
-            for (int u = 0; u < 8; ++u) small_kblock(c, xr0, xr1, (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
+            for (int u = 0; u < SMALL_UNROLL; ++u) small_kblock<NT>(c, xr0, xr1, two, (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
         }
         for (; kb < kb1; ++kb) {
-            uint4 bh[SMALL_NT];
+            uint4 bh[NT];
 #pragma unroll
-            for (int j = 0; j < SMALL_NT; ++j) bh[j] = ldg_stream(wh[j] + kb * 32);
-            small_kblock(c, xr0, xr1, kb * 32 + q * 8, K, true, bh, zero, false);
+            for (int j = 0; j < NT; ++j) bh[j] = ldg_stream(wh[j] + kb * 32);
+            small_kblock<NT>(c, xr0, xr1, two, kb * 32 + q * 8, K, true, bh, zero, false);
         }
     } else {
-        const bf16_t* wh[SMALL_NT];
-        const bf16_t* wl[SMALL_NT];
+        const bf16_t* wh[NT];
+        const bf16_t* wl[NT];
 #pragma unroll
-        for (int j = 0; j < SMALL_NT; ++j) {
+        for (int j = 0; j < NT; ++j) {
             int n = n0 + j * 8 + g;
             wh[j] = n < N ? grp.whi + (long long)n * K : 0;
             wl[j] = (has_lo && n < N) ? grp.wlo + (long long)n * K : 0;
         }
         for (int kb = kb0; kb < kb1; ++kb) {
             int k = kb * 32 + q * 8;
-            uint4 bh[SMALL_NT], bl[SMALL_NT];
+            uint4 bh[NT], bl[NT];
 #pragma unroll
-            for (int j = 0; j < SMALL_NT; ++j) {
+            for (int j = 0; j < NT; ++j) {
                 bh[j] = load8_bf16(wh[j], k, K, vec);
                 bl[j] = has_lo ? load8_bf16(wl[j], k, K, vec) : make_uint4(0, 0, 0, 0);
             }
-            small_kblock(c, xr0, xr1, k, K, vec, bh, bl, has_lo);
+            small_kblock<NT>(c, xr0, xr1, two, k, K, vec, bh, bl, has_lo);
         }
     }
 #pragma unroll
-    for (int j = 0; j < SMALL_NT; ++j)
+    for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) red[warp][j][lane][i] = c[j][i];
     __syncthreads();
-    if (warp != 0) return;
+    if (warp == 0) {
 #pragma unroll
-    for (int j = 0; j < SMALL_NT; ++j) {
+    for (int j = 0; j < NT; ++j) {
         float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int w = 0; w < KSLICES; ++w)
 #pragma unroll
@@ -209,7 +221,19 @@ extern "C" __global__ void __launch_bounds__(128) matmul_small(float* out, const
             if (col + 1 < N) out[orow * N + col + 1] = t[2 * half + 1];
         }
     }
+    }
+    __syncthreads();
+    }
 }
+
+#define SMALL_KERNEL(NT)                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) matmul_small_nt##NT(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, \
+            int N, int K, const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active) {       \
+        matmul_small_body<NT>(out, x, whi, wlo, rows, N, K, group_w, counts, lists, list_stride, a_div, active);                      \
+    }
+SMALL_KERNEL(1)
+SMALL_KERNEL(2)
+SMALL_KERNEL(4)
 
 #define TBM 64
 #define TBN 64

@@ -86,6 +86,26 @@ extern "C" __global__ void moe_active(int* active, const int* counts, int E) {
     active[0] = n;
 }
 
+// moe_group and moe_active in one block, for steps with few (token, slot) entries (decode):
+// the same lists, counts and active list, from one launch. Dynamic shared memory: E ints.
+extern "C" __global__ void moe_group_few(int* lists, int* counts, int* active, const int* topk_idx, int entries, int cap, int E) {
+    extern __shared__ int cnt[];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < entries; ++i) {
+            int e = topk_idx[i];
+            lists[(long long)e * cap + cnt[e]++] = i;
+        }
+        int n = 0;
+        for (int e = 0; e < E; ++e)
+            if (cnt[e] > 0) active[1 + n++] = e;
+        active[0] = n;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = cnt[e];
+}
+
 // out[t] = sum_s w[t,s] * y[t*k+s] (slots in order), then + sigmoid(shared_gate[t]) * shared[t].
 extern "C" __global__ void moe_combine(float* out, const float* y, const float* topk_w, const float* shared, const float* shared_gate, int T, int H, int k) {
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;

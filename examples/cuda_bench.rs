@@ -12,6 +12,8 @@ use kestrel::model::config::ModelConfig;
 use std::time::Instant;
 
 struct Options {
+    /// `--matmul-only N,K`: only run a 1-row matmul on an N x K weight a few times (for a profiler).
+    matmul_only: Option<(usize, usize)>,
     presets: Vec<String>,
     prompt: usize,
     decode: usize,
@@ -19,11 +21,18 @@ struct Options {
 }
 
 fn parse_args() -> Result<Options, String> {
-    let mut o = Options { presets: vec!["qwen3.5-9b".into(), "qwen3.5-35b-a3b".into()], prompt: 512, decode: 64, prefill: vec![512, 4096] };
+    let mut o = Options { matmul_only: None, presets: vec!["qwen3.5-9b".into(), "qwen3.5-35b-a3b".into()], prompt: 512, decode: 64, prefill: vec![512, 4096] };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or(format!("{a} needs a value"));
         match a.as_str() {
+            "--matmul-only" => {
+                let v: Vec<usize> = value()?.split(',').map(|x| x.parse().map_err(|e| format!("--matmul-only: {e}"))).collect::<Result<_, _>>()?;
+                match v.as_slice() {
+                    [n, k] => o.matmul_only = Some((*n, *k)),
+                    _ => return Err("--matmul-only takes N,K".into()),
+                }
+            }
             "--presets" => o.presets = value()?.split(',').map(str::to_string).collect(),
             "--prompt" => o.prompt = value()?.parse().map_err(|e| format!("--prompt: {e}"))?,
             "--decode" => o.decode = value()?.parse().map_err(|e| format!("--decode: {e}"))?,
@@ -225,6 +234,21 @@ fn main() {
             std::process::exit(1);
         }
     };
+    if let Some((n, k)) = o.matmul_only {
+        let w = match random_weight(&gpu, n, k) {
+            Ok(w) => w,
+            Err(e) => {
+                eprintln!("cuda_bench: {e}");
+                std::process::exit(1);
+            }
+        };
+        let x = gpu.from_host(&vec![0.5f32; k], 1, k);
+        let s = time_median(&gpu, 5, || {
+            let _ = gpu.matmul(&x, &w);
+        });
+        println!("matmul 1x{k} @ {n}x{k}: {:.1} us, {:.0} GB/s", s * 1e6, (n * k * 2) as f64 / s / 1e9);
+        return;
+    }
     let bandwidth = match gpu.copy_bandwidth(2 << 30, 10) {
         Ok(b) => b,
         Err(e) => {

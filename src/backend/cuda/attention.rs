@@ -6,6 +6,8 @@ use crate::backend::{AttentionDims, BatchLayout};
 
 /// Keys per tile of the attention kernel (fixed: tiles are aligned to absolute positions).
 const KEY_TILE: usize = 64;
+/// Largest head dim (8 values per lane of a warp).
+const MAX_HEAD_DIM: usize = 256;
 /// Query-head elements one attention block keeps in registers (256 threads x 8).
 const MAX_BLOCK_ELEMS: usize = 2048;
 /// From this many tokens, a block serves every query head of a kv group (sharing key/value
@@ -31,7 +33,7 @@ pub(super) fn gated_attention(
     assert_eq!(q_gate.cols, nq * 2 * hd, "gated_attention: q projection width");
     assert_eq!((k.rows, k.cols, v.rows, v.cols), (t, nkv * hd, t, nkv * hd), "gated_attention: k/v shapes");
     assert_eq!((q_norm.len, k_norm.len), (hd, hd), "gated_attention: q/k norm length");
-    assert!(nkv > 0 && nq % nkv == 0 && hd <= MAX_BLOCK_ELEMS, "gated_attention: unsupported head layout {nq}/{nkv}x{hd}");
+    assert!(nkv > 0 && nq % nkv == 0 && hd <= MAX_HEAD_DIM, "gated_attention: unsupported head layout {nq}/{nkv}x{hd} (head_dim at most {MAX_HEAD_DIM})");
     assert!(layer < cache.k.len(), "gated_attention: attention layer {layer} outside the cache");
     assert_eq!((cache.spec.kv_heads, cache.spec.head_dim), (nkv, hd), "gated_attention: cache geometry");
     let bs = cache.spec.block_size;

@@ -42,7 +42,15 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
     if rows <= SMALL_MAX_ROWS {
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(x), Arg::Ptr(whi), Arg::Ptr(wlo)];
         args.extend(tail);
-        be.launch(&be.k.matmul_small, (n.div_ceil(16) as u32, rows.div_ceil(16) as u32, groups as u32), 128, 0, &args);
+        // Enough warps to keep the memory system busy: narrower column blocks for small N.
+        // One wave of resident blocks; more column blocks are walked by the grid-stride loop.
+        let (variant, f) = match n {
+            0..=2048 => (0, &be.k.matmul_small_nt1),
+            2049..=8191 => (1, &be.k.matmul_small_nt2),
+            _ => (2, &be.k.matmul_small_nt4),
+        };
+        let col_blocks = n.div_ceil(8 << variant).min(be.small_matmul_slots[variant]);
+        be.launch(f, (col_blocks as u32, rows.div_ceil(16) as u32, groups as u32), 128, 0, &args);
     } else if !has_lo && k % 32 == 0 && PIPELINED_SMEM <= be.max_dynamic_smem {
         // Split the activations once, then stream bf16 tiles with cp.async.
         let elems = x_rows * k;

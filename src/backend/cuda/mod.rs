@@ -102,10 +102,10 @@ macro_rules! kernel_table {
 
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth],
-    "matmul" => [matmul_small, matmul_tiled, matmul_pipelined, split_activations],
+    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core],
     "gdn" => [gdn_conv, gdn_conv_state, gdn_gates, gdn_recurrent, gdn_chunked, gdn_out_norm],
-    "moe" => [moe_route, moe_group, moe_active, moe_combine],
+    "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine],
 }
 
 /// Per-expert weight pointer tables of one MoE block: (gate, up, down), each `[E][hi, lo]`.
@@ -124,6 +124,8 @@ pub struct CudaBackend {
     layout_cache: Mutex<Option<(Vec<i32>, Arc<DeviceLayout>)>>,
     rope_tables: Mutex<HashMap<(u64, usize), Arc<CudaSlice<f32>>>>,
     pub(super) max_dynamic_smem: usize,
+    /// Resident blocks of the small-row matmul variants (1, 2, 4 n8 tiles) across the GPU.
+    pub(super) small_matmul_slots: [usize; 3],
     profiler: profile::Profiler,
 }
 
@@ -156,6 +158,11 @@ impl CudaBackend {
             f.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - fixed).map_err(driver)?;
             max_dynamic_smem = max_dynamic_smem.min(optin - fixed);
         }
+        let sm_count = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)?.max(1) as usize;
+        let mut small_matmul_slots = [0; 3];
+        for (slots, f) in small_matmul_slots.iter_mut().zip([&k.matmul_small_nt1, &k.matmul_small_nt2, &k.matmul_small_nt4]) {
+            *slots = sm_count * f.occupancy_max_active_blocks_per_multiprocessor(128, 0, None).map_err(driver)?.max(1) as usize;
+        }
         let stream = ctx.new_stream().map_err(driver)?;
         Ok(CudaBackend {
             ctx,
@@ -170,6 +177,7 @@ impl CudaBackend {
             rope_tables: Mutex::new(HashMap::new()),
             max_dynamic_smem: max_dynamic_smem.max(0) as usize,
             profiler: profile::Profiler::from_env(),
+            small_matmul_slots,
         })
     }
 

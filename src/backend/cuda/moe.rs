@@ -7,6 +7,9 @@ use crate::backend::MoeWeights;
 use crate::model::config::MoeConfig;
 use std::sync::Arc;
 
+/// Up to this many (token, slot) entries, one block builds the expert lists (fewer launches
+/// for decode steps); the lists are the same either way.
+const FEW_ENTRIES: usize = 256;
 /// Most experts per token the routing kernel keeps.
 const MAX_TOP_K: usize = 64;
 
@@ -47,15 +50,25 @@ pub(super) fn moe(be: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>,
     // Each token picks an expert at most once, so an expert's list holds at most t entries.
     let lists = be.alloc_i32(e * t);
     let counts = be.alloc_i32(e);
-    be.launch(
-        &be.k.moe_group,
-        (e as u32, 1, 1),
-        256,
-        0,
-        &[Arg::Ptr(be.ptr(&lists)), Arg::Ptr(be.ptr(&counts)), Arg::Ptr(be.ptr(&topk_idx)), Arg::I32((t * k) as i32), Arg::I32(t as i32)],
-    );
     let active = be.alloc_i32(e + 1);
-    be.launch(&be.k.moe_active, (1, 1, 1), 32, 0, &[Arg::Ptr(be.ptr(&active)), Arg::Ptr(be.ptr(&counts)), Arg::I32(e as i32)]);
+    if t * k <= FEW_ENTRIES {
+        be.launch(
+            &be.k.moe_group_few,
+            (1, 1, 1),
+            256,
+            e * 4,
+            &[Arg::Ptr(be.ptr(&lists)), Arg::Ptr(be.ptr(&counts)), Arg::Ptr(be.ptr(&active)), Arg::Ptr(be.ptr(&topk_idx)), Arg::I32((t * k) as i32), Arg::I32(t as i32), Arg::I32(e as i32)],
+        );
+    } else {
+        be.launch(
+            &be.k.moe_group,
+            (e as u32, 1, 1),
+            256,
+            0,
+            &[Arg::Ptr(be.ptr(&lists)), Arg::Ptr(be.ptr(&counts)), Arg::Ptr(be.ptr(&topk_idx)), Arg::I32((t * k) as i32), Arg::I32(t as i32)],
+        );
+        be.launch(&be.k.moe_active, (1, 1, 1), 32, 0, &[Arg::Ptr(be.ptr(&active)), Arg::Ptr(be.ptr(&counts)), Arg::I32(e as i32)]);
+    }
     let tables = expert_tables(be, w);
     // At most t * k experts have rows: one grid slice each.
     let groups = e.min(t * k);
