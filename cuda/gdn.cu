@@ -12,9 +12,10 @@ __device__ __forceinline__ float conv_window(const float* state, const float* mi
     return idx < hist ? state[(long long)idx * conv_dim + c] : mixed[(long long)(token_start + idx - hist) * conv_dim + c];
 }
 
-// Thread per (token, channel): silu(sum_j w[c][j] * window[i + j]).
-extern "C" __global__ void gdn_conv(float* out, const float* mixed, const float* conv_state, const float* conv_w, const int* tok_row, const RowInfo* rows,
-        int T, int conv_dim, int kw) {
+// Thread per (token, channel): silu(sum_j w[c][j] * window[i + j]). For generate rows it also
+// stores the window after the token (snapshot i); the canonical window is only read.
+extern "C" __global__ void gdn_conv(float* out, float* conv_snap, const float* mixed, const float* conv_state, const float* conv_w, const int* tok_row,
+        const RowInfo* rows, int T, int conv_dim, int kw) {
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)T * conv_dim) return;
     int t = (int)(idx / conv_dim), c = (int)(idx % conv_dim);
@@ -24,27 +25,24 @@ extern "C" __global__ void gdn_conv(float* out, const float* mixed, const float*
     float acc = 0.0f;
     for (int j = 0; j < kw; ++j) acc += conv_w[c * kw + j] * conv_window(state, mixed, i + j, hist, row.token_start, c, conv_dim);
     out[idx] = siluf_(acc);
+    if (row.kind == 1) {
+        float* snap = conv_snap + (long long)(row.snapshot_base + i) * hist * conv_dim;
+        for (int j = 0; j < hist; ++j) snap[(long long)j * conv_dim + c] = conv_window(state, mixed, i + 1 + j, hist, row.token_start, c, conv_dim);
+    }
 }
 
-// Thread per (row, channel): the new window (prefill) or one window snapshot per token
-// (generate). Reads finish before writes, and each thread owns its channel of its row.
-extern "C" __global__ void gdn_conv_state(float* conv_state, float* conv_snap, const float* mixed, const RowInfo* rows, int num_rows, int conv_dim, int kw) {
+// Thread per (prefill row, channel): the row's new window. Reads finish before writes, and
+// each thread owns its channel of its row. (Generate rows' snapshots come from gdn_conv.)
+extern "C" __global__ void gdn_conv_state(float* conv_state, const float* mixed, const RowInfo* rows, const int* row_ids, int num_rows, int conv_dim, int kw) {
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)num_rows * conv_dim) return;
     int r = (int)(idx / conv_dim), c = (int)(idx % conv_dim);
-    RowInfo row = rows[r];
+    RowInfo row = rows[row_ids[r]];
     int hist = kw - 1, n = row.num_tokens;
     float* state = conv_state + (long long)row.state_slot * hist * conv_dim;
-    if (row.kind == 0) {
-        float win[MAX_HIST];
-        for (int j = 0; j < hist; ++j) win[j] = conv_window(state, mixed, n + j, hist, row.token_start, c, conv_dim);
-        for (int j = 0; j < hist; ++j) state[(long long)j * conv_dim + c] = win[j];
-    } else {
-        for (int i = 0; i < n; ++i) {
-            float* snap = conv_snap + (long long)(row.snapshot_base + i) * hist * conv_dim;
-            for (int j = 0; j < hist; ++j) snap[(long long)j * conv_dim + c] = conv_window(state, mixed, i + 1 + j, hist, row.token_start, c, conv_dim);
-        }
-    }
+    float win[MAX_HIST];
+    for (int j = 0; j < hist; ++j) win[j] = conv_window(state, mixed, n + j, hist, row.token_start, c, conv_dim);
+    for (int j = 0; j < hist; ++j) state[(long long)j * conv_dim + c] = win[j];
 }
 
 // grid (T, nk + 1), 128 threads. Blocks y < nk: l2-normalize q (times dk^-1/2) and k of key
@@ -78,8 +76,13 @@ extern "C" __global__ void gdn_gates(float* qn, float* kn, float* g_out, float* 
 
 // Generate rows: grid (rows listed in row_ids, nv), dv threads; thread j keeps column j of
 // the state in registers. Writes the state after every token to its snapshot slot.
-extern "C" __global__ void __launch_bounds__(128) gdn_recurrent(float* core, const float* qn, const float* kn, const float* conv_out, const float* g,
-        const float* beta, const float* rec, float* rec_snap, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim) {
+//
+// Generate tokens are normalized here (gated RMSNorm, as gdn_out_norm does for prefill
+// tokens): a token's output always comes from the same kernel, whatever else is in the step.
+extern "C" __global__ void __launch_bounds__(128) gdn_recurrent(float* out, const float* z, const float* norm_w, float eps, const float* qn,
+        const float* kn, const float* conv_out, const float* g, const float* beta, const float* rec, float* rec_snap, const RowInfo* rows,
+        const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim) {
+    __shared__ float scratch[33];
     // k is stored twice: reading the second copy in the update loop keeps the compiler from
     // holding all of k in registers between the two loops (which spilled the state).
     __shared__ float ks[MAX_DK], ks2[MAX_DK], qs[MAX_DK];
@@ -104,32 +107,37 @@ extern "C" __global__ void __launch_bounds__(128) gdn_recurrent(float* core, con
             qs[i] = qn[(long long)t * key_dim + kh * dk + i];
         }
         __syncthreads();
-        if (j >= dv) continue;
-        float decay = expf(g[(long long)t * nv + h]);
-        float kv = 0.0f;
-#pragma unroll
-        for (int i = 0; i < MAX_DK; ++i)
-            if (i < dk) {
-                s[i] *= decay;
-                kv += s[i] * ks[i];
-            }
-        float vj = conv_out[(long long)t * conv_dim + 2 * key_dim + h * dv + j];
-        float u = beta[(long long)t * nv + h] * (vj - kv);
         float o = 0.0f;
+        if (j < dv) {
+            float decay = expf(g[(long long)t * nv + h]);
+            float kv = 0.0f;
 #pragma unroll
-        for (int i = 0; i < MAX_DK; ++i)
-            if (i < dk) {
-                s[i] += ks2[i] * u;
-                o += s[i] * qs[i];
-            }
-        core[(long long)t * nv * dv + h * dv + j] = o;
-        float* snap = rec_snap + (long long)(row.snapshot_base + n) * state_len + (long long)h * head_len + j;
+            for (int i = 0; i < MAX_DK; ++i)
+                if (i < dk) {
+                    s[i] *= decay;
+                    kv += s[i] * ks[i];
+                }
+            float vj = conv_out[(long long)t * conv_dim + 2 * key_dim + h * dv + j];
+            float u = beta[(long long)t * nv + h] * (vj - kv);
 #pragma unroll
-        for (int i = 0; i < MAX_DK; ++i)
-            if (i < dk) {
-                *snap = s[i];
-                snap += dv;
-            }
+            for (int i = 0; i < MAX_DK; ++i)
+                if (i < dk) {
+                    s[i] += ks2[i] * u;
+                    o += s[i] * qs[i];
+                }
+            float* snap = rec_snap + (long long)(row.snapshot_base + n) * state_len + (long long)h * head_len + j;
+#pragma unroll
+            for (int i = 0; i < MAX_DK; ++i)
+                if (i < dk) {
+                    *snap = s[i];
+                    snap += dv;
+                }
+        }
+        float ss = block_sum(j < dv ? o * o : 0.0f, scratch);
+        if (j < dv) {
+            long long e = (long long)t * nv * dv + h * dv + j;
+            out[e] = o * (1.0f / sqrtf(ss / (float)dv + eps)) * norm_w[j] * siluf_(z[e]);
+        }
     }
 }
 
@@ -284,9 +292,12 @@ extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const
     }
 }
 
-// grid (T, nv), 128 threads: y = x * rsqrt(mean(x^2) + eps) * w * silu(z), per value head.
-extern "C" __global__ void gdn_out_norm(float* out, const float* core, const float* z, const float* w, int nv, int dv, float eps) {
+// grid (T, nv), 128 threads: y = x * rsqrt(mean(x^2) + eps) * w * silu(z), per value head,
+// for tokens of prefill rows (gdn_recurrent normalizes generate tokens).
+extern "C" __global__ void gdn_out_norm(float* out, const float* core, const float* z, const float* w, const int* tok_row, const RowInfo* rows, int nv, int dv,
+        float eps) {
     __shared__ float scratch[33];
+    if (rows[tok_row[blockIdx.x]].kind != 0) return;
     long long base = ((long long)blockIdx.x * nv + blockIdx.y) * dv;
     float ss = 0.0f;
     for (int d = threadIdx.x; d < dv; d += blockDim.x) ss += core[base + d] * core[base + d];

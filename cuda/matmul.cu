@@ -99,7 +99,6 @@ __device__ __forceinline__ Group group_of(const bf16_t* whi, const bf16_t* wlo, 
     return g;
 }
 
-#define SMALL_UNROLL 4  // k blocks of weight loads in flight per warp
 
 // Weights are read once: bypass L1.
 __device__ __forceinline__ uint4 ldg_stream(const bf16_t* p) {
@@ -133,9 +132,10 @@ __device__ __forceinline__ void small_kblock(float c[NT][4], const float* xr0, c
 // Bf16 weights with K a multiple of 32 take the streaming path (SMALL_UNROLL k blocks of
 // loads in flight per warp, no bounds checks); other shapes the checked path. Both issue the same
 // mma sequence per output element.
-// NT (n8 tiles per block) trades per-column overhead against parallelism for small N; the
-// per-element arithmetic does not depend on it.
-template <int NT>
+// NT (n8 tiles per block) trades per-column overhead against parallelism for small N, and
+// SMALL_UNROLL (k blocks of weight loads in flight per warp) keeps the bytes in flight per SM
+// up when there are few columns; the per-element arithmetic depends on neither.
+template <int NT, int SMALL_UNROLL>
 __device__ __forceinline__ void matmul_small_body(float* out, const float* x, const bf16_t* whi_, const bf16_t* wlo_, int rows, int N, int K,
         const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active) {
     __shared__ float red[KSLICES][NT][32][4];
@@ -154,86 +154,86 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
     // Column blocks in a grid-stride loop: a grid sized to the GPU streams without a tail wave.
     bool two = m0 + 8 < grp.rows;
     for (int n0 = blockIdx.x * 8 * NT; n0 < N; n0 += gridDim.x * 8 * NT) {
-    float c[NT][4];
+        float c[NT][4];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
-    if (!has_lo && (K % 32) == 0) {
-        // Rows past N read row N-1 (always valid); their results are never written.
-        const bf16_t* wh[NT];
+        for (int j = 0; j < NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+        if (!has_lo && (K % 32) == 0) {
+            // Rows past N read row N-1 (always valid); their results are never written.
+            const bf16_t* wh[NT];
 #pragma unroll
-        for (int j = 0; j < NT; ++j) wh[j] = grp.whi + (long long)min(n0 + j * 8 + g, N - 1) * K + q * 8;
-        const uint4 zero[NT] = {};
-        int kb = kb0;
-        for (; kb + SMALL_UNROLL <= kb1; kb += SMALL_UNROLL) {
-            uint4 bh[SMALL_UNROLL][NT];
+            for (int j = 0; j < NT; ++j) wh[j] = grp.whi + (long long)min(n0 + j * 8 + g, N - 1) * K + q * 8;
+            const uint4 zero[NT] = {};
+            int kb = kb0;
+            for (; kb + SMALL_UNROLL <= kb1; kb += SMALL_UNROLL) {
+                uint4 bh[SMALL_UNROLL][NT];
 #pragma unroll
-            for (int u = 0; u < SMALL_UNROLL; ++u)
+                for (int u = 0; u < SMALL_UNROLL; ++u)
 #pragma unroll
-                for (int j = 0; j < NT; ++j) bh[u][j] = ldg_stream(wh[j] + (kb + u) * 32);
+                    for (int j = 0; j < NT; ++j) bh[u][j] = ldg_stream(wh[j] + (kb + u) * 32);
 #pragma unroll
-            for (int u = 0; u < SMALL_UNROLL; ++u) small_kblock<NT>(c, xr0, xr1, two, (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
-        }
-        for (; kb < kb1; ++kb) {
-            uint4 bh[NT];
+                for (int u = 0; u < SMALL_UNROLL; ++u) small_kblock<NT>(c, xr0, xr1, two, (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
+            }
+            for (; kb < kb1; ++kb) {
+                uint4 bh[NT];
 #pragma unroll
-            for (int j = 0; j < NT; ++j) bh[j] = ldg_stream(wh[j] + kb * 32);
-            small_kblock<NT>(c, xr0, xr1, two, kb * 32 + q * 8, K, true, bh, zero, false);
-        }
-    } else {
-        const bf16_t* wh[NT];
-        const bf16_t* wl[NT];
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            int n = n0 + j * 8 + g;
-            wh[j] = n < N ? grp.whi + (long long)n * K : 0;
-            wl[j] = (has_lo && n < N) ? grp.wlo + (long long)n * K : 0;
-        }
-        for (int kb = kb0; kb < kb1; ++kb) {
-            int k = kb * 32 + q * 8;
-            uint4 bh[NT], bl[NT];
+                for (int j = 0; j < NT; ++j) bh[j] = ldg_stream(wh[j] + kb * 32);
+                small_kblock<NT>(c, xr0, xr1, two, kb * 32 + q * 8, K, true, bh, zero, false);
+            }
+        } else {
+            const bf16_t* wh[NT];
+            const bf16_t* wl[NT];
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
-                bh[j] = load8_bf16(wh[j], k, K, vec);
-                bl[j] = has_lo ? load8_bf16(wl[j], k, K, vec) : make_uint4(0, 0, 0, 0);
+                int n = n0 + j * 8 + g;
+                wh[j] = n < N ? grp.whi + (long long)n * K : 0;
+                wl[j] = (has_lo && n < N) ? grp.wlo + (long long)n * K : 0;
             }
-            small_kblock<NT>(c, xr0, xr1, two, k, K, vec, bh, bl, has_lo);
+            for (int kb = kb0; kb < kb1; ++kb) {
+                int k = kb * 32 + q * 8;
+                uint4 bh[NT], bl[NT];
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    bh[j] = load8_bf16(wh[j], k, K, vec);
+                    bl[j] = has_lo ? load8_bf16(wl[j], k, K, vec) : make_uint4(0, 0, 0, 0);
+                }
+                small_kblock<NT>(c, xr0, xr1, two, k, K, vec, bh, bl, has_lo);
+            }
         }
-    }
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) red[warp][j][lane][i] = c[j][i];
-    __syncthreads();
-    if (warp == 0) {
+            for (int i = 0; i < 4; ++i) red[warp][j][lane][i] = c[j][i];
+        __syncthreads();
+        if (warp == 0) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int w = 0; w < KSLICES; ++w)
+            for (int j = 0; j < NT; ++j) {
+                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int w = 0; w < KSLICES; ++w)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) t[i] += red[w][j][lane][i];
-        int col = n0 + j * 8 + 2 * q;
+                    for (int i = 0; i < 4; ++i) t[i] += red[w][j][lane][i];
+                int col = n0 + j * 8 + 2 * q;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            int r = m0 + g + 8 * half;
-            if (r >= grp.rows) continue;
-            long long orow = grp.list ? grp.list[r] : r;
-            if (col < N) out[orow * N + col] = t[2 * half];
-            if (col + 1 < N) out[orow * N + col + 1] = t[2 * half + 1];
+                for (int half = 0; half < 2; ++half) {
+                    int r = m0 + g + 8 * half;
+                    if (r >= grp.rows) continue;
+                    long long orow = grp.list ? grp.list[r] : r;
+                    if (col < N) out[orow * N + col] = t[2 * half];
+                    if (col + 1 < N) out[orow * N + col + 1] = t[2 * half + 1];
+                }
+            }
         }
-    }
-    }
-    __syncthreads();
+        __syncthreads();
     }
 }
 
-#define SMALL_KERNEL(NT)                                                                                                          \
+#define SMALL_KERNEL(NT, UNROLL)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128) matmul_small_nt##NT(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, \
             int N, int K, const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active) {       \
-        matmul_small_body<NT>(out, x, whi, wlo, rows, N, K, group_w, counts, lists, list_stride, a_div, active);                      \
+        matmul_small_body<NT, UNROLL>(out, x, whi, wlo, rows, N, K, group_w, counts, lists, list_stride, a_div, active);                      \
     }
-SMALL_KERNEL(1)
-SMALL_KERNEL(2)
-SMALL_KERNEL(4)
+SMALL_KERNEL(1, 16)
+SMALL_KERNEL(2, 8)
+SMALL_KERNEL(4, 4)
 
 #define TBM 64
 #define TBN 64

@@ -44,7 +44,8 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
     let (conv_state, conv_snap) = (be.ptr(&cache.conv[layer]), be.ptr(&cache.conv_snap[layer]));
     let (rec, rec_snap) = (be.ptr(&cache.rec[layer]), be.ptr(&cache.rec_snap[layer]));
 
-    // 1. Conv + SiLU (reads the stored windows), then the windows are advanced.
+    // 1. Conv + SiLU (reads the stored windows; writes generate rows' window snapshots), then
+    //    the canonical windows of prefill rows are advanced.
     let conv_out = be.tensor(t, conv_dim);
     let n = t * conv_dim;
     be.launch(
@@ -54,6 +55,7 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
         0,
         &[
             Arg::Ptr(be.ptr(&conv_out.data)),
+            Arg::Ptr(conv_snap),
             Arg::Ptr(be.ptr(&x.mixed.data)),
             Arg::Ptr(conv_state),
             Arg::Ptr(be.ptr(&x.conv_weight.data)),
@@ -64,14 +66,16 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
             Arg::I32(kw as i32),
         ],
     );
-    let n = dl.num_rows * conv_dim;
-    be.launch(
-        &be.k.gdn_conv_state,
-        (n.div_ceil(256) as u32, 1, 1),
-        256,
-        0,
-        &[Arg::Ptr(conv_state), Arg::Ptr(conv_snap), Arg::Ptr(be.ptr(&x.mixed.data)), Arg::Ptr(base), Arg::I32(dl.num_rows as i32), Arg::I32(conv_dim as i32), Arg::I32(kw as i32)],
-    );
+    if dl.num_prefill > 0 {
+        let n = dl.num_prefill * conv_dim;
+        be.launch(
+            &be.k.gdn_conv_state,
+            (n.div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            &[Arg::Ptr(conv_state), Arg::Ptr(be.ptr(&x.mixed.data)), Arg::Ptr(base), Arg::Ptr(at(dl.prefill_off)), Arg::I32(dl.num_prefill as i32), Arg::I32(conv_dim as i32), Arg::I32(kw as i32)],
+        );
+    }
 
     // 2. Normalized q/k and the gates.
     let qn = be.tensor(t, key_dim);
@@ -100,56 +104,53 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
         ],
     );
 
-    // 3. Delta rule: recurrent for generate rows, chunked for prefill rows.
-    let core = be.tensor(t, value_dim);
-    let common = |row_ids: u64| {
-        [
-            Arg::Ptr(be.ptr(&core.data)),
-            Arg::Ptr(be.ptr(&qn.data)),
-            Arg::Ptr(be.ptr(&kn.data)),
-            Arg::Ptr(be.ptr(&conv_out.data)),
-            Arg::Ptr(be.ptr(&g.data)),
-            Arg::Ptr(be.ptr(&beta.data)),
-            Arg::Ptr(rec),
-            Arg::Ptr(rec_snap),
-            Arg::Ptr(base),
-            Arg::Ptr(row_ids),
-            Arg::I32(nk as i32),
-            Arg::I32(nv as i32),
-            Arg::I32(dk as i32),
-            Arg::I32(dv as i32),
-            Arg::I32(conv_dim as i32),
-        ]
-    };
+    // 3. Delta rule and gated RMSNorm: generate rows recurrent (normalized in the same
+    //    kernel), prefill rows chunked and then normalized.
+    let out = be.tensor(t, value_dim);
+    let (qn_p, kn_p, conv_p, g_p, beta_p) = (be.ptr(&qn.data), be.ptr(&kn.data), be.ptr(&conv_out.data), be.ptr(&g.data), be.ptr(&beta.data));
+    let tail = |row_ids: u64| [Arg::Ptr(base), Arg::Ptr(row_ids), Arg::I32(nk as i32), Arg::I32(nv as i32), Arg::I32(dk as i32), Arg::I32(dv as i32), Arg::I32(conv_dim as i32)];
     if dl.num_generate > 0 {
         let threads = dv.div_ceil(32) as u32 * 32;
-        be.launch(&be.k.gdn_recurrent, (dl.num_generate as u32, nv as u32, 1), threads, 0, &common(at(dl.generate_off)));
-    }
-    if dl.num_prefill > 0 {
-        let smem = (3 * CHUNK * (dk + 1) + CHUNK * CHUNK_COLS + 2 * CHUNK * CHUNK + 2 * CHUNK) * 4;
-        assert!(smem <= be.max_dynamic_smem, "gated_delta_net: dk {dk} / dv {dv} need {smem} bytes of shared memory");
-        // The chunked kernel has no snapshot argument: drop it from the shared list.
-        let mut args: Vec<Arg> = common(at(dl.prefill_off)).into_iter().collect();
-        args.remove(7);
-        be.launch(&be.k.gdn_chunked, (dl.num_prefill as u32, nv as u32, dv.div_ceil(CHUNK_COLS) as u32), 128, smem, &args);
-    }
-
-    // 4. Gated RMSNorm per value head.
-    let out = be.tensor(t, value_dim);
-    be.launch(
-        &be.k.gdn_out_norm,
-        (t as u32, nv as u32, 1),
-        128,
-        0,
-        &[
+        let mut args = vec![
             Arg::Ptr(be.ptr(&out.data)),
-            Arg::Ptr(be.ptr(&core.data)),
             Arg::Ptr(be.ptr(&x.z.data)),
             Arg::Ptr(be.ptr(&x.norm_weight.data)),
-            Arg::I32(nv as i32),
-            Arg::I32(dv as i32),
             Arg::F32(eps),
-        ],
-    );
+            Arg::Ptr(qn_p),
+            Arg::Ptr(kn_p),
+            Arg::Ptr(conv_p),
+            Arg::Ptr(g_p),
+            Arg::Ptr(beta_p),
+            Arg::Ptr(rec),
+            Arg::Ptr(rec_snap),
+        ];
+        args.extend(tail(at(dl.generate_off)));
+        be.launch(&be.k.gdn_recurrent, (dl.num_generate as u32, nv as u32, 1), threads, 0, &args);
+    }
+    if dl.num_prefill > 0 {
+        let core = be.tensor(t, value_dim);
+        let smem = (3 * CHUNK * (dk + 1) + CHUNK * CHUNK_COLS + 2 * CHUNK * CHUNK + 2 * CHUNK) * 4;
+        assert!(smem <= be.max_dynamic_smem, "gated_delta_net: dk {dk} / dv {dv} need {smem} bytes of shared memory");
+        let mut args = vec![Arg::Ptr(be.ptr(&core.data)), Arg::Ptr(qn_p), Arg::Ptr(kn_p), Arg::Ptr(conv_p), Arg::Ptr(g_p), Arg::Ptr(beta_p), Arg::Ptr(rec)];
+        args.extend(tail(at(dl.prefill_off)));
+        be.launch(&be.k.gdn_chunked, (dl.num_prefill as u32, nv as u32, dv.div_ceil(CHUNK_COLS) as u32), 128, smem, &args);
+        be.launch(
+            &be.k.gdn_out_norm,
+            (t as u32, nv as u32, 1),
+            128,
+            0,
+            &[
+                Arg::Ptr(be.ptr(&out.data)),
+                Arg::Ptr(be.ptr(&core.data)),
+                Arg::Ptr(be.ptr(&x.z.data)),
+                Arg::Ptr(be.ptr(&x.norm_weight.data)),
+                Arg::Ptr(at(dl.tok_row_off)),
+                Arg::Ptr(base),
+                Arg::I32(nv as i32),
+                Arg::I32(dv as i32),
+                Arg::F32(eps),
+            ],
+        );
+    }
     out
 }

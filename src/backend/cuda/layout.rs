@@ -13,7 +13,6 @@ pub(super) const ROW_INTS: usize = 8;
 
 pub struct DeviceLayout {
     pub(super) buf: CudaSlice<i32>,
-    pub(super) num_rows: usize,
     pub(super) num_tokens: usize,
     pub(super) tok_row_off: usize,
     pub(super) pos_off: usize,
@@ -29,7 +28,6 @@ pub struct DeviceLayout {
 
 pub(super) struct PackedLayout {
     pub ints: Vec<i32>,
-    pub num_rows: usize,
     pub num_tokens: usize,
     pub tok_row_off: usize,
     pub pos_off: usize,
@@ -97,7 +95,6 @@ pub(super) fn pack(layout: &BatchLayout, block_size: usize) -> PackedLayout {
     ints.extend_from_slice(&generate);
     PackedLayout {
         ints,
-        num_rows: r,
         num_tokens: t,
         tok_row_off,
         pos_off,

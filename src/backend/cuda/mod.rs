@@ -263,7 +263,6 @@ impl CudaBackend {
         }
         let dl = Arc::new(DeviceLayout {
             buf: self.upload_i32(&packed.ints),
-            num_rows: packed.num_rows,
             num_tokens: packed.num_tokens,
             tok_row_off: packed.tok_row_off,
             pos_off: packed.pos_off,
