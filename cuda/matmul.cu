@@ -1,7 +1,8 @@
 // x[rows, K] (f32) @ W[N, K]^T (bf16) on tensor cores, batch-invariant.
 //
-// Every output element is computed by the same instruction sequence in both kernels below,
-// whatever the row count, the tile it lands in, or the kernel that runs it:
+// Every output element is computed by the same instruction sequence in all the kernels below
+// (small-row, tiled, pipelined), whatever the row count, the tile it lands in, or the kernel
+// that runs it:
 //  - K is cut into 32-wide blocks, grouped into 4 fixed slices (of ceil(blocks/4) blocks each,
 //    from K alone). Within a slice, blocks are accumulated in order by m16n8k16 bf16 mma with
 //    an f32 accumulator that starts at zero; the 4 slice sums are then added in slice order.
@@ -11,7 +12,8 @@
 //    16 bits of the activation. F32/F16 weights are split the same way (hi + lo matrices).
 //    Per half-block the order is hi*Whi, lo*Whi, then hi*Wlo when the weight has a lo part.
 // The small-row kernel gives each warp one slice and adds the slices through shared memory;
-// the tiled kernel walks the slices in sequence. Both add 0 + s0 + s1 + s2 + s3 in order.
+// the tiled and pipelined kernels walk the slices in sequence. All add 0 + s0 + s1 + s2 + s3
+// in order. The batch-invariance tests check this bitwise across the kernels.
 
 #define KSLICES 4
 

@@ -50,7 +50,7 @@ pub enum LoadFormat {
 /// The backend chosen by `--device`.
 pub enum SelectedBackend {
     Cpu(CpuBackend),
-    Cuda(CudaBackend),
+    Cuda(Box<CudaBackend>),
 }
 
 /// Model, device, speculation and memory flags shared by every subcommand that runs a model.
@@ -176,10 +176,10 @@ impl EngineArgs {
             Device::Cpu => Ok(SelectedBackend::Cpu(CpuBackend::new())),
             Device::Cuda => {
                 kestrel::backend::cuda::probe().context("--device cuda")?;
-                Ok(SelectedBackend::Cuda(CudaBackend::new(0).context("--device cuda: cannot start the CUDA backend")?))
+                Ok(SelectedBackend::Cuda(Box::new(CudaBackend::new(0).context("--device cuda: cannot start the CUDA backend")?)))
             }
             Device::Auto => match kestrel::backend::cuda::probe().map_err(anyhow::Error::from).and_then(|()| Ok(CudaBackend::new(0)?)) {
-                Ok(b) => Ok(SelectedBackend::Cuda(b)),
+                Ok(b) => Ok(SelectedBackend::Cuda(Box::new(b))),
                 Err(e) => {
                     eprintln!("kestrel: CUDA unavailable ({e}); running on the CPU");
                     Ok(SelectedBackend::Cpu(CpuBackend::new()))

@@ -94,7 +94,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let request = Request { prompt_ids, params, max_tokens: args.max_tokens, stop_token_ids, spec: None };
     match args.engine.select_backend()? {
         SelectedBackend::Cpu(b) => generate(args.engine.build_engine_on(b, &files, 1)?, request, &files, args.json),
-        SelectedBackend::Cuda(b) => generate(args.engine.build_engine_on(b, &files, 1)?, request, &files, args.json),
+        SelectedBackend::Cuda(b) => generate(args.engine.build_engine_on(*b, &files, 1)?, request, &files, args.json),
     }
 }
 

@@ -32,7 +32,7 @@ pub(super) fn alloc(be: &CudaBackend, spec: &CacheSpec) -> Result<CudaCache, Bac
         }
     }
     let zeros = |n: usize, layers: usize| -> Result<Vec<CudaSlice<f32>>, BackendError> {
-        (0..layers).map(|_| be.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| BackendError::OutOfMemory(format!("{} MiB for the cache: {e:?}", n * 4 >> 20)))).collect()
+        (0..layers).map(|_| be.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| BackendError::OutOfMemory(format!("{} MiB for the cache: {e:?}", (n * 4) >> 20)))).collect()
     };
     let kv = spec.num_blocks * spec.block_size * spec.kv_heads * spec.head_dim;
     let (conv, rec) = (l.conv_state_len(), l.recurrent_state_len());

@@ -1,10 +1,11 @@
-//! Launches of the batch-invariant matmul kernels (cuda/matmul.cu). Both kernels run the same
-//! per-element instruction sequence, so picking one by row count changes speed only.
+//! Launches of the batch-invariant matmul kernels (cuda/matmul.cu). All of them run the same
+//! per-element instruction sequence, so picking one by row count or width changes speed only.
 
 use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor};
 
 /// Up to this many rows (per group) go to the small-row kernel, which streams the weights
-/// once per 16 rows; above it the tiled kernel reuses each weight tile across 64 rows.
+/// once per 16 rows; above it the pipelined (or, for F32/F16 weights and K not a multiple of
+/// 32, the tiled) kernel reuses each weight tile across 128 (64) rows.
 const SMALL_MAX_ROWS: usize = 64;
 
 /// Row lists of a grouped (per-expert) launch.
@@ -51,7 +52,7 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
         };
         let col_blocks = n.div_ceil(8 << variant).min(be.small_matmul_slots[variant]);
         be.launch(f, (col_blocks as u32, rows.div_ceil(16) as u32, groups as u32), 128, 0, &args);
-    } else if !has_lo && k % 32 == 0 && PIPELINED_SMEM <= be.max_dynamic_smem {
+    } else if !has_lo && k.is_multiple_of(32) && PIPELINED_SMEM <= be.max_dynamic_smem {
         // Split the activations once, then stream bf16 tiles with cp.async.
         let elems = x_rows * k;
         // SAFETY: fully written by split_activations before the matmul reads it.

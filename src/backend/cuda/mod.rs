@@ -108,6 +108,9 @@ kernel_table! {
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine],
 }
 
+/// RoPE inverse-frequency tables are keyed by (theta bits, rotary dim).
+type RopeKey = (u64, usize);
+
 /// Per-expert weight pointer tables of one MoE block: (gate, up, down), each `[E][hi, lo]`.
 pub(super) type ExpertTables = Arc<[CudaSlice<u64>; 3]>;
 
@@ -122,7 +125,7 @@ pub struct CudaBackend {
     random_weights: Mutex<Option<u64>>,
     uploaded_bytes: AtomicUsize,
     layout_cache: Mutex<Option<(Vec<i32>, Arc<DeviceLayout>)>>,
-    rope_tables: Mutex<HashMap<(u64, usize), Arc<CudaSlice<f32>>>>,
+    rope_tables: Mutex<HashMap<RopeKey, Arc<CudaSlice<f32>>>>,
     pub(super) max_dynamic_smem: usize,
     /// Resident blocks of the small-row matmul variants (1, 2, 4 n8 tiles) across the GPU.
     pub(super) small_matmul_slots: [usize; 3],

@@ -38,7 +38,7 @@ impl CudaBackend {
     fn random_matrix(&self, rows: usize, cols: usize, seed: u64) -> Result<CudaMatrix, BackendError> {
         let n = rows * cols;
         // SAFETY: filled completely by the kernel below.
-        let hi = unsafe { self.stream.alloc::<u8>((2 * n).max(2)) }.map_err(|e| BackendError::OutOfMemory(format!("{} MiB of weights: {e:?}", 2 * n >> 20)))?;
+        let hi = unsafe { self.stream.alloc::<u8>((2 * n).max(2)) }.map_err(|e| BackendError::OutOfMemory(format!("{} MiB of weights: {e:?}", (2 * n) >> 20)))?;
         // Uniform with standard deviation 1/sqrt(cols): activations keep their scale layer to layer.
         let scale = (3.0 / cols.max(1) as f32).sqrt();
         self.launch(&self.k.fill_random_bf16, (blocks(n).min(65536), 1, 1), THREADS, 0, &[Arg::Ptr(self.ptr(&hi)), Arg::I64(n as i64), Arg::U64(seed), Arg::F32(scale)]);
