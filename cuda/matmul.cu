@@ -3,19 +3,19 @@
 // Every output element is computed by the same instruction sequence in all the kernels below
 // (small-row, tiled, pipelined), whatever the row count, the tile it lands in, or the kernel
 // that runs it:
-//  - K is cut into 32-wide blocks, grouped into 4 fixed slices (of ceil(blocks/4) blocks each,
+//  - K is cut into 32-wide blocks, grouped into 8 fixed slices (of ceil(blocks/8) blocks each,
 //    from K alone). Within a slice, blocks are accumulated in order by m16n8k16 bf16 mma with
-//    an f32 accumulator that starts at zero; the 4 slice sums are then added in slice order.
+//    an f32 accumulator that starts at zero; the 8 slice sums are then added in slice order.
 //  - Inside a 32-wide block, a thread's 8 consecutive k values feed two mmas (k permuted
 //    consistently for activations and weights, so 16-byte loads feed the fragments directly).
 //  - Each f32 activation is split as hi = bf16(x), lo = bf16(x - hi): the product keeps about
 //    16 bits of the activation. F32/F16 weights are split the same way (hi + lo matrices).
 //    Per half-block the order is hi*Whi, lo*Whi, then hi*Wlo when the weight has a lo part.
 // The small-row kernel gives each warp one slice and adds the slices through shared memory;
-// the tiled and pipelined kernels walk the slices in sequence. All add 0 + s0 + s1 + s2 + s3
+// the tiled and pipelined kernels walk the slices in sequence. All add 0 + s0 + s1 + ... + s7
 // in order. The batch-invariance tests check this bitwise across the kernels.
 
-#define KSLICES 4
+#define KSLICES 8
 
 __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
     asm volatile(
@@ -129,7 +129,7 @@ __device__ __forceinline__ void small_kblock(float c[NT][4], const float* xr0, c
     for (int j = 0; j < NT; ++j) mma_kblock(c[j], ahi, alo, bh[j], bl[j], has_lo);
 }
 
-// Few rows: grid (blocks of 32 columns, ceil(rows/16), groups), 128 threads; warp w owns
+// Few rows: grid (column blocks, ceil(rows/16), groups), 32 * KSLICES threads; warp w owns
 // k-slice w.
 // Bf16 weights with K a multiple of 32 take the streaming path (SMALL_UNROLL k blocks of
 // loads in flight per warp, no bounds checks); other shapes the checked path. Both issue the same
@@ -229,7 +229,7 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
 }
 
 #define SMALL_KERNEL(NT, UNROLL)                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) matmul_small_nt##NT(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, \
+    extern "C" __global__ void __launch_bounds__(32 * KSLICES) matmul_small_nt##NT(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, \
             int N, int K, const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active) {       \
         matmul_small_body<NT, UNROLL>(out, x, whi, wlo, rows, N, K, group_w, counts, lists, list_stride, a_div, active);                      \
     }

@@ -7,6 +7,8 @@ use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor};
 /// once per 16 rows; above it the pipelined (or, for F32/F16 weights and K not a multiple of
 /// 32, the tiled) kernel reuses each weight tile across 128 (64) rows.
 const SMALL_MAX_ROWS: usize = 64;
+/// Threads of the small-row kernel: one warp per k-slice (KSLICES = 8 in cuda/matmul.cu).
+pub(super) const SMALL_THREADS: u32 = 256;
 
 /// Row lists of a grouped (per-expert) launch.
 pub(super) struct Grouped {
@@ -47,11 +49,11 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
         // One wave of resident blocks; more column blocks are walked by the grid-stride loop.
         let (variant, f) = match n {
             0..=2048 => (0, &be.k.matmul_small_nt1),
-            2049..=8191 => (1, &be.k.matmul_small_nt2),
+            2049..=8192 => (1, &be.k.matmul_small_nt2),
             _ => (2, &be.k.matmul_small_nt4),
         };
         let col_blocks = n.div_ceil(8 << variant).min(be.small_matmul_slots[variant]);
-        be.launch(f, (col_blocks as u32, rows.div_ceil(16) as u32, groups as u32), 128, 0, &args);
+        be.launch(f, (col_blocks as u32, rows.div_ceil(16) as u32, groups as u32), SMALL_THREADS, 0, &args);
     } else if !has_lo && k.is_multiple_of(32) && PIPELINED_SMEM <= be.max_dynamic_smem {
         // Split the activations once, then stream bf16 tiles with cp.async.
         let elems = x_rows * k;

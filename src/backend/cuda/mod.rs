@@ -164,7 +164,7 @@ impl CudaBackend {
         let sm_count = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)?.max(1) as usize;
         let mut small_matmul_slots = [0; 3];
         for (slots, f) in small_matmul_slots.iter_mut().zip([&k.matmul_small_nt1, &k.matmul_small_nt2, &k.matmul_small_nt4]) {
-            *slots = sm_count * f.occupancy_max_active_blocks_per_multiprocessor(128, 0, None).map_err(driver)?.max(1) as usize;
+            *slots = sm_count * f.occupancy_max_active_blocks_per_multiprocessor(matmul::SMALL_THREADS, 0, None).map_err(driver)?.max(1) as usize;
         }
         let stream = ctx.new_stream().map_err(driver)?;
         Ok(CudaBackend {
