@@ -11,19 +11,23 @@ use std::time::Duration;
 /// A tmux server of our own (its own socket), with `kestrel chat` in its only pane.
 struct ChatInTmux {
     socket: String,
+    /// Where the shell running the chat writes its exit status.
+    status_file: std::path::PathBuf,
 }
 
 impl ChatInTmux {
     fn start(width: u16, height: u16, chat_args: &[&str]) -> ChatInTmux {
         static COUNTER: AtomicUsize = AtomicUsize::new(0);
         let socket = format!("kestrel-test-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
-        let tmux = ChatInTmux { socket };
+        let status_file = std::env::temp_dir().join(format!("{socket}.status"));
+        let _ = std::fs::remove_file(&status_file);
+        let tmux = ChatInTmux { socket, status_file };
         let mut command = vec![env!("CARGO_BIN_EXE_kestrel").to_string(), "chat".into(), "--device".into(), "cpu".into(), "--model".into()];
         command.push(chat_model().display().to_string());
         command.extend(chat_args.iter().map(|s| s.to_string()));
         let quoted: Vec<String> = command.iter().map(|arg| format!("'{}'", arg.replace('\'', "'\\''"))).collect();
         // The pane stays after the program exits, so its last screen and exit status can be read.
-        tmux.run(&["-u", "new-session", "-d", "-s", "chat", "-x", &width.to_string(), "-y", &height.to_string(), "-e", "RAYON_NUM_THREADS=2", &format!("exec {}", quoted.join(" "))]);
+        tmux.run(&["-u", "new-session", "-d", "-s", "chat", "-x", &width.to_string(), "-y", &height.to_string(), "-e", "RAYON_NUM_THREADS=2", &format!("{}; echo $? > '{}'", quoted.join(" "), tmux.status_file.display())]);
         tmux.run(&["set-option", "-t", "chat", "remain-on-exit", "on"]);
         tmux.wait_for_screen("the chat screen", |screen| screen.contains(" Message ") && screen.contains(" Stats "));
         tmux
@@ -164,10 +168,9 @@ fn ctrl_c_stops_a_reply_without_quitting_and_errors_stay_in_the_app() {
     chat.wait_for_screen("the cleared conversation", |s| s.contains("Conversation cleared.") && !s.contains("second line"));
     chat.send_key("C-c");
     wait_for(Duration::from_secs(20), "the chat to quit on Ctrl-C when idle", || chat.pane_dead().then_some(()));
-    // tmux may see the terminal close a moment before it reaps the process and knows its status.
+    // The shell around the chat writes its exit status to a file once it has reaped it.
     let status = wait_for(Duration::from_secs(20), "the exit status", || {
-        let status = chat.run(&["display-message", "-p", "-t", "chat", "#{pane_dead_status}"]);
-        (!status.trim().is_empty()).then(|| status.trim().to_string())
+        std::fs::read_to_string(&chat.status_file).ok().filter(|s| s.ends_with('\n')).map(|s| s.trim().to_string())
     });
     assert_eq!(status, "0", "kestrel chat exited with status {status}");
 }
