@@ -100,11 +100,18 @@ impl<B: Backend> Engine<B> {
         if config.spec == SpecMethod::Mtp && model.mtp.is_none() {
             return Err(EngineError::NoMtpHead);
         }
-        // Every generate row of a step takes one snapshot per token, so the token budget bounds them.
-        let spec = model.cache_spec(config.num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens);
+        // Every generate-row token takes a snapshot slot: room for a full verify row per sequence
+        // (recomputed replays that need more are fed over several steps by the scheduler).
+        let snapshot_slots = (config.max_num_seqs * (config.spec_tokens + 1)).min(config.max_num_batched_tokens);
+        let spec = model.cache_spec(config.num_blocks, config.block_size, config.max_num_seqs, snapshot_slots);
         let cache = backend.alloc_cache(&spec).map_err(|e: BackendError| EngineError::Config(e.to_string()))?;
         let scheduler = Scheduler::new(
-            SchedulerConfig { max_num_seqs: config.max_num_seqs, max_num_batched_tokens: config.max_num_batched_tokens, max_model_len: config.max_model_len },
+            SchedulerConfig {
+                max_num_seqs: config.max_num_seqs,
+                max_num_batched_tokens: config.max_num_batched_tokens,
+                max_model_len: config.max_model_len,
+                max_generate_tokens: snapshot_slots,
+            },
             BlockAllocator::new(config.num_blocks, config.block_size),
             SlotAllocator::new(config.max_num_seqs),
         );

@@ -18,6 +18,8 @@ pub struct SchedulerConfig {
     /// Tokens per step (>= the delta-rule chunk size, so every prompt can progress).
     pub max_num_batched_tokens: usize,
     pub max_model_len: usize,
+    /// Tokens of generate rows per step: each takes a recurrent-state snapshot slot.
+    pub max_generate_tokens: usize,
 }
 
 pub struct Scheduler {
@@ -94,14 +96,17 @@ impl Scheduler {
         running.sort_by_key(|&i| seqs[i].admitted_at);
 
         // 1. Generate rows: committed-but-unfed tokens (one, or several after a recompute) + drafts.
+        // A recompute's replay longer than the snapshot slots left is fed over several steps.
+        let mut snapshots_left = self.config.max_generate_tokens;
         for &i in &running {
-            if seqs[i].status != SeqStatus::Running || seqs[i].in_prefill() || budget == 0 {
+            let avail = budget.min(snapshots_left);
+            if seqs[i].status != SeqStatus::Running || seqs[i].in_prefill() || avail == 0 {
                 continue;
             }
             let unfed = seqs[i].tokens.len() - seqs[i].num_computed;
-            let committed = unfed.min(budget);
+            let committed = unfed.min(avail);
             let mut drafts = if committed == unfed { seqs[i].drafts.clone() } else { Vec::new() };
-            let room = (budget - committed).min(self.config.max_model_len.saturating_sub(seqs[i].num_computed + committed));
+            let room = (avail - committed).min(self.config.max_model_len.saturating_sub(seqs[i].num_computed + committed));
             drafts.truncate(room);
             let n = committed + drafts.len();
             if !self.reserve(seqs, i, seqs[i].num_computed + n, &scheduled) {
@@ -127,6 +132,7 @@ impl Scheduler {
             snapshot_cursor += n;
             plan.rows.0.push(PlannedRow { seq: s.id, kind: RowKind::Generate, committed, drafts, logits_start });
             budget -= n;
+            snapshots_left -= n;
             scheduled.push(i);
         }
 
