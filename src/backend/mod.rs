@@ -17,6 +17,11 @@ pub mod cuda;
 use crate::model::config::{LinearAttnConfig, MoeConfig};
 use crate::model::weights::MatrixBytes;
 
+/// Tokens per chunk of the chunked delta rule. Chunks are aligned to absolute positions, and the
+/// scheduler cuts prompt pieces at multiples of this size, so any split of a prompt computes
+/// exactly the same chunks on every backend.
+pub const DELTA_RULE_CHUNK: usize = 64;
+
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("device error: {0}")]

@@ -7,7 +7,7 @@ use super::scheduler::{Scheduler, SchedulerConfig};
 use super::spec::mtp::{propose_mtp, MtpCatchUp};
 use super::spec::ngram::{propose_ngram, NgramConfig};
 use super::spec::verify::verify_drafts;
-use crate::backend::cpu::gdn::CHUNK;
+use crate::backend::DELTA_RULE_CHUNK as CHUNK;
 use crate::backend::{Backend, BackendError, RowKind};
 use crate::model::arch::qwen35::Qwen35;
 

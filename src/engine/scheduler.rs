@@ -9,7 +9,7 @@
 use super::cache::{BlockAllocator, SlotAllocator};
 use super::plan::{PlannedRow, StepPlan};
 use super::request::{SeqStatus, Sequence};
-use crate::backend::cpu::gdn::CHUNK;
+use crate::backend::DELTA_RULE_CHUNK as CHUNK;
 use crate::backend::{RowKind, RowLayout};
 
 #[derive(Debug, Clone)]

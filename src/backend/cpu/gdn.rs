@@ -9,9 +9,7 @@ use crate::backend::{BatchLayout, RowKind};
 use crate::model::config::LinearAttnConfig;
 use rayon::prelude::*;
 
-/// Prefill chunks are aligned to absolute positions, so any split of a prompt into pieces at
-/// multiples of this size computes exactly the same chunks.
-pub const CHUNK: usize = 64;
+use crate::backend::DELTA_RULE_CHUNK as CHUNK;
 
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())

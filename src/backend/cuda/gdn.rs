@@ -6,7 +6,7 @@ use crate::backend::BatchLayout;
 use crate::model::config::LinearAttnConfig;
 
 /// Chunk of the chunked delta rule; must match CHUNK in cuda/gdn.cu and the CPU backend.
-const CHUNK: usize = crate::backend::cpu::gdn::CHUNK;
+const CHUNK: usize = crate::backend::DELTA_RULE_CHUNK;
 /// Value columns per block of the chunked kernel (CHUNK_COLS in cuda/gdn.cu).
 const CHUNK_COLS: usize = 32;
 
