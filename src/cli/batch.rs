@@ -88,7 +88,7 @@ pub fn run(args: BatchArgs) -> Result<()> {
         for event in engine.step() {
             if let RequestEvent::Finished { id, reason, output } = event {
                 let idx = by_engine_id[&id];
-                let k = if output.method == SpecMethod::None { 0 } else { engine.config.spec_tokens };
+                let k = engine.reported_k(output.method);
                 results[idx] = Some(serde_json::json!({
                     "id": lines[idx].1.id,
                     "text": tok.decode(&output.generated, true)?,

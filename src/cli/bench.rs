@@ -139,7 +139,7 @@ fn run_one(args: &BenchArgs, files: &kestrel::model::ModelFiles, prompts: &[Vec<
     let ttft: Vec<f64> = done.iter().filter_map(|t| t.ttft()).collect();
     let tpot: Vec<f64> = done.iter().filter_map(|t| t.tpot()).collect();
     let itl: Vec<f64> = done.iter().flat_map(|t| t.itls()).collect();
-    let k = if method == SpecMethod::None { 0 } else { engine.config.spec_tokens };
+    let k = engine.reported_k(method);
     Ok(MethodResult {
         method: method.name().to_string(),
         concurrency,

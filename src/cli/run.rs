@@ -140,7 +140,7 @@ fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFi
     let n = output.generated.len();
     let decode_s = first_token_at.map(|t| (end - t).as_secs_f64()).unwrap_or(0.0);
     let decode_tps = if n > 1 && decode_s > 0.0 { (n - 1) as f64 / decode_s } else { 0.0 };
-    let k = if output.method == SpecMethod::None { 0 } else { engine.config.spec_tokens };
+    let k = engine.reported_k(output.method);
     let spec = output.spec.to_json(output.method.name(), k);
     if json {
         let text = files.tokenizer.decode(&output.generated, true)?;

@@ -118,6 +118,15 @@ impl<B: Backend> Engine<B> {
         Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default() })
     }
 
+    /// The k reported in a request's speculation statistics (0 when it did not speculate).
+    pub fn reported_k(&self, method: SpecMethod) -> usize {
+        if method == SpecMethod::None {
+            0
+        } else {
+            self.config.spec_tokens
+        }
+    }
+
     /// Replaces the proposers of every speculating request (method other than `none`).
     pub fn set_custom_drafter(&mut self, drafter: Option<CustomDrafter>) {
         self.custom_drafter = drafter;
@@ -303,8 +312,7 @@ impl<B: Backend> Engine<B> {
             if seq.status != SeqStatus::Running || seq.in_prefill() {
                 continue;
             }
-            // Emitted = accepted + 1, so more drafts than tokens left would be wasted work.
-            let left = (seq.max_tokens - seq.num_generated()).saturating_sub(1).min(max_len.saturating_sub(seq.tokens.len()));
+            let left = seq.max_useful_drafts(max_len);
             if let Some(drafter) = self.custom_drafter.as_mut() {
                 if seq.method != SpecMethod::None {
                     seq.drafts = drafter(seq.id, &seq.tokens, left);
@@ -323,7 +331,7 @@ impl<B: Backend> Engine<B> {
         // MTP chains write KV up to k positions past the committed length: make sure blocks exist.
         for (id, item) in mtp_items.iter_mut() {
             let Some(seq) = self.seqs.iter_mut().find(|s| s.id == *id) else { continue };
-            let left = (seq.max_tokens - seq.num_generated()).saturating_sub(1).min(max_len.saturating_sub(seq.tokens.len()));
+            let left = seq.max_useful_drafts(max_len);
             item.drafts_wanted = item.drafts_wanted.min(left);
             if item.drafts_wanted > 0 {
                 let mut table = std::mem::take(&mut seq.block_table);

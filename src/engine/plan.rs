@@ -3,8 +3,8 @@
 //! Token-indexed data (one entry per input token) and request-indexed data (one entry per row)
 //! have distinct types so that one can never be indexed with the other's counts.
 
-use super::request::RequestId;
-use crate::backend::{BatchLayout, RowKind};
+use super::request::{RequestId, Sequence};
+use crate::backend::{BatchLayout, RowKind, RowLayout};
 
 /// One entry per input token of the step.
 #[derive(Debug, Clone, PartialEq)]
@@ -83,5 +83,28 @@ impl StepPlan {
 
     pub fn num_tokens(&self) -> usize {
         self.ids.len()
+    }
+
+    /// Appends a row of `seq`: its next `committed` tokens, then `drafts`. A sampling row gets
+    /// logits from its last committed token on (one per draft plus the bonus position).
+    pub fn push_row(&mut self, seq: &Sequence, kind: RowKind, committed: usize, drafts: Vec<u32>, samples: bool, snapshot_base: usize) {
+        let token_start = self.ids.len();
+        let n = committed + drafts.len();
+        self.ids.0.extend_from_slice(&seq.tokens[seq.num_computed..seq.num_computed + committed]);
+        self.ids.0.extend_from_slice(&drafts);
+        let logits_start = samples.then_some(self.logit_rows.len());
+        if samples {
+            self.logit_rows.extend((token_start + committed - 1..token_start + n).map(|t| t as u32));
+        }
+        self.layout.rows.push(RowLayout {
+            kind,
+            token_start,
+            num_tokens: n,
+            start_position: seq.num_computed,
+            block_table: seq.block_table.clone(),
+            state_slot: seq.state_slot.expect("a scheduled sequence has a state slot"),
+            snapshot_base,
+        });
+        self.rows.0.push(PlannedRow { seq: seq.id, kind, committed, drafts, logits_start });
     }
 }

@@ -148,6 +148,12 @@ impl Sequence {
         self.num_computed < self.prompt_len
     }
 
+    /// Most drafts worth proposing: each step emits accepted + 1 tokens, so more drafts than
+    /// tokens left (by max_tokens or by the context length) would be wasted work.
+    pub fn max_useful_drafts(&self, max_model_len: usize) -> usize {
+        (self.max_tokens - self.num_generated()).saturating_sub(1).min(max_model_len.saturating_sub(self.tokens.len()))
+    }
+
     /// Forget all cached work (preemption): the sequence will recompute from scratch.
     pub fn reset_for_recompute(&mut self) {
         self.num_computed = 0;

@@ -7,10 +7,10 @@
 //! the steps cut it (DESIGN Invariant 3).
 
 use super::cache::{BlockAllocator, SlotAllocator};
-use super::plan::{PlannedRow, StepPlan};
+use super::plan::StepPlan;
 use super::request::{SeqStatus, Sequence};
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
-use crate::backend::{RowKind, RowLayout};
+use crate::backend::RowKind;
 
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
@@ -112,25 +112,8 @@ impl Scheduler {
             if !self.reserve(seqs, i, seqs[i].num_computed + n, &scheduled) {
                 continue;
             }
-            let s = &seqs[i];
-            let logits_start = (committed == unfed).then(|| plan.logit_rows.len());
-            let token_start = plan.ids.len();
-            plan.ids.0.extend_from_slice(&s.tokens[s.num_computed..s.num_computed + committed]);
-            plan.ids.0.extend_from_slice(&drafts);
-            if logits_start.is_some() {
-                plan.logit_rows.extend((token_start + committed - 1..token_start + n).map(|t| t as u32));
-            }
-            plan.layout.rows.push(RowLayout {
-                kind: RowKind::Generate,
-                token_start,
-                num_tokens: n,
-                start_position: s.num_computed,
-                block_table: s.block_table.clone(),
-                state_slot: s.state_slot.expect("running sequence has a slot"),
-                snapshot_base: snapshot_cursor,
-            });
+            plan.push_row(&seqs[i], RowKind::Generate, committed, drafts, committed == unfed, snapshot_cursor);
             snapshot_cursor += n;
-            plan.rows.0.push(PlannedRow { seq: s.id, kind: RowKind::Generate, committed, drafts, logits_start });
             budget -= n;
             snapshots_left -= n;
             scheduled.push(i);
@@ -171,25 +154,10 @@ impl Scheduler {
                 fresh_slots.retain(|&s| seqs.iter().any(|q| q.state_slot == Some(s)));
                 continue;
             }
-            let s = &seqs[i];
-            let token_start = plan.ids.len();
-            plan.ids.0.extend_from_slice(&s.tokens[s.num_computed..s.num_computed + piece]);
             // Sample only at the prompt's end, and only if nothing was generated before a preemption.
+            let s = &seqs[i];
             let samples = s.num_computed + piece == s.prompt_len && s.num_generated() == 0;
-            let logits_start = samples.then(|| plan.logit_rows.len());
-            if samples {
-                plan.logit_rows.push((token_start + piece - 1) as u32);
-            }
-            plan.layout.rows.push(RowLayout {
-                kind: RowKind::Prefill,
-                token_start,
-                num_tokens: piece,
-                start_position: s.num_computed,
-                block_table: s.block_table.clone(),
-                state_slot: s.state_slot.expect("admitted sequence has a slot"),
-                snapshot_base: 0,
-            });
-            plan.rows.0.push(PlannedRow { seq: s.id, kind: RowKind::Prefill, committed: piece, drafts: Vec::new(), logits_start });
+            plan.push_row(s, RowKind::Prefill, piece, Vec::new(), samples, 0);
             budget -= piece;
             scheduled.push(i);
         }
