@@ -129,36 +129,47 @@ __device__ __forceinline__ void small_kblock(float c[NT][4], const float* xr0, c
     for (int j = 0; j < NT; ++j) mma_kblock(c[j], ahi, alo, bh[j], bl[j], has_lo);
 }
 
-// Few rows: grid (column blocks, ceil(rows/16), groups), 32 * KSLICES threads; warp w owns
-// k-slice w.
+// Few rows: grid (column blocks, ceil(rows/(16*MT)), groups), 32 * KSLICES threads; warp w
+// owns k-slice w. A block computes MT m16 tiles (up to 16*MT rows) from each weight load, so
+// the weights are streamed once per 16*MT rows.
 // Bf16 weights with K a multiple of 32 take the streaming path (SMALL_UNROLL k blocks of
 // loads in flight per warp, no bounds checks); other shapes the checked path. Both issue the same
 // mma sequence per output element.
 // NT (n8 tiles per block) trades per-column overhead against parallelism for small N, and
 // SMALL_UNROLL (k blocks of weight loads in flight per warp) keeps the bytes in flight per SM
-// up when there are few columns; the per-element arithmetic depends on neither.
-template <int NT, int SMALL_UNROLL>
+// up when there are few columns; the per-element arithmetic depends on none of MT, NT, SMALL_UNROLL.
+template <int MT, int NT, int SMALL_UNROLL>
 __device__ __forceinline__ void matmul_small_body(float* out, const float* x, const bf16_t* whi_, const bf16_t* wlo_, int rows, int N, int K,
         const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active) {
-    __shared__ float red[KSLICES][NT][32][4];
+    __shared__ float red[KSLICES][MT][NT][32][4];
     Group grp = group_of(whi_, wlo_, rows, group_w, counts, lists, list_stride, active);
-    int m0 = blockIdx.y * 16;
+    int m0 = blockIdx.y * 16 * MT;
     if (m0 >= grp.rows) return;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     bool vec = (K % 8) == 0;
     bool has_lo = grp.wlo != 0;
-    const float* xr0 = 0;
-    const float* xr1 = 0;
-    if (m0 + g < grp.rows) xr0 = x + (long long)(grp.list ? grp.list[m0 + g] / a_div : m0 + g) * K;
-    if (m0 + g + 8 < grp.rows) xr1 = x + (long long)(grp.list ? grp.list[m0 + g + 8] / a_div : m0 + g + 8) * K;
+    // Per m16 tile: its activation rows g and g+8, whether the tile has rows at all and
+    // whether it has rows 8..15 (both uniform across the warp).
+    const float* xr0[MT];
+    const float* xr1[MT];
+    bool live[MT], two[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        int r = m0 + mt * 16 + g;
+        xr0[mt] = r < grp.rows ? x + (long long)(grp.list ? grp.list[r] / a_div : r) * K : 0;
+        xr1[mt] = r + 8 < grp.rows ? x + (long long)(grp.list ? grp.list[r + 8] / a_div : r + 8) * K : 0;
+        live[mt] = m0 + mt * 16 < grp.rows;
+        two[mt] = m0 + mt * 16 + 8 < grp.rows;
+    }
     int nkb = (K + 31) / 32, kps = (nkb + KSLICES - 1) / KSLICES;
     int kb0 = warp * kps, kb1 = min(kb0 + kps, nkb);
     // Column blocks in a grid-stride loop: a grid sized to the GPU streams without a tail wave.
-    bool two = m0 + 8 < grp.rows;
     for (int n0 = blockIdx.x * 8 * NT; n0 < N; n0 += gridDim.x * 8 * NT) {
-        float c[NT][4];
+        float c[MT][NT][4];
 #pragma unroll
-        for (int j = 0; j < NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < NT; ++j) c[mt][j][0] = c[mt][j][1] = c[mt][j][2] = c[mt][j][3] = 0.0f;
         if (!has_lo && (K % 32) == 0) {
             // Rows past N read row N-1 (always valid); their results are never written.
             const bf16_t* wh[NT];
@@ -173,13 +184,18 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
 #pragma unroll
                     for (int j = 0; j < NT; ++j) bh[u][j] = ldg_stream(wh[j] + (kb + u) * 32);
 #pragma unroll
-                for (int u = 0; u < SMALL_UNROLL; ++u) small_kblock<NT>(c, xr0, xr1, two, (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
+                for (int u = 0; u < SMALL_UNROLL; ++u)
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+                        if (live[mt]) small_kblock<NT>(c[mt], xr0[mt], xr1[mt], two[mt], (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
             }
             for (; kb < kb1; ++kb) {
                 uint4 bh[NT];
 #pragma unroll
                 for (int j = 0; j < NT; ++j) bh[j] = ldg_stream(wh[j] + kb * 32);
-                small_kblock<NT>(c, xr0, xr1, two, kb * 32 + q * 8, K, true, bh, zero, false);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    if (live[mt]) small_kblock<NT>(c[mt], xr0[mt], xr1[mt], two[mt], kb * 32 + q * 8, K, true, bh, zero, false);
             }
         } else {
             const bf16_t* wh[NT];
@@ -198,29 +214,37 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
                     bh[j] = load8_bf16(wh[j], k, K, vec);
                     bl[j] = has_lo ? load8_bf16(wl[j], k, K, vec) : make_uint4(0, 0, 0, 0);
                 }
-                small_kblock<NT>(c, xr0, xr1, two, k, K, vec, bh, bl, has_lo);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    if (live[mt]) small_kblock<NT>(c[mt], xr0[mt], xr1[mt], two[mt], k, K, vec, bh, bl, has_lo);
             }
         }
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) red[warp][j][lane][i] = c[j][i];
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) red[warp][mt][j][lane][i] = c[mt][j][i];
         __syncthreads();
         if (warp == 0) {
 #pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                for (int w = 0; w < KSLICES; ++w)
+            for (int mt = 0; mt < MT; ++mt) {
+                if (!live[mt]) continue;
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) t[i] += red[w][j][lane][i];
-                int col = n0 + j * 8 + 2 * q;
+                for (int j = 0; j < NT; ++j) {
+                    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    for (int w = 0; w < KSLICES; ++w)
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    int r = m0 + g + 8 * half;
-                    if (r >= grp.rows) continue;
-                    long long orow = grp.list ? grp.list[r] : r;
-                    if (col < N) out[orow * N + col] = t[2 * half];
-                    if (col + 1 < N) out[orow * N + col + 1] = t[2 * half + 1];
+                        for (int i = 0; i < 4; ++i) t[i] += red[w][mt][j][lane][i];
+                    int col = n0 + j * 8 + 2 * q;
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        int r = m0 + mt * 16 + g + 8 * half;
+                        if (r >= grp.rows) continue;
+                        long long orow = grp.list ? grp.list[r] : r;
+                        if (col < N) out[orow * N + col] = t[2 * half];
+                        if (col + 1 < N) out[orow * N + col + 1] = t[2 * half + 1];
+                    }
                 }
             }
         }
@@ -228,14 +252,21 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
     }
 }
 
-#define SMALL_KERNEL(NT, UNROLL)                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * KSLICES) matmul_small_nt##NT(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, \
+#define SMALL_KERNEL(NAME, MT, NT, UNROLL)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * KSLICES) NAME(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, \
             int N, int K, const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active) {       \
-        matmul_small_body<NT, UNROLL>(out, x, whi, wlo, rows, N, K, group_w, counts, lists, list_stride, a_div, active);                      \
+        matmul_small_body<MT, NT, UNROLL>(out, x, whi, wlo, rows, N, K, group_w, counts, lists, list_stride, a_div, active);              \
     }
-SMALL_KERNEL(1, 16)
-SMALL_KERNEL(2, 8)
-SMALL_KERNEL(4, 4)
+// Up to 16 rows.
+SMALL_KERNEL(matmul_small_nt1, 1, 1, 16)
+SMALL_KERNEL(matmul_small_nt2, 1, 2, 8)
+SMALL_KERNEL(matmul_small_nt4, 1, 4, 4)
+// Up to 32 rows.
+SMALL_KERNEL(matmul_small2_nt1, 2, 1, 16)
+SMALL_KERNEL(matmul_small2_nt2, 2, 2, 8)
+// Up to 64 rows.
+SMALL_KERNEL(matmul_small4_nt1, 4, 1, 8)
+SMALL_KERNEL(matmul_small4_nt2, 4, 2, 4)
 
 #define TBM 64
 #define TBN 64

@@ -5,7 +5,8 @@
 //! `cargo run --release --example cuda_bench -- [--presets a,b] [--prompt N] [--decode N] [--prefill N,M]`
 //! Prints one JSON object per preset, then a table.
 
-use kestrel::backend::cuda::{dummy, CudaBackend};
+use kestrel::backend::cuda::CudaBackend;
+use kestrel::model::dummy;
 use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
 use kestrel::model::arch::qwen35::Qwen35;
 use kestrel::model::config::ModelConfig;
@@ -123,9 +124,9 @@ fn random_weight(gpu: &CudaBackend, n: usize, k: usize) -> Result<kestrel::backe
     // Shape-only bytes: in random mode the backend fills the matrix on the device.
     let placeholder = memmap2::MmapOptions::new().len(n * k * 2).map_anon().map_err(|e| e.to_string())?.make_read_only().map_err(|e| e.to_string())?;
     let m = kestrel::model::weights::MatrixBytes { data: kestrel::model::weights::SharedBytes::from_mmap(placeholder), start: 0, dtype: kestrel::model::weights::Dtype::BF16, rows: n, cols: k };
-    gpu.set_random_weights(Some(77));
+    gpu.set_random_weights(Some(77)).map_err(|e| e.to_string())?;
     let w = gpu.upload_matrix(&m).map_err(|e| e.to_string());
-    gpu.set_random_weights(None);
+    gpu.set_random_weights(None).map_err(|e| e.to_string())?;
     w
 }
 

@@ -147,6 +147,20 @@ fn bench_reports_consistent_metrics() {
 }
 
 #[test]
+fn a_bench_sweep_that_stops_early_keeps_the_finished_results() {
+    // The MoE fixture has no MTP head: `none` runs, then `mtp` cannot start.
+    let model = root().join("tests/fixtures/qwen35-moe");
+    let out = kestrel(&["bench", "--model", model.to_str().unwrap(), "--spec", "none,mtp", "--dataset", "random", "--input-len", "8", "--num-prompts", "2", "--max-tokens", "4", "--json"]);
+    assert!(!out.status.success(), "the mtp run cannot start, so the sweep must fail");
+    let rows: Vec<Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 1, "the finished `none` run is still reported");
+    assert_eq!(rows[0]["method"], "none");
+    assert_eq!(rows[0]["output_tokens"], 8);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("mtp at concurrency 8") && err.contains("MTP head"), "{err}");
+}
+
+#[test]
 fn bad_input_gets_a_clear_error() {
     fails_with(&["run", "--model", "/nonexistent/model", "hi"], "does not exist");
     fails_with(&["run", ""], "empty prompt");
@@ -164,5 +178,12 @@ fn bad_input_gets_a_clear_error() {
     fails_with(&["batch", "--input", bad.to_str().unwrap()], "exactly one of `prompt` and `messages`");
     let empty_dir = tempfile::tempdir().unwrap();
     fails_with(&["info", "--model", empty_dir.path().to_str().unwrap()], "not a model directory");
+    // Dummy weights are generated on the GPU; the CPU refuses them, and a preset must exist.
+    fails_with(&["run", "hi", "--load-format", "dummy", "--model", "qwen3.5-0.8b", "--device", "cpu"], "use --device cuda");
+    fails_with(&["bench", "--load-format", "dummy", "--model", "qwen3.5-0.8b", "--device", "cpu", "--num-prompts", "1"], "use --device cuda");
+    fails_with(&["run", "hi", "--load-format", "dummy", "--model", "qwen9-huge", "--device", "cpu"], "unknown model preset `qwen9-huge`");
+    fails_with(&["run", "hi", "--load-format", "dummy"], "needs --model PRESET");
+    fails_with(&["run", "hi", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]");
+    fails_with(&["run", "hi", "--kv-cache-dtype", "tq3"], "only bf16");
     assert!(Path::new(env!("CARGO_BIN_EXE_kestrel")).exists());
 }

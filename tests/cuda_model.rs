@@ -5,7 +5,8 @@ mod cuda_support;
 
 use cuda_support::*;
 use kestrel::backend::cpu::CpuBackend;
-use kestrel::backend::cuda::{dummy, CudaBackend};
+use kestrel::backend::cuda::CudaBackend;
+use kestrel::model::dummy;
 use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
 use kestrel::engine::request::{Request, RequestEvent, SpecMethod};
 use kestrel::engine::sampler::SamplingParams;

@@ -22,14 +22,16 @@ fn matmul_matches_cpu_and_rows_are_independent() {
     let Some(gpu) = gpu() else { return };
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(seed());
-    for (inputs, outputs) in [(19, 37), (128, 64), (96, 100), (264, 257), (1024, 512)] {
+    // Output widths past 2048 and 8192 take the wider n tiles of the small-row kernels.
+    for (inputs, outputs) in [(19, 37), (128, 64), (96, 100), (264, 257), (1024, 512), (64, 3001), (96, 9000)] {
         for dtype in [Dtype::F32, Dtype::BF16] {
             let w = random_matrix(&mut rng, outputs, inputs, dtype);
             let gw = gpu.upload_matrix(&w).unwrap();
             let max_rows = 200;
             let x = rng.vec(max_rows * inputs, 1.0);
             let full = gpu.to_host(&gpu.matmul(&gpu.from_host(&x, max_rows, inputs), &gw));
-            for rows in [1, 8, 17, 64, 65, 200] {
+            // 1..16, 17..32 and 33..64 rows run the small-row kernels with 1, 2 and 4 m tiles.
+            for rows in [1, 8, 16, 17, 32, 33, 40, 64, 65, 200] {
                 let xs = &x[..rows * inputs];
                 let got = gpu.to_host(&gpu.matmul(&gpu.from_host(xs, rows, inputs), &gw));
                 let want = cpu.to_host(&cpu.matmul(&cpu.from_host(xs, rows, inputs), &w));

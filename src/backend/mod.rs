@@ -14,6 +14,7 @@
 pub mod cpu;
 pub mod cuda;
 
+use crate::engine::sampler::{sample_at_position, SamplingParams};
 use crate::model::config::{LinearAttnConfig, MoeConfig};
 use crate::model::weights::MatrixBytes;
 
@@ -80,6 +81,23 @@ impl BatchLayout {
     }
 }
 
+/// How to draw the token of one logits row: the request's sampling parameters and the output
+/// position the row predicts (the key of the position-keyed noise, see engine/sampler.rs).
+#[derive(Debug, Clone)]
+pub struct RowSampling {
+    pub params: SamplingParams,
+    pub position: u64,
+}
+
+/// The largest step the engine will run, so that a backend can allocate its per-step input
+/// buffers once at their maximum sizes (DESIGN Invariant 4).
+#[derive(Debug, Clone, Copy)]
+pub struct StepLimits {
+    pub max_tokens: usize,
+    pub max_rows: usize,
+    pub max_blocks_per_row: usize,
+}
+
 /// Sizes of the attention and recurrent caches.
 #[derive(Debug, Clone)]
 pub struct CacheSpec {
@@ -96,6 +114,19 @@ pub struct CacheSpec {
     pub state_slots: usize,
     /// Snapshot slots for generate rows (1 + k per verifying request).
     pub snapshot_slots: usize,
+}
+
+impl CacheSpec {
+    /// Device bytes of one KV block over every attention layer (K and V, f32).
+    pub fn bytes_per_block(&self) -> usize {
+        self.attention_layers * 2 * self.block_size * self.kv_heads * self.head_dim * 4
+    }
+
+    /// Device bytes of the recurrent state: canonical slots and snapshots, every linear layer.
+    pub fn state_bytes(&self) -> usize {
+        let per_slot = self.linear.conv_state_len() + self.linear.recurrent_state_len();
+        self.linear_layers * (self.state_slots + self.snapshot_slots) * per_slot * 4
+    }
 }
 
 /// Shapes of a gated attention layer.
@@ -191,6 +222,39 @@ pub trait Backend: Send + Sync {
 
     /// Mixture of experts with softmax top-k routing and an optional sigmoid-gated shared expert.
     fn moe(&self, x: &Self::Tensor, w: &MoeWeights<Self>, cfg: &MoeConfig) -> Self::Tensor;
+
+    /// One token per row of `logits` (`[N, vocab]`), drawn by position-keyed sampling
+    /// ([`sample_at_position`]) with `rows[i]` for row `i`. A device backend draws on the device
+    /// so that only the tokens come back; this default copies the logits to the host.
+    fn sample_rows(&self, logits: &Self::Tensor, rows: &[RowSampling]) -> Vec<u32> {
+        let (n, vocab) = self.shape(logits);
+        assert_eq!(n, rows.len(), "sample_rows: {n} logits rows, {} sampling specs", rows.len());
+        let host = self.to_host(logits);
+        rows.iter().enumerate().map(|(i, r)| sample_at_position(&host[i * vocab..(i + 1) * vocab], &r.params, r.position)).collect()
+    }
+
+    /// While `Some(seed)`, `upload_matrix` ignores the bytes it is given and fills the matrix
+    /// with random bf16 values generated on the device (`--load-format dummy`: real-size
+    /// models without files). Only device backends can; the CPU has no bytes to skip.
+    fn set_random_weights(&self, seed: Option<u64>) -> Result<(), BackendError> {
+        match seed {
+            None => Ok(()),
+            Some(_) => Err(BackendError::Invalid(format!("random weights are generated on the GPU; the {} backend cannot (use --device cuda)", self.name()))),
+        }
+    }
+
+    /// Allocates per-step input buffers for steps up to `limits` (a no-op where inputs are host
+    /// memory). Steps beyond the limits still run; the buffers grow.
+    fn reserve_step_inputs(&self, _limits: StepLimits) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// Bytes of device memory the caches may take, given that the process may hold
+    /// `utilization` of the device and that `workspace` bytes must stay free for activations.
+    /// `None` on a backend without a separate device memory (the CPU).
+    fn cache_memory_budget(&self, _utilization: f32, _workspace: usize) -> Option<Result<usize, BackendError>> {
+        None
+    }
 
     /// Makes snapshot `snapshot` the canonical recurrent state (conv window and delta-rule state)
     /// of `slot`, in every linear layer.

@@ -1,14 +1,17 @@
 //! `kestrel batch`: JSONL requests in, one JSONL result per request out (in input order).
 
-use super::EngineArgs;
+use super::{with_engine, EngineArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use kestrel::backend::Backend;
 use kestrel::engine::request::{Request, RequestEvent, SpecMethod};
+use kestrel::engine::Engine;
+use kestrel::model::ModelFiles;
 use kestrel::engine::sampler::SamplingParams;
 use kestrel::tokenizer::ChatMessage;
 use std::collections::HashMap;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Debug, Args)]
 pub struct BatchArgs {
@@ -70,7 +73,21 @@ pub fn run(args: BatchArgs) -> Result<()> {
         let ids = tok.encode(&text, false)?;
         lines.push((n + 1, req, ids));
     }
-    let mut engine = args.engine.build_engine(&files, args.max_batch)?;
+    let results = with_engine!(args.engine, &files, args.max_batch, |engine| run_lines(engine, &lines, &files, &args.input)?);
+    let mut out: Box<dyn Write> = match &args.output {
+        Some(p) => Box::new(std::io::BufWriter::new(std::fs::File::create(p).with_context(|| format!("cannot create {}", p.display()))?)),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    for r in results.into_iter().flatten() {
+        writeln!(out, "{}", serde_json::to_string(&r)?)?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+/// Runs every line's request to the end; one result per line, in line order.
+fn run_lines<B: Backend>(mut engine: Engine<B>, lines: &[(usize, BatchLine, Vec<u32>)], files: &ModelFiles, input: &Path) -> Result<Vec<Option<serde_json::Value>>> {
+    let tok = &files.tokenizer;
     let mut by_engine_id = HashMap::new();
     for (idx, (n, req, ids)) in lines.iter().enumerate() {
         let request = Request {
@@ -80,7 +97,7 @@ pub fn run(args: BatchArgs) -> Result<()> {
             stop_token_ids: files.config.eos_token_ids.clone(),
             spec: req.spec,
         };
-        let id = engine.add_request(request).with_context(|| format!("{} line {n}", args.input.display()))?;
+        let id = engine.add_request(request).with_context(|| format!("{} line {n}", input.display()))?;
         by_engine_id.insert(id, idx);
     }
     let mut results: Vec<Option<serde_json::Value>> = vec![None; lines.len()];
@@ -100,13 +117,5 @@ pub fn run(args: BatchArgs) -> Result<()> {
             }
         }
     }
-    let mut out: Box<dyn Write> = match &args.output {
-        Some(p) => Box::new(std::io::BufWriter::new(std::fs::File::create(p).with_context(|| format!("cannot create {}", p.display()))?)),
-        None => Box::new(std::io::stdout().lock()),
-    };
-    for r in results.into_iter().flatten() {
-        writeln!(out, "{}", serde_json::to_string(&r)?)?;
-    }
-    out.flush()?;
-    Ok(())
+    Ok(results)
 }

@@ -4,11 +4,14 @@
 //! is replaced by the next prompt until `--num-prompts` have run. Metrics follow vLLM's
 //! `bench serve`: TTFT, TPOT = (e2e - TTFT) / (output tokens - 1), ITL per streamed chunk.
 
-use super::{progress_bar, EngineArgs, SamplingArgs};
+use super::{progress_bar, EngineArgs, SamplingArgs, SelectedBackend};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use kestrel::engine::metrics::{summarize, RequestTimeline, SecondsClock, SpecStats, Summary};
+use kestrel::backend::Backend;
 use kestrel::engine::request::{Request, RequestEvent, SpecMethod};
+use kestrel::engine::Engine;
+use kestrel::model::ModelFiles;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -99,10 +102,43 @@ fn ms(s: Summary) -> Summary {
     Summary { mean: s.mean * 1e3, median: s.median * 1e3, p99: s.p99 * 1e3 }
 }
 
-fn run_one(args: &BenchArgs, files: &kestrel::model::ModelFiles, prompts: &[Vec<u32>], method: SpecMethod, concurrency: usize, bar: &indicatif::ProgressBar) -> Result<MethodResult> {
-    let mut engine_args = args.engine.clone();
-    engine_args.spec = vec![method];
-    let mut engine = engine_args.build_engine(files, concurrency)?;
+/// Every (concurrency, method) pair on one backend; the weights are uploaded once. A run that
+/// fails (a concurrency whose cache does not fit, say) ends the sweep: the results so far come
+/// back with the error.
+fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, prompts: &[Vec<u32>]) -> Result<(Vec<MethodResult>, Option<anyhow::Error>)> {
+    let methods = &args.engine.spec;
+    let most = args.concurrency.iter().copied().max().unwrap_or(1);
+    let model = args.engine.load_model(&backend, files, most)?;
+    let bar = progress_bar((methods.len() * args.concurrency.len() * prompts.len()) as u64, "bench");
+    let mut parts = (backend, model);
+    let mut results = Vec::new();
+    for &c in &args.concurrency {
+        for &m in methods {
+            bar.set_message(format!("bench {} x{c}", m.name()));
+            let (backend, model) = parts;
+            let run = args
+                .engine
+                .engine_config(&backend, &model, files, c, m)
+                .and_then(|config| Engine::new(backend, model, config).context("cannot start the engine"))
+                .and_then(|mut engine| Ok((run_one(args, &mut engine, prompts, m, c, &bar)?, engine)))
+                .with_context(|| format!("{} at concurrency {c}", m.name()));
+            match run {
+                Ok((result, engine)) => {
+                    results.push(result);
+                    parts = engine.into_parts();
+                }
+                Err(e) => {
+                    bar.finish_and_clear();
+                    return Ok((results, Some(e)));
+                }
+            }
+        }
+    }
+    bar.finish_and_clear();
+    Ok((results, None))
+}
+
+fn run_one<B: Backend>(args: &BenchArgs, engine: &mut Engine<B>, prompts: &[Vec<u32>], method: SpecMethod, concurrency: usize, bar: &indicatif::ProgressBar) -> Result<MethodResult> {
     let clock = SecondsClock::start();
     let mut next = 0usize;
     let mut timelines: HashMap<u64, RequestTimeline> = HashMap::new();
@@ -162,25 +198,34 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let files = args.engine.open_model()?;
     let prompts = dataset_prompts(&args, &files.tokenizer, files.config.vocab_size)?;
-    let methods = args.engine.spec.clone();
-    let bar = progress_bar((methods.len() * args.concurrency.len() * prompts.len()) as u64, "bench");
-    let mut results = Vec::new();
-    for &c in &args.concurrency {
-        for &m in &methods {
-            bar.set_message(format!("bench {} x{c}", m.name()));
-            results.push(run_one(&args, &files, &prompts, m, c, &bar)?);
+    let (mut results, failure) = match args.engine.select_backend()? {
+        SelectedBackend::Cpu(b) => run_all(&args, b, &files, &prompts)?,
+        SelectedBackend::Cuda(b) => run_all(&args, *b, &files, &prompts)?,
+    };
+    if results.is_empty() {
+        if let Some(e) = failure {
+            return Err(e);
         }
     }
-    bar.finish_and_clear();
     for i in 0..results.len() {
         let base = results.iter().find(|r| r.method == "none" && r.concurrency == results[i].concurrency).map(|r| r.output_tokens_per_s);
         results[i].speedup_vs_none = base.map(|b| results[i].output_tokens_per_s / b);
     }
+    print_results(&args, &results)?;
+    // Results are printed first: a sweep that stopped early or plots that cannot be drawn still
+    // leave every measured figure on stdout.
     if let Some(dir) = &args.plot_dir {
         super::bench_plot::write_plots(dir, &results)?;
     }
+    match failure {
+        Some(e) => Err(e.context("the sweep stopped early; the results above are complete runs")),
+        None => Ok(()),
+    }
+}
+
+fn print_results(args: &BenchArgs, results: &[MethodResult]) -> Result<()> {
     if args.json {
-        for r in &results {
+        for r in results {
             println!("{}", serde_json::to_string(r)?);
         }
         return Ok(());
@@ -189,7 +234,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "{:<6} {:>4} {:>9} {:>9} {:>9} {:>10} {:>8} {:>7} {:>7} {:>7} {:>8}",
         "method", "conc", "ttft ms", "tpot ms", "itl ms", "out tok/s", "req/s", "accept", "mal", "tok/fwd", "speedup"
     );
-    for r in &results {
+    for r in results {
         let s = &r.spec;
         println!(
             "{:<6} {:>4} {:>9.1} {:>9.2} {:>9.2} {:>10.1} {:>8.2} {:>7.3} {:>7.2} {:>7.2} {:>8}",

@@ -3,7 +3,6 @@
 use super::{EngineArgs, SamplingArgs};
 use anyhow::{bail, Result};
 use clap::Args;
-use kestrel::server::engine_worker::EngineWorker;
 use kestrel::tui::{self, App, ChatOptions};
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -37,10 +36,8 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let params = args.sampling.params();
     params.validate()?;
     let model_name = args.engine.model.as_deref().and_then(|p| p.file_name()).map_or_else(|| kestrel::model::default_model::NAME.to_string(), |n| n.to_string_lossy().into_owned());
-    let engine_args = args.engine.clone();
-    let engine_files = files.clone();
     eprintln!("loading {} ...", files.source);
-    let worker = EngineWorker::spawn(move || engine_args.build_engine(&engine_files, 1).map_err(|err| format!("{err:#}")))?;
+    let worker = args.engine.spawn_worker(files.clone(), 1)?;
     let options = ChatOptions { model_name, max_tokens: args.max_tokens, sampling: params, spec, system_prompt: args.system };
     let result = tui::run(App::new(worker.handle(), files, options));
     worker.shutdown();

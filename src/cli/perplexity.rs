@@ -3,10 +3,9 @@
 //! The token stream is cut into consecutive windows of `--context` tokens; each window runs
 //! from an empty state and predicts its tokens 1..len (a last window shorter than 2 is dropped).
 
-use super::{progress_bar, EngineArgs};
+use super::{progress_bar, EngineArgs, SelectedBackend};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
 use kestrel::model::arch::qwen35::Qwen35;
 use std::path::PathBuf;
@@ -65,11 +64,22 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     if ids.len() < 2 {
         bail!("{} holds fewer than 2 tokens", args.file.display());
     }
-    let backend = CpuBackend::new();
-    let model = Qwen35::load(&backend, files.config.clone(), &files.store, &indicatif::ProgressBar::hidden())?;
-    let bar = progress_bar(0, "scoring");
-    let (mean_nll, tokens) = window_nll(&model, &backend, &ids, args.context, &bar);
-    bar.finish_and_clear();
+    let score = |model_nll: &dyn Fn(&indicatif::ProgressBar) -> (f64, usize)| {
+        let bar = progress_bar(0, "scoring");
+        let r = model_nll(&bar);
+        bar.finish_and_clear();
+        r
+    };
+    let (mean_nll, tokens) = match args.engine.select_backend()? {
+        SelectedBackend::Cpu(b) => {
+            let model = args.engine.load_model(&b, &files, 1)?;
+            score(&|bar| window_nll(&model, &b, &ids, args.context, bar))
+        }
+        SelectedBackend::Cuda(b) => {
+            let model = args.engine.load_model(&*b, &files, 1)?;
+            score(&|bar| window_nll(&model, &*b, &ids, args.context, bar))
+        }
+    };
     let ppl = mean_nll.exp();
     if args.json {
         println!("{}", serde_json::json!({"perplexity": ppl, "tokens": tokens, "mean_nll": mean_nll}));

@@ -1,7 +1,7 @@
 //! `kestrel run`: one prompt, streamed to stdout (or one JSON object with `--json`); statistics
 //! go to stderr so that stdout carries exactly the generated text.
 
-use super::{EngineArgs, SamplingArgs, SelectedBackend};
+use super::{with_engine, EngineArgs, SamplingArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kestrel::backend::Backend;
@@ -92,10 +92,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     // A chat turn ends at the template's end-of-turn token as well as at end-of-sequence.
     let stop_token_ids = if args.chat { kestrel::server::chat_stop_token_ids(&files) } else { files.config.eos_token_ids.clone() };
     let request = Request { prompt_ids, params, max_tokens: args.max_tokens, stop_token_ids, spec: None };
-    match args.engine.select_backend()? {
-        SelectedBackend::Cpu(b) => generate(args.engine.build_engine_on(b, &files, 1)?, request, &files, args.json),
-        SelectedBackend::Cuda(b) => generate(args.engine.build_engine_on(*b, &files, 1)?, request, &files, args.json),
-    }
+    with_engine!(args.engine, &files, 1, |engine| generate(engine, request, &files, args.json))
 }
 
 /// Runs the request to the end on `engine`, streaming text (or printing one JSON object).

@@ -3,7 +3,6 @@
 use super::EngineArgs;
 use anyhow::{Context, Result};
 use clap::Args;
-use kestrel::server::engine_worker::EngineWorker;
 use kestrel::server::error::BodyLimit;
 use kestrel::server::{self, ServerState, DEFAULT_BODY_LIMIT};
 use std::net::{IpAddr, SocketAddr};
@@ -37,10 +36,7 @@ pub struct ServeArgs {
 pub fn run(args: ServeArgs) -> Result<()> {
     let files = Arc::new(args.engine.open_model()?);
     let model_name = args.served_model_name.clone().unwrap_or_else(|| default_model_name(&args.engine));
-    let engine_args = args.engine.clone();
-    let engine_files = files.clone();
-    let max_num_seqs = args.max_num_seqs.max(1);
-    let worker = EngineWorker::spawn(move || engine_args.build_engine(&engine_files, max_num_seqs).map_err(|err| format!("{err:#}")))?;
+    let worker = args.engine.spawn_worker(files.clone(), args.max_num_seqs.max(1))?;
 
     let mut state = ServerState::new(worker.handle(), files, &model_name, args.api_key.as_deref());
     state.body_limit = BodyLimit(args.max_request_bytes);

@@ -6,9 +6,10 @@ use super::request::{FinishReason, Request, RequestEvent, RequestId, SeqStatus, 
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::spec::mtp::{propose_mtp, MtpCatchUp};
 use super::spec::ngram::{propose_ngram, NgramConfig};
-use super::spec::verify::verify_drafts;
+use super::plan::StepPlan;
+use super::spec::verify::accept_drafts;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
-use crate::backend::{Backend, BackendError, RowKind};
+use crate::backend::{Backend, BackendError, RowKind, RowSampling, StepLimits};
 use crate::model::arch::qwen35::Qwen35;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -45,6 +46,21 @@ pub struct EngineConfig {
     pub spec_tokens: usize,
     pub ngram_min: usize,
     pub ngram_max: usize,
+}
+
+impl EngineConfig {
+    /// Recurrent-state snapshot slots: every generate-row token takes one. With speculation on
+    /// there is room for a full verify row per sequence. With `none` (a real model's snapshot
+    /// takes tens of MiB) there is one per sequence plus one verify row's drafts, which requests
+    /// that ask for speculation themselves share. Recomputed replays that need more are fed over
+    /// several steps.
+    pub fn snapshot_slots(&self) -> usize {
+        let slots = match self.spec {
+            SpecMethod::None => self.max_num_seqs + self.spec_tokens,
+            _ => self.max_num_seqs * (self.spec_tokens + 1),
+        };
+        slots.min(self.max_num_batched_tokens)
+    }
 }
 
 impl Default for EngineConfig {
@@ -100,11 +116,16 @@ impl<B: Backend> Engine<B> {
         if config.spec == SpecMethod::Mtp && model.mtp.is_none() {
             return Err(EngineError::NoMtpHead);
         }
-        // Every generate-row token takes a snapshot slot: room for a full verify row per sequence
-        // (recomputed replays that need more are fed over several steps by the scheduler).
-        let snapshot_slots = (config.max_num_seqs * (config.spec_tokens + 1)).min(config.max_num_batched_tokens);
+        let snapshot_slots = config.snapshot_slots();
         let spec = model.cache_spec(config.num_blocks, config.block_size, config.max_num_seqs, snapshot_slots);
         let cache = backend.alloc_cache(&spec).map_err(|e: BackendError| EngineError::Config(e.to_string()))?;
+        // A step has at most one row per sequence, and every row's table covers at most the context.
+        let limits = StepLimits {
+            max_tokens: config.max_num_batched_tokens,
+            max_rows: config.max_num_seqs,
+            max_blocks_per_row: (config.max_model_len + config.spec_tokens).div_ceil(config.block_size) + 1,
+        };
+        backend.reserve_step_inputs(limits).map_err(|e| EngineError::Config(e.to_string()))?;
         let scheduler = Scheduler::new(
             SchedulerConfig {
                 max_num_seqs: config.max_num_seqs,
@@ -116,6 +137,11 @@ impl<B: Backend> Engine<B> {
             SlotAllocator::new(config.max_num_seqs),
         );
         Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default() })
+    }
+
+    /// The backend and the model back, for another engine (the caches are dropped).
+    pub fn into_parts(self) -> (B, Qwen35<B>) {
+        (self.backend, self.model)
     }
 
     /// The k reported in a request's speculation statistics (0 when it did not speculate).
@@ -215,8 +241,8 @@ impl<B: Backend> Engine<B> {
             return events;
         }
         let out = self.model.forward(&self.backend, &plan.ids.0, &plan.layout, &plan.logit_rows, &mut self.cache);
-        let logits = self.backend.to_host(&out.logits);
-        let vocab = self.model.config.vocab_size;
+        // Every logits row is drawn on the backend; only the tokens come back.
+        let sampled = self.backend.sample_rows(&out.logits, &self.row_sampling(&plan));
         self.stats.steps += 1;
         self.stats.forward_tokens += plan.num_tokens() as u64;
 
@@ -231,13 +257,11 @@ impl<B: Backend> Engine<B> {
                 (RowKind::Prefill, sample) => {
                     seq.num_computed += row.committed;
                     if let Some(l) = sample {
-                        let position = seq.num_generated() as u64;
-                        emitted.push(super::sampler::sample_at_position(&logits[l * vocab..(l + 1) * vocab], &seq.params, position));
+                        emitted.push(sampled[l]);
                     }
                 }
                 (RowKind::Generate, Some(l)) => {
-                    let rows: Vec<&[f32]> = (0..=row.drafts.len()).map(|i| &logits[(l + i) * vocab..(l + i + 1) * vocab]).collect();
-                    let outcome = verify_drafts(&rows, &row.drafts, &seq.params, seq.num_generated() as u64).expect("the plan gives every draft a logits row");
+                    let outcome = accept_drafts(&sampled[l..=l + row.drafts.len()], &row.drafts).expect("the plan gives every draft a logits row");
                     // Invariant 1: the state at the last accepted token becomes canonical now.
                     let snapshot = layout.snapshot_base + row.committed - 1 + outcome.accepted;
                     self.backend.commit_state(&mut self.cache, layout.state_slot, snapshot);
@@ -301,6 +325,23 @@ impl<B: Backend> Engine<B> {
         }
         self.propose(&out.hidden, mtp_items);
         events
+    }
+
+    /// How to draw each logits row of `plan`: a prefill row that samples predicts the request's
+    /// next output position; a generate row's rows predict consecutive positions from there.
+    fn row_sampling(&self, plan: &StepPlan) -> Vec<RowSampling> {
+        let mut rows = Vec::with_capacity(plan.logit_rows.len());
+        for row in plan.rows.iter() {
+            if row.logits_start.is_none() {
+                continue;
+            }
+            debug_assert_eq!(row.logits_start, Some(rows.len()), "logits rows follow row order");
+            let seq = self.seqs.iter().find(|s| s.id == row.seq).expect("a planned row belongs to a live sequence");
+            let first = seq.num_generated() as u64;
+            let count = if row.kind == RowKind::Prefill { 1 } else { row.drafts.len() + 1 };
+            rows.extend((0..count as u64).map(|i| RowSampling { params: seq.params.clone(), position: first + i }));
+        }
+        rows
     }
 
     /// Drafts for each running sequence's next step.

@@ -94,6 +94,11 @@ impl SamplingParams {
         Ok(())
     }
 
+    /// True when a sampled (non-greedy) draw filters the vocabulary with top-k or top-p.
+    pub fn filters(&self, vocab: usize) -> bool {
+        self.top_k_active(vocab) || self.top_p_active()
+    }
+
     fn top_k_active(&self, vocab: usize) -> bool {
         self.top_k > 0 && self.top_k < vocab
     }
@@ -116,8 +121,9 @@ fn splitmix64_step(state: u64) -> u64 {
     splitmix64_mix(state.wrapping_add(SPLITMIX_GAMMA))
 }
 
-/// The part of the noise key shared by every token of one position, computed once per draw.
-fn position_key(seed: u64, position: u64) -> u64 {
+/// The part of the noise key shared by every token of one position, computed once per draw
+/// (`noise_hash(seed, position, token) = step(position_key(seed, position) ^ token)`).
+pub fn position_key(seed: u64, position: u64) -> u64 {
     splitmix64_step(splitmix64_step(seed) ^ position)
 }
 
@@ -228,8 +234,7 @@ pub fn sample_at_position(logits: &[f32], params: &SamplingParams, position: u64
         key: position_key(params.seed, position),
         inverse_temperature: 1.0 / f64::from(params.temperature),
     };
-    let filtering = params.top_k_active(logits.len()) || params.top_p_active();
-    if !filtering {
+    if !params.filters(logits.len()) {
         return noise.winner(logits, argmax(logits), 0..logits.len() as u32);
     }
     let kept = kept_tokens(logits, params, noise.inverse_temperature);

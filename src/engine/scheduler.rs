@@ -97,16 +97,20 @@ impl Scheduler {
 
         // 1. Generate rows: committed-but-unfed tokens (one, or several after a recompute) + drafts.
         // A recompute's replay longer than the snapshot slots left is fed over several steps.
+        // Drafts leave one token and snapshot for each later decoding sequence, so that a tight
+        // snapshot budget trims speculation instead of starving the sequences admitted last.
         let mut snapshots_left = self.config.max_generate_tokens;
-        for &i in &running {
+        let decoding: Vec<usize> = running.iter().copied().filter(|&i| !seqs[i].in_prefill()).collect();
+        for (n_th, &i) in decoding.iter().enumerate() {
             let avail = budget.min(snapshots_left);
-            if seqs[i].status != SeqStatus::Running || seqs[i].in_prefill() || avail == 0 {
+            if seqs[i].status != SeqStatus::Running || avail == 0 {
                 continue;
             }
             let unfed = seqs[i].tokens.len() - seqs[i].num_computed;
             let committed = unfed.min(avail);
             let mut drafts = if committed == unfed { seqs[i].drafts.clone() } else { Vec::new() };
-            let room = (avail - committed).min(self.config.max_model_len.saturating_sub(seqs[i].num_computed + committed));
+            let later = decoding.len() - n_th - 1;
+            let room = (avail - committed).saturating_sub(later).min(self.config.max_model_len.saturating_sub(seqs[i].num_computed + committed));
             drafts.truncate(room);
             let n = committed + drafts.len();
             if !self.reserve(seqs, i, seqs[i].num_computed + n, &scheduled) {

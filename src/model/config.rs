@@ -131,6 +131,21 @@ impl ModelConfig {
         self.layer_kinds.iter().filter(|k| **k == LayerKind::FullAttention).count()
     }
 
+    /// An upper bound on the f32 activation memory of one forward over `tokens` tokens that
+    /// computes `logit_rows` logits rows: the widest tensors a layer keeps alive at once
+    /// (projections, conv output, MLP or routed-expert intermediates), twice over for the
+    /// allocator's fragmentation, plus the logits.
+    pub fn activation_bytes(&self, tokens: usize, logit_rows: usize) -> usize {
+        let attention = 2 * self.num_heads * self.head_dim + 2 * self.num_kv_heads * self.head_dim + self.num_heads * self.head_dim;
+        let linear = 3 * self.linear.conv_dim() + 3 * self.linear.value_dim() + 2 * self.linear.num_value_heads;
+        let mlp = match &self.moe {
+            Some(m) => self.intermediate_size.max(m.top_k * m.expert_intermediate + m.shared_intermediate) * 3 + m.num_experts,
+            None => 3 * self.intermediate_size,
+        };
+        let per_token = 6 * self.hidden_size + attention.max(linear) + mlp;
+        2 * 4 * (tokens * per_token + logit_rows * (self.vocab_size + self.hidden_size))
+    }
+
     pub fn linear_attention_layers(&self) -> usize {
         self.layer_kinds.iter().filter(|k| **k == LayerKind::LinearAttention).count()
     }

@@ -3,6 +3,7 @@
 pub mod arch;
 pub mod config;
 pub mod default_model;
+pub mod dummy;
 pub mod weights;
 
 use crate::tokenizer::{Tokenizer, TokenizerError};

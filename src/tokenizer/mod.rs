@@ -106,6 +106,8 @@ pub struct Tokenizer {
     vocab_size: usize,
     eos_token_ids: Vec<u32>,
     chat_template: Option<ChatTemplate>,
+    /// Decode ids the vocabulary lacks as nothing instead of refusing them.
+    skip_unknown_ids: bool,
 }
 
 impl Tokenizer {
@@ -221,6 +223,7 @@ impl Tokenizer {
             vocab_size,
             eos_token_ids,
             chat_template,
+            skip_unknown_ids: false,
         })
     }
 
@@ -293,9 +296,18 @@ impl Tokenizer {
         StreamDecoder::new(self, skip_special_tokens)
     }
 
+    /// Decodes ids outside the vocabulary as nothing: for a model with random weights whose
+    /// vocabulary is larger than this tokenizer's (`--load-format dummy`), whose text means
+    /// nothing anyway.
+    pub fn skipping_unknown_ids(mut self) -> Self {
+        self.skip_unknown_ids = true;
+        self
+    }
+
     fn check_id(&self, id: u32) -> Result<(), TokenizerError> {
         match self.inner.id_to_token(id) {
             Some(_) => Ok(()),
+            None if self.skip_unknown_ids => Ok(()),
             None => Err(TokenizerError::UnknownTokenId {
                 id,
                 vocab_size: self.vocab_size,

@@ -233,6 +233,19 @@ fn ids_outside_the_vocabulary_are_rejected() {
     ));
 }
 
+#[test]
+fn a_tokenizer_for_random_weights_decodes_unknown_ids_as_nothing() {
+    let tokenizer = tiny_tokenizer().skipping_unknown_ids();
+    let known = tokenizer.decode(&[1, 2], false).expect("known ids decode");
+    assert_eq!(tokenizer.decode(&[1, 5000, 2], false).expect("unknown ids are skipped"), known);
+    let mut stream = tokenizer.stream_decoder(false);
+    let mut text = String::new();
+    for id in [1, 5000, 2] {
+        text.push_str(&stream.push(id).expect("stream skips unknown ids").unwrap_or_default());
+    }
+    assert_eq!(text, known);
+}
+
 /// Feeds `ids` one at a time and checks the stream against one-shot decoding.
 fn assert_stream_matches_decode(tokenizer: &Tokenizer, ids: &[u32], skip_special_tokens: bool) {
     let mut stream = tokenizer.stream_decoder(skip_special_tokens);

@@ -56,7 +56,7 @@ pub fn request(prompt: &[u32], max_tokens: usize, params: SamplingParams, spec: 
 
 /// Runs requests through an engine, adding request `i` after `arrival_steps[i]` steps; returns
 /// each request's generated tokens in input order.
-pub fn run_staggered(engine: &mut Engine<CpuBackend>, requests: Vec<kestrel::engine::request::Request>, arrival_steps: &[usize]) -> Vec<Vec<u32>> {
+pub fn run_staggered<B: kestrel::backend::Backend>(engine: &mut Engine<B>, requests: Vec<kestrel::engine::request::Request>, arrival_steps: &[usize]) -> Vec<Vec<u32>> {
     let n = requests.len();
     let mut pending: Vec<(usize, usize, kestrel::engine::request::Request)> = requests.into_iter().enumerate().map(|(i, r)| (arrival_steps[i], i, r)).collect();
     pending.sort_by_key(|p| (p.0, p.1));

@@ -42,7 +42,7 @@ pub(super) fn gated_attention(
     if let Some(b) = dl.max_block {
         assert!((b as usize) < cache.spec.num_blocks, "gated_attention: block {b} outside the cache");
     }
-    let base = be.ptr(&dl.buf);
+    let base = dl.base;
     let at = |off: usize| base + 4 * off as u64;
     let q = be.tensor(t, nq * hd);
     let gate = be.tensor(t, nq * hd);

@@ -39,7 +39,7 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
     if let Some(s) = dl.max_snapshot {
         assert!(s < cache.spec.snapshot_slots, "gated_delta_net: snapshot slot {s} outside the cache");
     }
-    let base = be.ptr(&dl.buf);
+    let base = dl.base;
     let at = |off: usize| base + 4 * off as u64;
     let (conv_state, conv_snap) = (be.ptr(&cache.conv[layer]), be.ptr(&cache.conv_snap[layer]));
     let (rec, rec_snap) = (be.ptr(&cache.rec[layer]), be.ptr(&cache.rec_snap[layer]));

@@ -9,12 +9,13 @@ use std::path::PathBuf;
 pub const COMMON_SOURCE: &str = include_str!("../../../cuda/common.cuh");
 
 /// Every kernel source: (module name, text).
-pub const SOURCES: [(&str, &str); 5] = [
+pub const SOURCES: [(&str, &str); 6] = [
     ("elementwise", include_str!("../../../cuda/elementwise.cu")),
     ("matmul", include_str!("../../../cuda/matmul.cu")),
     ("attention", include_str!("../../../cuda/attention.cu")),
     ("gdn", include_str!("../../../cuda/gdn.cu")),
     ("moe", include_str!("../../../cuda/moe.cu")),
+    ("sample", include_str!("../../../cuda/sample.cu")),
 ];
 
 #[derive(Debug, thiserror::Error)]

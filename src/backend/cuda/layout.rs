@@ -1,5 +1,5 @@
 //! A step's [`BatchLayout`] packed into one device buffer of i32, shared by every layer of the
-//! step (re-uploaded only when the layout changes).
+//! step (copied into the persistent layout buffer only when the layout changes).
 //!
 //! Packing: per row 8 ints (kind, token_start, num_tokens, start_position, state_slot,
 //! snapshot_base, block_table_offset, block_table_len, as `RowInfo` in cuda/common.cuh), then
@@ -7,12 +7,14 @@
 //! ids and the generate row ids.
 
 use crate::backend::{BatchLayout, RowKind};
-use cudarc::driver::CudaSlice;
 
 pub(super) const ROW_INTS: usize = 8;
 
+/// A packed layout in the persistent layout buffer (see step_inputs.rs).
+#[derive(Clone)]
 pub struct DeviceLayout {
-    pub(super) buf: CudaSlice<i32>,
+    /// Device address of the packed ints.
+    pub(super) base: u64,
     pub(super) num_tokens: usize,
     pub(super) tok_row_off: usize,
     pub(super) pos_off: usize,

@@ -1,14 +1,48 @@
 //! Launches of the batch-invariant matmul kernels (cuda/matmul.cu). All of them run the same
 //! per-element instruction sequence, so picking one by row count or width changes speed only.
 
-use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor};
+use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, Kernels};
+use cudarc::driver::CudaFunction;
 
-/// Up to this many rows (per group) go to the small-row kernel, which streams the weights
-/// once per 16 rows; above it the pipelined (or, for F32/F16 weights and K not a multiple of
+/// Up to this many rows (per group) go to the small-row kernels, which stream the weights
+/// once per launch (per 64 rows); above it the pipelined (or, for F32/F16 weights and K not a multiple of
 /// 32, the tiled) kernel reuses each weight tile across 128 (64) rows.
 const SMALL_MAX_ROWS: usize = 64;
 /// Threads of the small-row kernel: one warp per k-slice (KSLICES = 8 in cuda/matmul.cu).
 pub(super) const SMALL_THREADS: u32 = 256;
+
+/// A small-row kernel: `mt` m16 tiles (16 * mt rows) and `nt` n8 tiles per block.
+pub(super) struct SmallVariant {
+    pub mt: usize,
+    pub nt: usize,
+    pub kernel: fn(&Kernels) -> &CudaFunction,
+}
+
+/// The small-row kernels of cuda/matmul.cu. A launch takes the fewest m tiles that cover its
+/// rows (so each block streams the weights once for all of them) and, for that, the n-tile
+/// width suited to the output width.
+pub(super) const SMALL_VARIANTS: [SmallVariant; 7] = [
+    SmallVariant { mt: 1, nt: 1, kernel: |k| &k.matmul_small_nt1 },
+    SmallVariant { mt: 1, nt: 2, kernel: |k| &k.matmul_small_nt2 },
+    SmallVariant { mt: 1, nt: 4, kernel: |k| &k.matmul_small_nt4 },
+    SmallVariant { mt: 2, nt: 1, kernel: |k| &k.matmul_small2_nt1 },
+    SmallVariant { mt: 2, nt: 2, kernel: |k| &k.matmul_small2_nt2 },
+    SmallVariant { mt: 4, nt: 1, kernel: |k| &k.matmul_small4_nt1 },
+    SmallVariant { mt: 4, nt: 2, kernel: |k| &k.matmul_small4_nt2 },
+];
+
+/// Index into [`SMALL_VARIANTS`] for `rows <= SMALL_MAX_ROWS` rows and `n` output columns.
+fn small_variant(rows: usize, n: usize) -> usize {
+    let mt = rows.div_ceil(16).next_power_of_two().min(4);
+    // Enough warps to keep the memory system busy: narrower column blocks for small N.
+    let nt = match n {
+        0..=2048 => 1,
+        2049..=8192 => 2,
+        _ => 4,
+    };
+    // The widest n tile that exists for this m tile count.
+    (0..SMALL_VARIANTS.len()).filter(|&i| SMALL_VARIANTS[i].mt == mt && SMALL_VARIANTS[i].nt <= nt).max_by_key(|&i| SMALL_VARIANTS[i].nt).expect("every m tile count has an nt=1 kernel")
+}
 
 /// Row lists of a grouped (per-expert) launch.
 pub(super) struct Grouped {
@@ -45,15 +79,11 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
     if rows <= SMALL_MAX_ROWS {
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(x), Arg::Ptr(whi), Arg::Ptr(wlo)];
         args.extend(tail);
-        // Enough warps to keep the memory system busy: narrower column blocks for small N.
         // One wave of resident blocks; more column blocks are walked by the grid-stride loop.
-        let (variant, f) = match n {
-            0..=2048 => (0, &be.k.matmul_small_nt1),
-            2049..=8192 => (1, &be.k.matmul_small_nt2),
-            _ => (2, &be.k.matmul_small_nt4),
-        };
-        let col_blocks = n.div_ceil(8 << variant).min(be.small_matmul_slots[variant]);
-        be.launch(f, (col_blocks as u32, rows.div_ceil(16) as u32, groups as u32), SMALL_THREADS, 0, &args);
+        let index = small_variant(rows, n);
+        let v = &SMALL_VARIANTS[index];
+        let col_blocks = n.div_ceil(8 * v.nt).min(be.small_matmul_slots[index]);
+        be.launch((v.kernel)(&be.k), (col_blocks as u32, rows.div_ceil(16 * v.mt) as u32, groups as u32), SMALL_THREADS, 0, &args);
     } else if !has_lo && k.is_multiple_of(32) && PIPELINED_SMEM <= be.max_dynamic_smem {
         // Split the activations once, then stream bf16 tiles with cp.async.
         let elems = x_rows * k;
@@ -77,4 +107,22 @@ pub(super) fn matmul(be: &CudaBackend, x: &CudaTensor, w: &CudaMatrix) -> CudaTe
     let wlo = w.lo.as_ref().map_or(0, |l| be.ptr(l));
     launch_matmul(be, be.ptr(&out.data), be.ptr(&x.data), x.rows, be.ptr(&w.hi), wlo, x.rows, w.rows, w.cols, None);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_variants_cover_their_rows_with_one_pass_over_the_weights() {
+        for rows in 1..=SMALL_MAX_ROWS {
+            for n in [1, 8, 2048, 2049, 8192, 8193, 248_320] {
+                let v = &SMALL_VARIANTS[small_variant(rows, n)];
+                assert_eq!(rows.div_ceil(16 * v.mt), 1, "rows {rows}: one block row streams the weights once");
+                assert!(16 * v.mt < 2 * rows.max(16), "rows {rows}: at most twice the m tiles needed");
+                let widest = if n <= 2048 { 1 } else if n <= 8192 { 2 } else { 4 };
+                assert!(v.nt <= widest);
+            }
+        }
+    }
 }

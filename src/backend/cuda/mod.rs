@@ -11,7 +11,6 @@
 
 mod attention;
 mod cache;
-pub mod dummy;
 mod gdn;
 pub mod kernels;
 mod layout;
@@ -19,6 +18,8 @@ mod matmul;
 mod moe;
 mod ops;
 mod profile;
+mod sample;
+mod step_inputs;
 mod tensor;
 
 pub use cache::CudaCache;
@@ -102,10 +103,11 @@ macro_rules! kernel_table {
 
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth],
-    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_tiled, matmul_pipelined, split_activations],
+    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core],
     "gdn" => [gdn_conv, gdn_conv_state, gdn_gates, gdn_recurrent, gdn_chunked, gdn_out_norm],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine],
+    "sample" => [sample_rows],
 }
 
 /// RoPE inverse-frequency tables are keyed by (theta bits, rotary dim).
@@ -124,11 +126,11 @@ pub struct CudaBackend {
     /// Seed of device-generated random weights (`--load-format dummy`), while loading one.
     random_weights: Mutex<Option<u64>>,
     uploaded_bytes: AtomicUsize,
-    layout_cache: Mutex<Option<(Vec<i32>, Arc<DeviceLayout>)>>,
+    step_inputs: Mutex<step_inputs::StepInputs>,
     rope_tables: Mutex<HashMap<RopeKey, Arc<CudaSlice<f32>>>>,
     pub(super) max_dynamic_smem: usize,
-    /// Resident blocks of the small-row matmul variants (1, 2, 4 n8 tiles) across the GPU.
-    pub(super) small_matmul_slots: [usize; 3],
+    /// Resident blocks of each small-row matmul variant (matmul::SMALL_VARIANTS) across the GPU.
+    pub(super) small_matmul_slots: [usize; matmul::SMALL_VARIANTS.len()],
     profiler: profile::Profiler,
 }
 
@@ -162,8 +164,9 @@ impl CudaBackend {
             max_dynamic_smem = max_dynamic_smem.min(optin - fixed);
         }
         let sm_count = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)?.max(1) as usize;
-        let mut small_matmul_slots = [0; 3];
-        for (slots, f) in small_matmul_slots.iter_mut().zip([&k.matmul_small_nt1, &k.matmul_small_nt2, &k.matmul_small_nt4]) {
+        let mut small_matmul_slots = [0; matmul::SMALL_VARIANTS.len()];
+        for (slots, v) in small_matmul_slots.iter_mut().zip(&matmul::SMALL_VARIANTS) {
+            let f = (v.kernel)(&k);
             *slots = sm_count * f.occupancy_max_active_blocks_per_multiprocessor(matmul::SMALL_THREADS, 0, None).map_err(driver)?.max(1) as usize;
         }
         let stream = ctx.new_stream().map_err(driver)?;
@@ -176,7 +179,7 @@ impl CudaBackend {
             arch,
             random_weights: Mutex::new(None),
             uploaded_bytes: AtomicUsize::new(0),
-            layout_cache: Mutex::new(None),
+            step_inputs: Mutex::new(Default::default()),
             rope_tables: Mutex::new(HashMap::new()),
             max_dynamic_smem: max_dynamic_smem.max(0) as usize,
             profiler: profile::Profiler::from_env(),
@@ -194,6 +197,28 @@ impl CudaBackend {
         self.ctx.mem_get_info()
     }
 
+    /// Bytes the caches may take: `utilization` of the device's memory, less what is in use now
+    /// (weights, kernels, the context) and `workspace` bytes kept free for activations.
+    pub fn cache_budget(&self, utilization: f32, workspace: usize) -> Result<usize, crate::backend::BackendError> {
+        use crate::backend::BackendError;
+        if !(utilization > 0.0 && utilization <= 1.0) {
+            return Err(BackendError::Invalid(format!("--gpu-memory-utilization must be in (0, 1], got {utilization}")));
+        }
+        let (free, total) = self.memory_info().map_err(|e| BackendError::Device(format!("{e:?}")))?;
+        let allowed = (total as f64 * f64::from(utilization)) as usize;
+        let used = total.saturating_sub(free);
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        allowed.checked_sub(used + workspace).ok_or_else(|| {
+            BackendError::OutOfMemory(format!(
+                "{:.2} GiB in use plus {:.2} GiB needed exceed --gpu-memory-utilization {utilization} of the {:.1} GiB {}",
+                gib(used),
+                gib(workspace),
+                gib(total),
+                self.name
+            ))
+        })
+    }
+
     /// Bytes of weights uploaded so far.
     pub fn uploaded_bytes(&self) -> usize {
         self.uploaded_bytes.load(Ordering::Relaxed)
@@ -202,12 +227,6 @@ impl CudaBackend {
     /// Waits for all queued work.
     pub fn synchronize(&self) {
         ck(self.stream.synchronize(), "synchronize");
-    }
-
-    /// While `Some(seed)`, `upload_matrix` ignores the bytes it is given and fills the matrix
-    /// with random bf16 values generated on the device (shape placeholders of a dummy model).
-    pub fn set_random_weights(&self, seed: Option<u64>) {
-        *self.random_weights.lock().unwrap_or_else(|p| p.into_inner()) = seed;
     }
 
     pub(super) fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
@@ -244,41 +263,17 @@ impl CudaBackend {
         ck(unsafe { self.stream.alloc::<i32>(n.max(1)) }, "alloc")
     }
 
-    pub(super) fn upload_i32(&self, v: &[i32]) -> CudaSlice<i32> {
-        if v.is_empty() {
-            return self.alloc_i32(1);
-        }
-        ck(self.stream.clone_htod(v), "host to device copy")
-    }
-
     pub(super) fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
         CudaTensor { data: self.alloc_f32(rows * cols), rows, cols }
     }
 
-    /// The step layout on the device, re-uploaded only when it changed.
-    pub(super) fn device_layout(&self, layout: &crate::backend::BatchLayout, block_size: usize) -> Arc<DeviceLayout> {
-        let packed = layout::pack(layout, block_size);
-        let mut cached = self.layout_cache.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((ints, dl)) = cached.as_ref() {
-            if *ints == packed.ints {
-                return dl.clone();
-            }
-        }
-        let dl = Arc::new(DeviceLayout {
-            buf: self.upload_i32(&packed.ints),
-            num_tokens: packed.num_tokens,
-            tok_row_off: packed.tok_row_off,
-            pos_off: packed.pos_off,
-            prefill_off: packed.prefill_off,
-            num_prefill: packed.num_prefill,
-            generate_off: packed.generate_off,
-            num_generate: packed.num_generate,
-            max_block: packed.max_block,
-            max_state_slot: packed.max_state_slot,
-            max_snapshot: packed.max_snapshot,
-        });
-        *cached = Some((packed.ints, dl.clone()));
-        dl
+    /// The step layout in the persistent layout buffer.
+    pub(super) fn device_layout(&self, layout: &crate::backend::BatchLayout, block_size: usize) -> DeviceLayout {
+        self.step_inputs().layout(self, layout, block_size)
+    }
+
+    fn step_inputs(&self) -> std::sync::MutexGuard<'_, step_inputs::StepInputs> {
+        self.step_inputs.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// RoPE inverse frequencies, computed exactly as the CPU backend does.

@@ -3,7 +3,7 @@
 
 use super::cache::{self, CudaCache};
 use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, CudaVector};
-use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights};
+use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StepLimits};
 use crate::model::config::{LinearAttnConfig, MoeConfig};
 use crate::model::weights::{Dtype, MatrixBytes};
 use std::sync::atomic::Ordering;
@@ -110,14 +110,14 @@ impl Backend for CudaBackend {
         }
         let out = self.tensor(ids.len(), table.cols);
         let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
-        let dids = self.upload_i32(&ids);
+        let dids = self.step_inputs().ids.write(self, &ids);
         let lo = table.lo.as_ref().map_or(0, |l| self.ptr(l));
         self.launch(
             &self.k.embed_rows,
             (ids.len() as u32, 1, 1),
             THREADS,
             0,
-            &[Arg::Ptr(self.ptr(&out.data)), Arg::Ptr(self.ptr(&table.hi)), Arg::Ptr(lo), Arg::Ptr(self.ptr(&dids)), Arg::I32(ids.len() as i32), Arg::I32(table.cols as i32)],
+            &[Arg::Ptr(self.ptr(&out.data)), Arg::Ptr(self.ptr(&table.hi)), Arg::Ptr(lo), Arg::Ptr(dids), Arg::I32(ids.len() as i32), Arg::I32(table.cols as i32)],
         );
         out
     }
@@ -160,14 +160,14 @@ impl Backend for CudaBackend {
         }
         let out = self.tensor(x.rows, cols.len());
         let idx: Vec<i32> = cols.iter().map(|&c| c as i32).collect();
-        let didx = self.upload_i32(&idx);
+        let didx = self.step_inputs().gather.write(self, &idx);
         let n = x.rows * cols.len();
         self.launch(
             &self.k.gather_cols,
             (blocks(n), 1, 1),
             THREADS,
             0,
-            &[Arg::Ptr(self.ptr(&out.data)), Arg::Ptr(self.ptr(&x.data)), Arg::Ptr(self.ptr(&didx)), Arg::I32(x.rows as i32), Arg::I32(x.cols as i32), Arg::I32(cols.len() as i32)],
+            &[Arg::Ptr(self.ptr(&out.data)), Arg::Ptr(self.ptr(&x.data)), Arg::Ptr(didx), Arg::I32(x.rows as i32), Arg::I32(x.cols as i32), Arg::I32(cols.len() as i32)],
         );
         out
     }
@@ -179,14 +179,14 @@ impl Backend for CudaBackend {
         }
         let out = self.tensor(rows.len(), x.cols);
         let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-        let didx = self.upload_i32(&idx);
+        let didx = self.step_inputs().gather.write(self, &idx);
         let n = rows.len() * x.cols;
         self.launch(
             &self.k.gather_rows,
             (blocks(n), 1, 1),
             THREADS,
             0,
-            &[Arg::Ptr(self.ptr(&out.data)), Arg::Ptr(self.ptr(&x.data)), Arg::Ptr(self.ptr(&didx)), Arg::I32(rows.len() as i32), Arg::I32(x.cols as i32)],
+            &[Arg::Ptr(self.ptr(&out.data)), Arg::Ptr(self.ptr(&x.data)), Arg::Ptr(didx), Arg::I32(rows.len() as i32), Arg::I32(x.cols as i32)],
         );
         out
     }
@@ -243,6 +243,24 @@ impl Backend for CudaBackend {
     fn moe(&self, x: &CudaTensor, w: &MoeWeights<Self>, cfg: &MoeConfig) -> CudaTensor {
         let _span = self.span("moe");
         super::moe::moe(self, x, w, cfg)
+    }
+
+    fn set_random_weights(&self, seed: Option<u64>) -> Result<(), BackendError> {
+        *self.random_weights.lock().unwrap_or_else(|p| p.into_inner()) = seed;
+        Ok(())
+    }
+
+    fn sample_rows(&self, logits: &CudaTensor, rows: &[RowSampling]) -> Vec<u32> {
+        let _span = self.span("sample");
+        super::sample::sample_rows(self, logits, rows)
+    }
+
+    fn reserve_step_inputs(&self, limits: StepLimits) -> Result<(), BackendError> {
+        self.step_inputs().reserve(self, limits)
+    }
+
+    fn cache_memory_budget(&self, utilization: f32, workspace: usize) -> Option<Result<usize, BackendError>> {
+        Some(self.cache_budget(utilization, workspace))
     }
 
     fn commit_state(&self, cache: &mut CudaCache, slot: usize, snapshot: usize) {

@@ -7,8 +7,8 @@
 //! KV entries sit beyond the committed length and are overwritten by the next catch-up.
 //! Drafts are greedy (argmax); verification decides what is kept.
 
-use crate::backend::{Backend, BatchLayout, RowKind, RowLayout};
-use crate::engine::sampler::argmax;
+use crate::backend::{Backend, BatchLayout, RowKind, RowLayout, RowSampling};
+use crate::engine::sampler::SamplingParams;
 use crate::model::arch::qwen35::Qwen35;
 
 /// One sequence's catch-up work after a target step.
@@ -59,10 +59,8 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
     }
     let hidden = b.gather_rows(step_hidden, &hidden_rows);
     let mut out = mtp.forward(model, b, &ids, &hidden, &layout, &logit_rows, cache);
-    let vocab = model.config.vocab_size;
-    let logits = b.to_host(&out.logits);
-    for (j, &n) in wanting.iter().enumerate() {
-        drafts[n].push(argmax(&logits[j * vocab..(j + 1) * vocab]));
+    for (&n, token) in wanting.iter().zip(argmax_rows(b, &out.logits, wanting.len())) {
+        drafts[n].push(token);
     }
     // Chained steps: one token per still-drafting sequence.
     let mut last_rows: Vec<u32> = logit_rows.clone();
@@ -92,11 +90,16 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
         }
         last_rows = (0..active.len() as u32).collect();
         out = mtp.forward(model, b, &ids, &prev_hidden, &layout, &last_rows, cache);
-        let logits = b.to_host(&out.logits);
-        for (r, &n) in active.iter().enumerate() {
-            drafts[n].push(argmax(&logits[r * vocab..(r + 1) * vocab]));
+        for (&n, token) in active.iter().zip(argmax_rows(b, &out.logits, active.len())) {
+            drafts[n].push(token);
         }
         step += 1;
     }
     drafts
+}
+
+/// The argmax of each of the `n` logits rows, computed where the logits are.
+fn argmax_rows<B: Backend>(b: &B, logits: &B::Tensor, n: usize) -> Vec<u32> {
+    let greedy = RowSampling { params: SamplingParams::greedy(), position: 0 };
+    b.sample_rows(logits, &vec![greedy; n])
 }

@@ -76,6 +76,18 @@ pub fn verify_drafts(
     Ok(VerifyOutcome { accepted: drafts.len(), tokens })
 }
 
+/// Verify `drafts` against tokens already sampled at every position of their verify row
+/// (`sampled[i]` drawn from logits row `i`, as [`crate::backend::Backend::sample_rows`] does on
+/// the device). The same rule as [`verify_drafts`]: accept the longest prefix of drafts equal to
+/// the sampled tokens, then emit the sampled token after it.
+pub fn accept_drafts(sampled: &[u32], drafts: &[u32]) -> Result<VerifyOutcome, VerifyError> {
+    if sampled.len() != drafts.len() + 1 {
+        return Err(VerifyError::RowCount { drafts: drafts.len(), expected: drafts.len() + 1, got: sampled.len() });
+    }
+    let accepted = drafts.iter().zip(sampled).take_while(|(d, s)| d == s).count();
+    Ok(VerifyOutcome { accepted, tokens: sampled[..=accepted].to_vec() })
+}
+
 fn check_row_shape(row_logits: &[&[f32]], drafts: usize) -> Result<(), VerifyError> {
     let expected = drafts + 1;
     if row_logits.len() != expected {
@@ -294,5 +306,26 @@ mod tests {
             verify_drafts(&[&row, &short], &[1], &params, 0),
             Err(VerifyError::RaggedRows { row: 1, expected: 2, got: 1 })
         );
+    }
+
+    /// The engine samples every position of a verify row first (on the device) and then calls
+    /// `accept_drafts`: the outcome must be the one `verify_drafts` gives from the logits.
+    #[test]
+    fn accepting_pre_sampled_tokens_equals_verifying_logits() {
+        let mut rng = StdRng::seed_from_u64(11);
+        for params in sampling_cases() {
+            for trial in 0..200u64 {
+                let context: Vec<u32> = (0..1 + trial % 5).map(|_| rng.random_range(0..VOCAB as u32)).collect();
+                let reference = plain_decode(&context, &params, 6);
+                // Drafts: a random-length prefix of the plain continuation, then random tokens.
+                let n = rng.random_range(0..6usize);
+                let right = rng.random_range(0..=n);
+                let drafts: Vec<u32> = (0..n).map(|i| if i < right { reference[i] } else { rng.random_range(0..VOCAB as u32) }).collect();
+                let rows = verify_rows(&context, &drafts);
+                let sampled: Vec<u32> = rows.iter().enumerate().map(|(i, r)| sample_at_position(r, &params, i as u64)).collect();
+                assert_eq!(accept_drafts(&sampled, &drafts).unwrap(), verify(&context, &drafts, &params, 0));
+            }
+        }
+        assert_eq!(accept_drafts(&[1, 2], &[1, 2, 3]), Err(VerifyError::RowCount { drafts: 3, expected: 4, got: 2 }));
     }
 }

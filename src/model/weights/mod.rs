@@ -182,6 +182,12 @@ impl WeightStore {
         self.contains(&format!("{}{}", self.text_prefix, name))
     }
 
+    /// Device bytes of all tensors as a GPU backend keeps them: bf16 as is, other dtypes as a
+    /// bf16 value and remainder pair (matrices) or f32 (vectors), 4 bytes either way.
+    pub fn device_bytes(&self) -> usize {
+        self.tensors.values().map(|e| e.shape.iter().product::<usize>() * if e.dtype == Dtype::BF16 { 2 } else { 4 }).sum()
+    }
+
     /// Total bytes of all tensors.
     pub fn total_bytes(&self) -> usize {
         self.tensors.values().map(|e| e.end - e.start).sum()

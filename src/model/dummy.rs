@@ -6,7 +6,7 @@
 //! untouched anonymous mapping; the backend, switched to random weights, fills each matrix on
 //! the device and never reads those bytes.
 
-use super::CudaBackend;
+use crate::backend::{Backend, BackendError};
 use crate::model::arch::qwen35::{LoadError, Qwen35};
 use crate::model::config::{ConfigError, LayerKind, ModelConfig, ModelFamily};
 use crate::model::weights::{Dtype, SharedBytes, TensorEntry, WeightStore};
@@ -25,6 +25,8 @@ pub enum DummyError {
     Map(std::io::Error),
     #[error(transparent)]
     Load(#[from] LoadError),
+    #[error("--load-format dummy: {0}")]
+    Backend(#[from] BackendError),
 }
 
 fn preset_json(name: &str) -> Option<String> {
@@ -195,15 +197,20 @@ pub fn dummy_store(config: &ModelConfig, seed: u64) -> Result<WeightStore, Dummy
 }
 
 /// Loads preset `name` with random weights made on the device.
-pub fn load_dummy(backend: &CudaBackend, name: &str, seed: u64, progress: &indicatif::ProgressBar) -> Result<Qwen35<CudaBackend>, DummyError> {
+pub fn load_dummy<B: Backend>(backend: &B, name: &str, seed: u64, progress: &indicatif::ProgressBar) -> Result<Qwen35<B>, DummyError> {
     load_random(backend, preset_config(name)?, seed, progress)
 }
 
 /// Loads a model of any configuration with random weights made on the device.
-pub fn load_random(backend: &CudaBackend, config: ModelConfig, seed: u64, progress: &indicatif::ProgressBar) -> Result<Qwen35<CudaBackend>, DummyError> {
+pub fn load_random<B: Backend>(backend: &B, config: ModelConfig, seed: u64, progress: &indicatif::ProgressBar) -> Result<Qwen35<B>, DummyError> {
     let store = dummy_store(&config, seed)?;
-    backend.set_random_weights(Some(seed));
-    let model = Qwen35::load(backend, config, &store, progress);
-    backend.set_random_weights(None);
+    load_from_dummy_store(backend, config, &store, seed, progress)
+}
+
+/// Loads `config` from a store made by [`dummy_store`] with the same seed.
+pub fn load_from_dummy_store<B: Backend>(backend: &B, config: ModelConfig, store: &WeightStore, seed: u64, progress: &indicatif::ProgressBar) -> Result<Qwen35<B>, DummyError> {
+    backend.set_random_weights(Some(seed))?;
+    let model = Qwen35::load(backend, config, store, progress);
+    backend.set_random_weights(None)?;
     Ok(model?)
 }

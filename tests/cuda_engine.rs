@@ -1,0 +1,213 @@
+//! The batch engine on the GPU: speculation changes speed, never text (DESIGN Invariant 3).
+//!
+//! Every request of a mixed, staggered workload must produce exactly the tokens it produces
+//! alone with `--spec none` on the same GPU: ngram, MTP and a per-request mix of methods, k up
+//! to 64, max batch 1 to 64, greedy and seeded sampling (drawn on the device, and filtered
+//! top-k/top-p rows drawn on the host), with and without preemption. Plus the device sampler
+//! against the host sampler. Runs where a GPU is present.
+
+mod common;
+mod cuda_support;
+
+use common::{request, run_staggered};
+use cuda_support::*;
+use kestrel::backend::cpu::CpuBackend;
+use kestrel::backend::cuda::CudaBackend;
+use kestrel::backend::{Backend, RowSampling};
+use kestrel::engine::request::SpecMethod;
+use kestrel::engine::sampler::SamplingParams;
+use kestrel::engine::{Engine, EngineConfig};
+use kestrel::model::arch::qwen35::Qwen35;
+use kestrel::model::ModelFiles;
+
+static HUMANEVAL: &str = include_str!("../data/humaneval/prompts.jsonl");
+
+/// Prompt lengths around the drafts-per-step and chunk boundaries (1, k, k+1, k+2, 63..66).
+const LENGTHS: [usize; 18] = [1, 2, 3, 4, 5, 8, 9, 10, 17, 40, 63, 64, 65, 66, 100, 129, 200, 300];
+
+/// HumanEval prompts (the default model was trained on Python, so drafts are often right)
+/// cut to the lengths above, `n` of them.
+fn code_prompts(files: &ModelFiles, n: usize) -> Vec<Vec<u32>> {
+    let mut all: Vec<u32> = Vec::new();
+    for line in HUMANEVAL.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("prompts.jsonl line");
+        all.extend(files.tokenizer.encode(v["prompt"].as_str().expect("prompt"), false).expect("tokenizes"));
+        if all.len() > 40_000 {
+            break;
+        }
+    }
+    (0..n).map(|i| all[i * 131..i * 131 + LENGTHS[i % LENGTHS.len()]].to_vec()).collect()
+}
+
+/// Mostly short outputs; every ninth request long enough for 64-draft verify rows.
+fn max_tokens(i: usize) -> usize {
+    8 + (i * 5) % 17 + if i % 9 == 0 { 72 } else { 0 }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Draw {
+    Greedy,
+    /// Temperature only: drawn by the device kernel.
+    Seeded,
+    /// Top-k and top-p: drawn by the host sampler from the copied row.
+    SeededFiltered,
+}
+
+fn sampling(draw: Draw, i: usize) -> SamplingParams {
+    match draw {
+        Draw::Greedy => SamplingParams::greedy(),
+        Draw::Seeded => SamplingParams { temperature: 0.8, top_k: 0, top_p: 1.0, seed: 1000 + i as u64 },
+        Draw::SeededFiltered => SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 2000 + i as u64 },
+    }
+}
+
+/// `None` means a per-request mix of none, ngram and MTP in one batch.
+fn method_of(method: Option<SpecMethod>, i: usize) -> SpecMethod {
+    method.unwrap_or([SpecMethod::None, SpecMethod::Ngram, SpecMethod::Mtp][i % 3])
+}
+
+/// The GPU, the default model on it and its files; reused across engines.
+struct Rig {
+    parts: Option<(CudaBackend, Qwen35<CudaBackend>)>,
+    files: ModelFiles,
+}
+
+impl Rig {
+    fn new() -> Option<Rig> {
+        let gpu = gpu()?;
+        let files = ModelFiles::open(None).expect("embedded model opens");
+        let model = Qwen35::load(&gpu, files.config.clone(), &files.store, &indicatif::ProgressBar::hidden()).expect("weights load");
+        Some(Rig { parts: Some((gpu, model)), files })
+    }
+
+    /// Runs `prompts` arriving two steps apart on an engine with `config`; returns each
+    /// request's tokens and the engine's (spec accepted, drafted, draft steps, preemptions).
+    fn run(&mut self, prompts: &[Vec<u32>], config: EngineConfig, draw: Draw, method: Option<SpecMethod>) -> (Vec<Vec<u32>>, [u64; 4]) {
+        let (gpu, model) = self.parts.take().expect("parts are returned after every run");
+        let mut engine = Engine::new(gpu, model, config).expect("engine starts");
+        let requests = prompts.iter().enumerate().map(|(i, p)| request(p, max_tokens(i), sampling(draw, i), Some(method_of(method, i)))).collect();
+        let arrivals: Vec<usize> = (0..prompts.len()).map(|i| 2 * i).collect();
+        let out = run_staggered(&mut engine, requests, &arrivals);
+        let s = &engine.stats.spec;
+        let counters = [s.accepted, s.drafted, s.draft_steps, engine.preemptions()];
+        self.parts = Some(engine.into_parts());
+        (out, counters)
+    }
+
+    /// Each request alone with `--spec none`.
+    fn references(&mut self, prompts: &[Vec<u32>], draw: Draw) -> Vec<Vec<u32>> {
+        (0..prompts.len())
+            .map(|i| {
+                // Request `i` keeps its own sampling seed and max_tokens when run alone.
+                let (gpu, model) = self.parts.take().expect("parts are returned after every run");
+                let mut engine = Engine::new(gpu, model, config(1, 4)).expect("engine starts");
+                let out = run_staggered(&mut engine, vec![request(&prompts[i], max_tokens(i), sampling(draw, i), Some(SpecMethod::None))], &[0]);
+                self.parts = Some(engine.into_parts());
+                out.into_iter().next().expect("one request")
+            })
+            .collect()
+    }
+}
+
+/// 96 tokens per step, so prefill pieces share steps with verify rows.
+fn config(max_batch: usize, k: usize) -> EngineConfig {
+    EngineConfig { max_num_seqs: max_batch, max_num_batched_tokens: 96, spec: SpecMethod::None, spec_tokens: k, ..EngineConfig::default() }
+}
+
+#[test]
+fn speculation_on_the_gpu_is_bitwise_equal_to_none_for_every_batch_and_k() {
+    let Some(mut rig) = Rig::new() else { return };
+    let prompts = code_prompts(&rig.files, 72);
+    for draw in [Draw::Greedy, Draw::Seeded, Draw::SeededFiltered] {
+        let refs = rig.references(&prompts, draw);
+        for method in [Some(SpecMethod::Ngram), Some(SpecMethod::Mtp), None] {
+            let mut accepted = 0;
+            for k in [1, 3, 8, 64] {
+                for max_batch in [1, 3, 8, 16, 64] {
+                    // Batches of 1 and 3 run the first 18 prompts (every length once).
+                    let n = if max_batch < 8 { 18 } else { prompts.len() };
+                    let (got, [acc, drafted, draft_steps, _]) = rig.run(&prompts[..n], config(max_batch, k), draw, method);
+                    for (i, (g, r)) in got.iter().zip(&refs).enumerate() {
+                        assert_eq!(g, r, "request {i} differs from its run alone: {method:?} k={k} max_batch={max_batch} {draw:?}");
+                    }
+                    assert!(acc <= drafted);
+                    assert!(draft_steps > 0, "{method:?} k={k} max_batch={max_batch} never drafted");
+                    accepted += acc;
+                }
+            }
+            eprintln!("{method:?} {draw:?}: {accepted} drafts accepted over the matrix");
+            assert!(accepted > 0, "{method:?} {draw:?}: no draft accepted, so rollback went untested");
+        }
+    }
+}
+
+#[test]
+fn speculation_on_the_gpu_is_bitwise_equal_under_preemption() {
+    let Some(mut rig) = Rig::new() else { return };
+    let prompts = code_prompts(&rig.files, 24);
+    for draw in [Draw::Greedy, Draw::SeededFiltered] {
+        let refs = rig.references(&prompts, draw);
+        for method in [Some(SpecMethod::Ngram), Some(SpecMethod::Mtp), None] {
+            // 40 blocks of 16 tokens cannot hold many of these requests at once.
+            let (got, [acc, _, _, preemptions]) = rig.run(&prompts, EngineConfig { num_blocks: 40, ..config(16, 8) }, draw, method);
+            eprintln!("preemption {method:?} {draw:?}: {preemptions} preemptions, {acc} accepted");
+            assert!(preemptions > 0, "the pool was meant to force preemption");
+            assert!(acc > 0, "no draft accepted: rollback went untested");
+            assert_eq!(got, refs, "{method:?} {draw:?} with preemption");
+        }
+    }
+}
+
+/// Logits rows with planted ties, NaN and -inf, to exercise every rule of the draw.
+fn awkward_logits(rng: &mut Rng, rows: usize, vocab: usize) -> Vec<f32> {
+    let mut v = rng.vec(rows * vocab, 6.0);
+    for r in 0..rows {
+        let row = &mut v[r * vocab..(r + 1) * vocab];
+        match r % 5 {
+            // A tie for the maximum: the lower id must win.
+            0 => {
+                let (a, b) = (rng.below(vocab), rng.below(vocab));
+                row[a] = 50.0;
+                row[b] = 50.0;
+            }
+            // NaN and -inf never win.
+            1 => {
+                for _ in 0..vocab / 3 {
+                    let i = rng.below(vocab);
+                    row[i] = if i % 2 == 0 { f32::NAN } else { f32::NEG_INFINITY };
+                }
+            }
+            // Everything masked: token 0.
+            2 if r % 10 == 2 => row.fill(f32::NEG_INFINITY),
+            _ => {}
+        }
+    }
+    v
+}
+
+#[test]
+fn device_sampling_draws_what_the_host_sampler_draws() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(5);
+    for vocab in [17, 1000, 248_320] {
+        let rows = 40;
+        let logits = awkward_logits(&mut rng, rows, vocab);
+        let params = [
+            SamplingParams::greedy(),
+            SamplingParams { temperature: 0.7, top_k: 0, top_p: 1.0, seed: 3 },
+            SamplingParams { temperature: 1.5, top_k: 0, top_p: 1.0, seed: 99 },
+            SamplingParams { temperature: 0.9, top_k: 20, top_p: 0.9, seed: 7 },
+        ];
+        let specs: Vec<RowSampling> = (0..rows).map(|r| RowSampling { params: params[r % params.len()].clone(), position: (r * 37) as u64 }).collect();
+        let on_gpu = gpu.sample_rows(&gpu.from_host(&logits, rows, vocab), &specs);
+        let on_cpu = cpu.sample_rows(&cpu.from_host(&logits, rows, vocab), &specs);
+        assert_eq!(on_gpu, on_cpu, "vocab {vocab}: device and host draws differ");
+        // The draws are not degenerate: sampling rows do not all pick the argmax.
+        let greedy: Vec<RowSampling> = specs.iter().map(|s| RowSampling { params: SamplingParams::greedy(), position: s.position }).collect();
+        let argmax = gpu.sample_rows(&gpu.from_host(&logits, rows, vocab), &greedy);
+        if vocab > 100 {
+            assert!(on_gpu.iter().zip(&argmax).any(|(a, b)| a != b), "vocab {vocab}: sampled rows all equal the argmax");
+        }
+    }
+}
