@@ -305,3 +305,41 @@ extern "C" __global__ void gdn_out_norm(float* out, const float* core, const flo
     float inv = 1.0f / sqrtf(ss / (float)dv + eps);
     for (int d = threadIdx.x; d < dv; d += blockDim.x) out[base + d] = core[base + d] * inv * w[d] * siluf_(z[base + d]);
 }
+
+// Recurrent-state bookkeeping of a whole step in one launch each. The cache keeps one buffer
+// per linear layer; `*_layers` are tables of their base addresses. Grid (requests, layers,
+// STATE_CHUNKS): chunk z copies its share of the delta-rule state, chunk 0 also the conv window.
+#define STATE_CHUNKS 16
+
+__device__ __forceinline__ void copy_floats(float* dst, const float* src, long long n) {
+    // 16-byte moves where both ends allow (state lengths are multiples of 4 in practice).
+    if ((n & 3) == 0 && (((u64)dst | (u64)src) & 15) == 0) {
+        for (long long i = threadIdx.x; i < n / 4; i += blockDim.x) ((float4*)dst)[i] = ((const float4*)src)[i];
+    } else {
+        for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+    }
+}
+
+__device__ __forceinline__ void zero_floats(float* dst, long long n) {
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = 0.0f;
+}
+
+// pairs[2i] = canonical slot, pairs[2i + 1] = snapshot slot.
+extern "C" __global__ void commit_states(const u64* conv_layers, const u64* rec_layers, const u64* conv_snap_layers, const u64* rec_snap_layers,
+        const int* pairs, long long conv_len, long long rec_len) {
+    int p = blockIdx.x, layer = blockIdx.y, chunk = blockIdx.z;
+    long long slot = pairs[2 * p], snap = pairs[2 * p + 1];
+    long long per = (rec_len / STATE_CHUNKS + 3) & ~3LL;
+    long long lo = min((long long)chunk * per, rec_len), hi = min(lo + per, rec_len);
+    copy_floats((float*)rec_layers[layer] + slot * rec_len + lo, (const float*)rec_snap_layers[layer] + snap * rec_len + lo, hi - lo);
+    if (chunk == 0) copy_floats((float*)conv_layers[layer] + slot * conv_len, (const float*)conv_snap_layers[layer] + snap * conv_len, conv_len);
+}
+
+extern "C" __global__ void reset_states(const u64* conv_layers, const u64* rec_layers, const int* slots, long long conv_len, long long rec_len) {
+    int p = blockIdx.x, layer = blockIdx.y, chunk = blockIdx.z;
+    long long slot = slots[p];
+    long long per = (rec_len / STATE_CHUNKS + 3) & ~3LL;
+    long long lo = min((long long)chunk * per, rec_len), hi = min(lo + per, rec_len);
+    zero_floats((float*)rec_layers[layer] + slot * rec_len + lo, hi - lo);
+    if (chunk == 0) zero_floats((float*)conv_layers[layer] + slot * conv_len, conv_len);
+}

@@ -151,7 +151,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
     for &n in &o.prefill {
         let mut times = Vec::new();
         for rep in 0..4 {
-            gpu.reset_state(&mut cache, 0);
+            gpu.reset_states(&mut cache, &[0]);
             let prompt = ids(n, rep);
             gpu.synchronize();
             let t = Instant::now();
@@ -163,7 +163,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
         }
         // Split of one more prefill's device time between ops (KESTREL_CUDA_PROFILE=1 only).
         gpu.profile_report();
-        gpu.reset_state(&mut cache, 0);
+        gpu.reset_states(&mut cache, &[0]);
         let _ = gpu.to_host(&model.forward(gpu, &ids(n, 7), &prefill_row(n, 0, blocks), &[n as u32 - 1], &mut cache).logits);
         profiles.insert(format!("prefill_{n}"), profile_json(&gpu.profile_report(), 1));
         times.sort_by(|a, b| a.total_cmp(b));
@@ -172,7 +172,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
     }
 
     // Decode at batch 1 after a prompt: one generate row per step, its state committed.
-    gpu.reset_state(&mut cache, 0);
+    gpu.reset_states(&mut cache, &[0]);
     let prompt = ids(o.prompt, 99);
     let out = model.forward(gpu, &prompt, &prefill_row(o.prompt, 0, blocks), &[o.prompt as u32 - 1], &mut cache);
     let mut next = argmax(&gpu.to_host(&out.logits));
@@ -185,7 +185,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
         let layout = BatchLayout { rows: vec![RowLayout { kind: RowKind::Generate, token_start: 0, num_tokens: 1, start_position: o.prompt + i, block_table: (0..blocks as u32).collect(), state_slot: 0, snapshot_base: 0 }] };
         let t = Instant::now();
         let out = model.forward(gpu, &[next], &layout, &[0], &mut cache);
-        gpu.commit_state(&mut cache, 0, 0);
+        gpu.commit_states(&mut cache, &[kestrel::backend::StateCommit { slot: 0, snapshot: 0 }]);
         enqueue_times.push(t.elapsed().as_secs_f64());
         next = argmax(&gpu.to_host(&out.logits));
         step_times.push(t.elapsed().as_secs_f64());

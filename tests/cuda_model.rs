@@ -7,7 +7,7 @@ use cuda_support::*;
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::cuda::CudaBackend;
 use kestrel::model::dummy;
-use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
+use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout, StateCommit};
 use kestrel::engine::request::{Request, RequestEvent, SpecMethod};
 use kestrel::engine::sampler::SamplingParams;
 use kestrel::engine::{Engine, EngineConfig};
@@ -45,7 +45,7 @@ fn load<B: Backend>(b: &B, files: &ModelFiles) -> Qwen35<B> {
 fn prefill_logits<B: Backend>(b: &B, model: &Qwen35<B>, ids: &[u32]) -> Vec<f32> {
     let blocks = ids.len().div_ceil(16);
     let mut cache = b.alloc_cache(&model.cache_spec(blocks, 16, 1, 1)).unwrap();
-    b.reset_state(&mut cache, 0);
+    b.reset_states(&mut cache, &[0]);
     let layout = BatchLayout { rows: vec![RowLayout { kind: RowKind::Prefill, token_start: 0, num_tokens: ids.len(), start_position: 0, block_table: (0..blocks as u32).collect(), state_slot: 0, snapshot_base: 0 }] };
     let rows: Vec<u32> = (0..ids.len() as u32).collect();
     b.to_host(&model.forward(b, ids, &layout, &rows, &mut cache).logits)
@@ -124,7 +124,7 @@ fn run_invariance(gpu: &CudaBackend, model: &Qwen35<CudaBackend>, others: usize,
         })
         .collect();
     for i in 0..n {
-        gpu.reset_state(&mut cache, i);
+        gpu.reset_states(&mut cache, &[i]);
     }
     let mut out = Vec::new();
     let mut step = 0;
@@ -177,7 +177,7 @@ fn run_invariance(gpu: &CudaBackend, model: &Qwen35<CudaBackend>, others: usize,
             match row.kind {
                 RowKind::Prefill => r.prefilled += row.num_tokens,
                 RowKind::Generate => {
-                    gpu.commit_state(&mut cache, row.state_slot, row.snapshot_base + row.num_tokens - 1);
+                    gpu.commit_states(&mut cache, &[StateCommit { slot: row.state_slot, snapshot: row.snapshot_base + row.num_tokens - 1 }]);
                     r.generated += row.num_tokens;
                 }
             }

@@ -6,7 +6,7 @@ mod cuda_support;
 use cuda_support::*;
 use kestrel::backend::cpu::{CpuBackend, CpuCache};
 use kestrel::backend::cuda::CudaBackend;
-use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowKind, RowLayout};
+use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowKind, RowLayout, StateCommit};
 use kestrel::model::config::{LinearAttnConfig, MoeConfig};
 use kestrel::model::weights::Dtype;
 
@@ -205,10 +205,13 @@ fn gated_delta_net_matches_cpu() {
         for (step, rows) in cache_steps().iter().enumerate() {
             if step == 2 {
                 // Accept the second of sequence 1's three generated tokens; start over on slot 2.
-                gpu.commit_state(&mut gcache, 1, 1);
-                cpu.commit_state(&mut ccache, 1, 1);
-                gpu.reset_state(&mut gcache, 2);
-                cpu.reset_state(&mut ccache, 2);
+                // Slot 0 takes snapshot 2 in the same launch (any snapshot works for the
+                // comparison; two commits at once exercise the batched kernel).
+                let commits = [StateCommit { slot: 1, snapshot: 1 }, StateCommit { slot: 0, snapshot: 2 }];
+                gpu.commit_states(&mut gcache, &commits);
+                cpu.commit_states(&mut ccache, &commits);
+                gpu.reset_states(&mut gcache, &[2]);
+                cpu.reset_states(&mut ccache, &[2]);
                 seqs[1].pos -= 1;
                 seqs[2].pos = 0;
             }

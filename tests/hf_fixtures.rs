@@ -14,7 +14,7 @@ fn prefill_logits(model: &Qwen35<CpuBackend>, ids: &[u32], piece: usize) -> Vec<
     let b = CpuBackend::new();
     let spec = model.cache_spec(64, 16, 1, 0);
     let mut cache = b.alloc_cache(&spec).unwrap();
-    b.reset_state(&mut cache, 0);
+    b.reset_states(&mut cache, &[0]);
     let table: Vec<u32> = (0..64).collect();
     let mut all = Vec::new();
     for (n, chunk) in ids.chunks(piece).enumerate() {

@@ -9,7 +9,7 @@
 //! where its attention blocks and recurrent-state slot are, and whether it is a prefill chunk
 //! (chunked delta rule, writes the canonical state) or a generate row (one decode token or a
 //! verify row of 1 + k tokens: recurrent delta rule, writes one state snapshot per token and
-//! leaves the canonical state alone until [`Backend::commit_state`]).
+//! leaves the canonical state alone until [`Backend::commit_states`]).
 
 pub mod cpu;
 pub mod cuda;
@@ -256,11 +256,18 @@ pub trait Backend: Send + Sync {
         None
     }
 
-    /// Makes snapshot `snapshot` the canonical recurrent state (conv window and delta-rule state)
-    /// of `slot`, in every linear layer.
-    fn commit_state(&self, cache: &mut Self::Cache, slot: usize, snapshot: usize);
-    /// Zeroes the recurrent state of `slot` (a new sequence).
-    fn reset_state(&self, cache: &mut Self::Cache, slot: usize);
+    /// For each commit, makes snapshot `snapshot` the canonical recurrent state (conv window and
+    /// delta-rule state) of `slot`, in every linear layer. The slots are distinct.
+    fn commit_states(&self, cache: &mut Self::Cache, commits: &[StateCommit]);
+    /// Zeroes the recurrent state of each slot (new sequences).
+    fn reset_states(&self, cache: &mut Self::Cache, slots: &[usize]);
+}
+
+/// One request's accepted state: snapshot slot `snapshot` becomes the canonical state of `slot`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateCommit {
+    pub slot: usize,
+    pub snapshot: usize,
 }
 
 /// Per-layer constants of a Gated DeltaNet block.

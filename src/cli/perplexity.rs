@@ -35,7 +35,7 @@ pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, ids: &[u32], conte
     let windows: Vec<&[u32]> = ids.chunks(context).filter(|w| w.len() >= 2).collect();
     progress.set_length(windows.len() as u64);
     for w in windows {
-        backend.reset_state(&mut cache, 0);
+        backend.reset_states(&mut cache, &[0]);
         let layout = BatchLayout {
             rows: vec![RowLayout { kind: RowKind::Prefill, token_start: 0, num_tokens: w.len(), start_position: 0, block_table: (0..spec.num_blocks as u32).collect(), state_slot: 0, snapshot_base: 0 }],
         };

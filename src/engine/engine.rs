@@ -9,7 +9,7 @@ use super::spec::ngram::{propose_ngram, NgramConfig};
 use super::plan::StepPlan;
 use super::spec::verify::accept_drafts;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
-use crate::backend::{Backend, BackendError, RowKind, RowSampling, StepLimits};
+use crate::backend::{Backend, BackendError, RowKind, RowSampling, StateCommit, StepLimits};
 use crate::model::arch::qwen35::Qwen35;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -230,9 +230,7 @@ impl<B: Backend> Engine<B> {
     pub fn step(&mut self) -> Vec<RequestEvent> {
         let mut events = Vec::new();
         let scheduled = self.scheduler.schedule(&mut self.seqs);
-        for slot in scheduled.fresh_slots {
-            self.backend.reset_state(&mut self.cache, slot);
-        }
+        self.backend.reset_states(&mut self.cache, &scheduled.fresh_slots);
         let plan = scheduled.plan;
         if plan.is_empty() {
             // Every queued request is admissible (checked in add_request) and the budget always
@@ -247,6 +245,7 @@ impl<B: Backend> Engine<B> {
         self.stats.forward_tokens += plan.num_tokens() as u64;
 
         let mut finished: Vec<(RequestId, FinishReason)> = Vec::new();
+        let mut commits: Vec<StateCommit> = Vec::new();
         let mut mtp_items: Vec<(RequestId, MtpCatchUp)> = Vec::new();
         for (row, layout) in plan.rows.iter().zip(&plan.layout.rows) {
             let Some(seq) = self.seqs.iter_mut().find(|s| s.id == row.seq) else { continue };
@@ -262,9 +261,9 @@ impl<B: Backend> Engine<B> {
                 }
                 (RowKind::Generate, Some(l)) => {
                     let outcome = accept_drafts(&sampled[l..=l + row.drafts.len()], &row.drafts).expect("the plan gives every draft a logits row");
-                    // Invariant 1: the state at the last accepted token becomes canonical now.
-                    let snapshot = layout.snapshot_base + row.committed - 1 + outcome.accepted;
-                    self.backend.commit_state(&mut self.cache, layout.state_slot, snapshot);
+                    // Invariant 1: the state at the last accepted token becomes canonical (below,
+                    // for every row at once, before the step ends).
+                    commits.push(StateCommit { slot: layout.state_slot, snapshot: layout.snapshot_base + row.committed - 1 + outcome.accepted });
                     committed_now = row.committed + outcome.accepted;
                     seq.num_computed += committed_now;
                     if seq.spec.record_step(row.drafts.len(), outcome.accepted).is_err() {
@@ -274,7 +273,7 @@ impl<B: Backend> Engine<B> {
                 }
                 (RowKind::Generate, None) => {
                     // Replay of committed tokens after a recompute: no sampling.
-                    self.backend.commit_state(&mut self.cache, layout.state_slot, layout.snapshot_base + row.committed - 1);
+                    commits.push(StateCommit { slot: layout.state_slot, snapshot: layout.snapshot_base + row.committed - 1 });
                     seq.num_computed += row.committed;
                 }
             }
@@ -315,6 +314,7 @@ impl<B: Backend> Engine<B> {
             }
         }
 
+        self.backend.commit_states(&mut self.cache, &commits);
         for (id, reason) in finished {
             if let Some(idx) = self.seqs.iter().position(|s| s.id == id) {
                 let mut seq = self.seqs.remove(idx);

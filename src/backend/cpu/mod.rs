@@ -5,7 +5,7 @@ mod attention;
 pub mod gdn;
 pub mod matmul;
 
-use super::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights};
+use super::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, StateCommit};
 use crate::model::config::{LinearAttnConfig, MoeConfig};
 use crate::model::weights::MatrixBytes;
 use rayon::prelude::*;
@@ -275,10 +275,10 @@ impl Backend for CpuBackend {
         CpuTensor { data: out, rows: t, cols: h }
     }
 
-    fn commit_state(&self, cache: &mut CpuCache, slot: usize, snapshot: usize) {
+    fn commit_states(&self, cache: &mut CpuCache, commits: &[StateCommit]) {
         let conv_len = cache.spec.linear.conv_state_len();
         let rec_len = cache.spec.linear.recurrent_state_len();
-        for layer in 0..cache.spec.linear_layers {
+        for (&StateCommit { slot, snapshot }, layer) in commits.iter().flat_map(|c| std::iter::repeat(c).zip(0..cache.spec.linear_layers)) {
             let (src, dst) = (&cache.conv_snap[layer][snapshot * conv_len..][..conv_len], &mut cache.conv[layer][slot * conv_len..][..conv_len]);
             dst.copy_from_slice(src);
             let (src, dst) = (&cache.rec_snap[layer][snapshot * rec_len..][..rec_len], &mut cache.rec[layer][slot * rec_len..][..rec_len]);
@@ -286,10 +286,10 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn reset_state(&self, cache: &mut CpuCache, slot: usize) {
+    fn reset_states(&self, cache: &mut CpuCache, slots: &[usize]) {
         let conv_len = cache.spec.linear.conv_state_len();
         let rec_len = cache.spec.linear.recurrent_state_len();
-        for layer in 0..cache.spec.linear_layers {
+        for (&slot, layer) in slots.iter().flat_map(|s| std::iter::repeat(s).zip(0..cache.spec.linear_layers)) {
             cache.conv[layer][slot * conv_len..][..conv_len].fill(0.0);
             cache.rec[layer][slot * rec_len..][..rec_len].fill(0.0);
         }

@@ -3,8 +3,8 @@
 //! layer conv windows `[slots, (K-1) * conv_dim]` (oldest input first) and delta-rule states
 //! `[slots, nv, dk, dv]`, each with a snapshot array of the same shape per snapshot slot.
 
-use super::{ck, CudaBackend};
-use crate::backend::{BackendError, CacheSpec};
+use super::{ck, Arg, CudaBackend};
+use crate::backend::{BackendError, CacheSpec, StateCommit};
 use cudarc::driver::CudaSlice;
 
 pub struct CudaCache {
@@ -15,6 +15,16 @@ pub struct CudaCache {
     pub(super) rec: Vec<CudaSlice<f32>>,
     pub(super) conv_snap: Vec<CudaSlice<f32>>,
     pub(super) rec_snap: Vec<CudaSlice<f32>>,
+    /// Base addresses of the per-layer buffers above, for the kernels that commit and reset
+    /// the state of every layer in one launch.
+    tables: StateTables,
+}
+
+struct StateTables {
+    conv: CudaSlice<u64>,
+    rec: CudaSlice<u64>,
+    conv_snap: CudaSlice<u64>,
+    rec_snap: CudaSlice<u64>,
 }
 
 /// Largest key/value head dims and conv history the kernels hold in registers.
@@ -35,38 +45,62 @@ pub(super) fn alloc(be: &CudaBackend, spec: &CacheSpec) -> Result<CudaCache, Bac
         (0..layers).map(|_| be.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| BackendError::OutOfMemory(format!("{} MiB for the cache: {e:?}", (n * 4) >> 20)))).collect()
     };
     let kv = spec.num_blocks * spec.block_size * spec.kv_heads * spec.head_dim;
-    let (conv, rec) = (l.conv_state_len(), l.recurrent_state_len());
-    Ok(CudaCache {
-        k: zeros(kv, spec.attention_layers)?,
-        v: zeros(kv, spec.attention_layers)?,
-        conv: zeros(spec.state_slots * conv, spec.linear_layers)?,
-        rec: zeros(spec.state_slots * rec, spec.linear_layers)?,
-        conv_snap: zeros(spec.snapshot_slots * conv, spec.linear_layers)?,
-        rec_snap: zeros(spec.snapshot_slots * rec, spec.linear_layers)?,
-        spec: spec.clone(),
-    })
+    let conv_len = |s: &CacheSpec| s.linear.conv_state_len();
+    let rec_len = |s: &CacheSpec| s.linear.recurrent_state_len();
+    let (conv, rec) = (zeros(spec.state_slots * conv_len(spec), spec.linear_layers)?, zeros(spec.state_slots * rec_len(spec), spec.linear_layers)?);
+    let (conv_snap, rec_snap) = (zeros(spec.snapshot_slots * conv_len(spec), spec.linear_layers)?, zeros(spec.snapshot_slots * rec_len(spec), spec.linear_layers)?);
+    let table = |v: &Vec<CudaSlice<f32>>| -> Result<CudaSlice<u64>, BackendError> {
+        let ptrs: Vec<u64> = v.iter().map(|s| be.ptr(s)).collect();
+        let ptrs = if ptrs.is_empty() { vec![0] } else { ptrs };
+        be.stream.clone_htod(&ptrs).map_err(|e| BackendError::Device(format!("{e:?}")))
+    };
+    let tables = StateTables { conv: table(&conv)?, rec: table(&rec)?, conv_snap: table(&conv_snap)?, rec_snap: table(&rec_snap)? };
+    Ok(CudaCache { k: zeros(kv, spec.attention_layers)?, v: zeros(kv, spec.attention_layers)?, conv, rec, conv_snap, rec_snap, tables, spec: spec.clone() })
 }
 
-pub(super) fn commit(be: &CudaBackend, cache: &mut CudaCache, slot: usize, snapshot: usize) {
-    assert!(slot < cache.spec.state_slots && snapshot < cache.spec.snapshot_slots, "commit_state: slot {slot} / snapshot {snapshot} out of range");
-    let (conv, rec) = (cache.spec.linear.conv_state_len(), cache.spec.linear.recurrent_state_len());
-    for layer in 0..cache.spec.linear_layers {
-        let src = cache.conv_snap[layer].slice(snapshot * conv..(snapshot + 1) * conv);
-        let mut dst = cache.conv[layer].slice_mut(slot * conv..(slot + 1) * conv);
-        ck(be.stream.memcpy_dtod(&src, &mut dst), "commit_state");
-        let src = cache.rec_snap[layer].slice(snapshot * rec..(snapshot + 1) * rec);
-        let mut dst = cache.rec[layer].slice_mut(slot * rec..(slot + 1) * rec);
-        ck(be.stream.memcpy_dtod(&src, &mut dst), "commit_state");
+/// Threads and delta-rule chunks per (request, layer) of the state kernels (cuda/gdn.cu).
+const STATE_THREADS: u32 = 256;
+const STATE_CHUNKS: u32 = 16;
+
+pub(super) fn commit(be: &CudaBackend, cache: &mut CudaCache, commits: &[StateCommit]) {
+    if commits.is_empty() || cache.spec.linear_layers == 0 {
+        return;
     }
+    let mut pairs = Vec::with_capacity(2 * commits.len());
+    for c in commits {
+        assert!(c.slot < cache.spec.state_slots && c.snapshot < cache.spec.snapshot_slots, "commit_states: slot {} / snapshot {} out of range", c.slot, c.snapshot);
+        pairs.extend([c.slot as i32, c.snapshot as i32]);
+    }
+    let pairs = ck(be.stream.clone_htod(&pairs), "commit list copy");
+    let (conv, rec) = (cache.spec.linear.conv_state_len(), cache.spec.linear.recurrent_state_len());
+    let t = &cache.tables;
+    be.launch(
+        &be.k.commit_states,
+        (commits.len() as u32, cache.spec.linear_layers as u32, STATE_CHUNKS),
+        STATE_THREADS,
+        0,
+        &[Arg::Ptr(be.ptr(&t.conv)), Arg::Ptr(be.ptr(&t.rec)), Arg::Ptr(be.ptr(&t.conv_snap)), Arg::Ptr(be.ptr(&t.rec_snap)), Arg::Ptr(be.ptr(&pairs)), Arg::I64(conv as i64), Arg::I64(rec as i64)],
+    );
 }
 
-pub(super) fn reset(be: &CudaBackend, cache: &mut CudaCache, slot: usize) {
-    assert!(slot < cache.spec.state_slots, "reset_state: slot {slot} out of range");
-    let (conv, rec) = (cache.spec.linear.conv_state_len(), cache.spec.linear.recurrent_state_len());
-    for layer in 0..cache.spec.linear_layers {
-        ck(be.stream.memset_zeros(&mut cache.conv[layer].slice_mut(slot * conv..(slot + 1) * conv)), "reset_state");
-        ck(be.stream.memset_zeros(&mut cache.rec[layer].slice_mut(slot * rec..(slot + 1) * rec)), "reset_state");
+pub(super) fn reset(be: &CudaBackend, cache: &mut CudaCache, slots: &[usize]) {
+    if slots.is_empty() || cache.spec.linear_layers == 0 {
+        return;
     }
+    for &s in slots {
+        assert!(s < cache.spec.state_slots, "reset_states: slot {s} out of range");
+    }
+    let list: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
+    let list = ck(be.stream.clone_htod(&list), "reset list copy");
+    let (conv, rec) = (cache.spec.linear.conv_state_len(), cache.spec.linear.recurrent_state_len());
+    let t = &cache.tables;
+    be.launch(
+        &be.k.reset_states,
+        (slots.len() as u32, cache.spec.linear_layers as u32, STATE_CHUNKS),
+        STATE_THREADS,
+        0,
+        &[Arg::Ptr(be.ptr(&t.conv)), Arg::Ptr(be.ptr(&t.rec)), Arg::Ptr(be.ptr(&list)), Arg::I64(conv as i64), Arg::I64(rec as i64)],
+    );
 }
 
 impl CudaBackend {

@@ -105,7 +105,7 @@ kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth],
     "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core],
-    "gdn" => [gdn_conv, gdn_conv_state, gdn_gates, gdn_recurrent, gdn_chunked, gdn_out_norm],
+    "gdn" => [gdn_conv, gdn_conv_state, gdn_gates, gdn_recurrent, gdn_chunked, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine],
     "sample" => [sample_rows],
 }

@@ -3,7 +3,7 @@
 
 use super::cache::{self, CudaCache};
 use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, CudaVector};
-use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StepLimits};
+use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StateCommit, StepLimits};
 use crate::model::config::{LinearAttnConfig, MoeConfig};
 use crate::model::weights::{Dtype, MatrixBytes};
 use std::sync::atomic::Ordering;
@@ -263,13 +263,13 @@ impl Backend for CudaBackend {
         Some(self.cache_budget(utilization, workspace))
     }
 
-    fn commit_state(&self, cache: &mut CudaCache, slot: usize, snapshot: usize) {
-        let _span = self.span("commit_state");
-        cache::commit(self, cache, slot, snapshot)
+    fn commit_states(&self, cache: &mut CudaCache, commits: &[StateCommit]) {
+        let _span = self.span("commit_states");
+        cache::commit(self, cache, commits)
     }
 
-    fn reset_state(&self, cache: &mut CudaCache, slot: usize) {
-        let _span = self.span("reset_state");
-        cache::reset(self, cache, slot)
+    fn reset_states(&self, cache: &mut CudaCache, slots: &[usize]) {
+        let _span = self.span("reset_states");
+        cache::reset(self, cache, slots)
     }
 }
