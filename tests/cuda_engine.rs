@@ -3,7 +3,8 @@
 //! Every request of a mixed, staggered workload must produce exactly the tokens it produces
 //! alone with `--spec none` on the same GPU: ngram, MTP and a per-request mix of methods, k up
 //! to 64, max batch 1 to 64, greedy and seeded sampling (drawn on the device, and filtered
-//! top-k/top-p rows drawn on the host), with and without preemption. Plus the device sampler
+//! top-k/top-p rows drawn on the host), with and without preemption, with decode steps
+//! replayed as CUDA graphs against references run without them. Plus the device sampler
 //! against the host sampler. Runs where a GPU is present.
 
 mod common;
@@ -98,9 +99,10 @@ impl Rig {
     fn references(&mut self, prompts: &[Vec<u32>], draw: Draw) -> Vec<Vec<u32>> {
         (0..prompts.len())
             .map(|i| {
-                // Request `i` keeps its own sampling seed and max_tokens when run alone.
+                // Request `i` keeps its own sampling seed and max_tokens when run alone, eagerly
+                // (no CUDA graphs: the runs it is compared with replay graphs).
                 let (gpu, model) = self.parts.take().expect("parts are returned after every run");
-                let mut engine = Engine::new(gpu, model, config(1, 4)).expect("engine starts");
+                let mut engine = Engine::new(gpu, model, EngineConfig { cuda_graphs: false, ..config(1, 4) }).expect("engine starts");
                 let out = run_staggered(&mut engine, vec![request(&prompts[i], max_tokens(i), sampling(draw, i), Some(SpecMethod::None))], &[0]);
                 self.parts = Some(engine.into_parts());
                 out.into_iter().next().expect("one request")
@@ -154,6 +156,23 @@ fn speculation_on_the_gpu_is_bitwise_equal_under_preemption() {
             assert!(preemptions > 0, "the pool was meant to force preemption");
             assert!(acc > 0, "no draft accepted: rollback went untested");
             assert_eq!(got, refs, "{method:?} {draw:?} with preemption");
+        }
+    }
+}
+
+#[test]
+fn cuda_graphs_change_speed_never_text() {
+    let Some(mut rig) = Rig::new() else { return };
+    let prompts = code_prompts(&rig.files, 40);
+    for draw in [Draw::Greedy, Draw::Seeded] {
+        for max_batch in [1, 7, 16] {
+            let cfg = |graphs: bool| EngineConfig { cuda_graphs: graphs, ..config(max_batch, 4) };
+            let (eager, _) = rig.run(&prompts, cfg(false), draw, Some(SpecMethod::None));
+            let (graphed, _) = rig.run(&prompts, cfg(true), draw, Some(SpecMethod::None));
+            let captured = rig.parts.as_ref().map_or(0, |(gpu, _)| gpu.captured_graphs());
+            assert!(captured > 0, "max_batch {max_batch}: no decode step was captured");
+            assert_eq!(graphed, eager, "{draw:?} max_batch {max_batch}: graph replay changed the text");
+            eprintln!("{draw:?} max_batch {max_batch}: equal with {captured} captured graphs");
         }
     }
 }

@@ -98,6 +98,23 @@ pub struct StepLimits {
     pub max_blocks_per_row: usize,
 }
 
+/// What fixes the launch sequence of a forward that can be replayed as a CUDA graph: a step of
+/// `rows` one-token generate rows (decodes), each with a logits row. Everything else a step
+/// varies (ids, positions, block tables, state slots) is read from persistent device buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GraphKey {
+    pub rows: usize,
+}
+
+/// The per-step inputs of a graphed forward, written to the device before it runs or replays.
+pub struct GraphInputs<'a> {
+    pub ids: &'a [u32],
+    pub layout: &'a BatchLayout,
+    /// Rows of the final hidden state that get logits.
+    pub logit_rows: &'a [u32],
+    pub block_size: usize,
+}
+
 /// Sizes of the attention and recurrent caches.
 #[derive(Debug, Clone)]
 pub struct CacheSpec {
@@ -241,6 +258,14 @@ pub trait Backend: Send + Sync {
             None => Ok(()),
             Some(_) => Err(BackendError::Invalid(format!("random weights are generated on the GPU; the {} backend cannot (use --device cuda)", self.name()))),
         }
+    }
+
+    /// Runs `forward` (a whole model forward over `inputs` whose launches depend only on `key`,
+    /// returning its output tensors). A device backend may capture it as a graph the first time
+    /// it sees `key` and replay the graph afterwards, with `inputs` written to the persistent
+    /// buffers the graph reads (DESIGN Invariant 4). This default just runs it.
+    fn run_graphed(&self, _key: GraphKey, _inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<Self::Tensor>) -> Vec<Self::Tensor> {
+        forward()
     }
 
     /// Allocates per-step input buffers for steps up to `limits` (a no-op where inputs are host

@@ -274,6 +274,7 @@ impl EngineArgs {
             spec_tokens: self.spec_tokens.max(1),
             ngram_min: self.ngram_min,
             ngram_max: self.ngram_max,
+            cuda_graphs: !self.no_cuda_graphs,
         };
         let per_request = (max_model_len + config.spec_tokens).div_ceil(BLOCK_SIZE);
         let wanted = self.kv_blocks.unwrap_or(max_num_seqs * per_request);

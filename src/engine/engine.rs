@@ -9,8 +9,8 @@ use super::spec::ngram::{propose_ngram, NgramConfig};
 use super::plan::StepPlan;
 use super::spec::verify::accept_drafts;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
-use crate::backend::{Backend, BackendError, RowKind, RowSampling, StateCommit, StepLimits};
-use crate::model::arch::qwen35::Qwen35;
+use crate::backend::{Backend, BackendError, GraphInputs, GraphKey, RowKind, RowSampling, StateCommit, StepLimits};
+use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum EngineError {
@@ -46,6 +46,8 @@ pub struct EngineConfig {
     pub spec_tokens: usize,
     pub ngram_min: usize,
     pub ngram_max: usize,
+    /// Replay decode steps as CUDA graphs where the backend can.
+    pub cuda_graphs: bool,
 }
 
 impl EngineConfig {
@@ -75,6 +77,7 @@ impl Default for EngineConfig {
             spec_tokens: 4,
             ngram_min: 2,
             ngram_max: 4,
+            cuda_graphs: true,
         }
     }
 }
@@ -238,7 +241,7 @@ impl<B: Backend> Engine<B> {
             assert!(self.seqs.is_empty(), "scheduler produced no rows with {} requests queued", self.seqs.len());
             return events;
         }
-        let out = self.model.forward(&self.backend, &plan.ids.0, &plan.layout, &plan.logit_rows, &mut self.cache);
+        let out = self.forward(&plan);
         // Every logits row is drawn on the backend; only the tokens come back.
         let sampled = self.backend.sample_rows(&out.logits, &self.row_sampling(&plan));
         self.stats.steps += 1;
@@ -325,6 +328,26 @@ impl<B: Backend> Engine<B> {
         }
         self.propose(&out.hidden, mtp_items);
         events
+    }
+
+    /// The step's forward. A step of one-token decodes, each sampled, has a launch sequence fixed
+    /// by its row count, so the backend may replay it as a graph (see [`GraphKey`]).
+    fn forward(&mut self, plan: &StepPlan) -> ForwardOutput<B> {
+        let decode_only = plan.rows.iter().all(|r| r.kind == RowKind::Generate && r.num_tokens() == 1 && r.logits_start.is_some())
+            && plan.logit_rows.iter().enumerate().all(|(i, &t)| t as usize == i)
+            && plan.logit_rows.len() == plan.num_tokens();
+        let (model, backend, cache) = (&self.model, &self.backend, &mut self.cache);
+        if !(self.config.cuda_graphs && decode_only) {
+            return model.forward(backend, &plan.ids.0, &plan.layout, &plan.logit_rows, cache);
+        }
+        let inputs = GraphInputs { ids: &plan.ids.0, layout: &plan.layout, logit_rows: &plan.logit_rows, block_size: self.config.block_size };
+        let mut outputs = backend.run_graphed(GraphKey { rows: plan.rows.len() }, &inputs, &mut || {
+            let out = model.forward(backend, inputs.ids, inputs.layout, inputs.logit_rows, cache);
+            vec![out.hidden, out.logits]
+        });
+        let logits = outputs.pop().expect("a graphed forward returns hidden and logits");
+        let hidden = outputs.pop().expect("a graphed forward returns hidden and logits");
+        ForwardOutput { hidden, logits }
     }
 
     /// How to draw each logits row of `plan`: a prefill row that samples predicts the request's

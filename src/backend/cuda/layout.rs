@@ -3,8 +3,8 @@
 //!
 //! Packing: per row 8 ints (kind, token_start, num_tokens, start_position, state_slot,
 //! snapshot_base, block_table_offset, block_table_len, as `RowInfo` in cuda/common.cuh), then
-//! the row of every token, the position of every token, the block tables, the prefill row
-//! ids and the generate row ids.
+//! the row of every token, the position of every token, the prefill row ids, the generate row
+//! ids, and last the block tables.
 
 use crate::backend::{BatchLayout, RowKind};
 
@@ -49,7 +49,12 @@ pub(super) fn pack(layout: &BatchLayout, block_size: usize) -> PackedLayout {
     let t = layout.num_tokens();
     let tok_row_off = r * ROW_INTS;
     let pos_off = tok_row_off + t;
-    let tables_off = pos_off + t;
+    // Row lists before the block tables: every offset depends only on the row and token
+    // counts, never on how long the tables have grown (a captured graph keeps its offsets).
+    let num_prefill = layout.rows.iter().filter(|row| row.kind == RowKind::Prefill).count();
+    let prefill_off = pos_off + t;
+    let generate_off = prefill_off + num_prefill;
+    let tables_off = generate_off + (r - num_prefill);
     let mut ints = vec![0i32; tables_off];
     let mut tables = Vec::new();
     let mut covered = vec![false; t];
@@ -90,11 +95,9 @@ pub(super) fn pack(layout: &BatchLayout, block_size: usize) -> PackedLayout {
             }
         }
     }
+    ints[prefill_off..generate_off].copy_from_slice(&prefill);
+    ints[generate_off..tables_off].copy_from_slice(&generate);
     ints.extend_from_slice(&tables);
-    let prefill_off = ints.len();
-    ints.extend_from_slice(&prefill);
-    let generate_off = ints.len();
-    ints.extend_from_slice(&generate);
     PackedLayout {
         ints,
         num_tokens: t,
@@ -107,5 +110,31 @@ pub(super) fn pack(layout: &BatchLayout, block_size: usize) -> PackedLayout {
         max_block,
         max_state_slot,
         max_snapshot,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::RowLayout;
+
+    fn row(kind: RowKind, token_start: usize, num_tokens: usize, start_position: usize, blocks: usize) -> RowLayout {
+        RowLayout { kind, token_start, num_tokens, start_position, block_table: (0..blocks as u32).collect(), state_slot: token_start, snapshot_base: token_start }
+    }
+
+    #[test]
+    fn offsets_depend_on_the_counts_not_on_the_block_tables() {
+        let short = BatchLayout { rows: vec![row(RowKind::Generate, 0, 1, 5, 1), row(RowKind::Prefill, 1, 2, 0, 1), row(RowKind::Generate, 3, 1, 9, 1)] };
+        let long = BatchLayout { rows: vec![row(RowKind::Generate, 0, 1, 500, 40), row(RowKind::Prefill, 1, 2, 64, 9), row(RowKind::Generate, 3, 1, 900, 80)] };
+        let (a, b) = (pack(&short, 16), pack(&long, 16));
+        assert_eq!((a.tok_row_off, a.pos_off, a.prefill_off, a.generate_off), (b.tok_row_off, b.pos_off, b.prefill_off, b.generate_off));
+        assert_eq!((a.num_prefill, a.num_generate), (1, 2));
+        assert_eq!(&b.ints[b.prefill_off..b.prefill_off + 1], &[1]);
+        assert_eq!(&b.ints[b.generate_off..b.generate_off + 2], &[0, 2]);
+        // Row 1's table starts where row 0's (40 blocks) ends, after the row lists.
+        let table_off = b.ints[ROW_INTS + 6] as usize;
+        assert_eq!(table_off, b.generate_off + 2 + 40);
+        assert_eq!(&b.ints[table_off..table_off + 9], &(0..9).collect::<Vec<i32>>()[..]);
+        assert_eq!(b.ints.len(), table_off + 9 + 80);
     }
 }

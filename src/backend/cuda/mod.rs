@@ -12,6 +12,7 @@
 mod attention;
 mod cache;
 mod gdn;
+mod graphs;
 pub mod kernels;
 mod layout;
 mod matmul;
@@ -29,7 +30,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStrea
 use kernels::KernelError;
 use layout::DeviceLayout;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 #[derive(Debug, thiserror::Error)]
@@ -127,6 +128,11 @@ pub struct CudaBackend {
     random_weights: Mutex<Option<u64>>,
     uploaded_bytes: AtomicUsize,
     step_inputs: Mutex<step_inputs::StepInputs>,
+    /// Device copies of the column lists of `gather_cols` (fixed per layer), by content.
+    column_lists: Mutex<HashMap<Vec<u32>, Arc<CudaSlice<i32>>>>,
+    /// Captured forwards by key, and whether a capture is in progress.
+    graphs: Mutex<graphs::Graphs>,
+    capturing: AtomicBool,
     rope_tables: Mutex<HashMap<RopeKey, Arc<CudaSlice<f32>>>>,
     pub(super) max_dynamic_smem: usize,
     /// Resident blocks of each small-row matmul variant (matmul::SMALL_VARIANTS) across the GPU.
@@ -180,6 +186,9 @@ impl CudaBackend {
             random_weights: Mutex::new(None),
             uploaded_bytes: AtomicUsize::new(0),
             step_inputs: Mutex::new(Default::default()),
+            column_lists: Mutex::new(HashMap::new()),
+            graphs: Mutex::new(Default::default()),
+            capturing: AtomicBool::new(false),
             rope_tables: Mutex::new(HashMap::new()),
             max_dynamic_smem: max_dynamic_smem.max(0) as usize,
             profiler: profile::Profiler::from_env(),
@@ -274,6 +283,25 @@ impl CudaBackend {
 
     fn step_inputs(&self) -> std::sync::MutexGuard<'_, step_inputs::StepInputs> {
         self.step_inputs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the stream is capturing a graph (no host-to-device copies may be queued).
+    pub(super) fn capturing(&self) -> bool {
+        self.capturing.load(Ordering::Relaxed)
+    }
+
+    /// The device copy of a `gather_cols` column list, uploaded on first use.
+    pub(super) fn column_list(&self, cols: &[u32]) -> Arc<CudaSlice<i32>> {
+        let mut lists = self.column_lists.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = lists.get(cols) {
+            return l.clone();
+        }
+        assert!(!self.capturing(), "a new gather_cols column list inside a graph capture");
+        let idx: Vec<i32> = cols.iter().map(|&c| c as i32).collect();
+        let idx = if idx.is_empty() { vec![0] } else { idx };
+        let list = Arc::new(ck(self.stream.clone_htod(&idx), "column list copy"));
+        lists.insert(cols.to_vec(), list.clone());
+        list
     }
 
     /// RoPE inverse frequencies, computed exactly as the CPU backend does.

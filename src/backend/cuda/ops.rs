@@ -3,7 +3,7 @@
 
 use super::cache::{self, CudaCache};
 use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, CudaVector};
-use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StateCommit, StepLimits};
+use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StateCommit, StepLimits, GraphInputs, GraphKey};
 use crate::model::config::{LinearAttnConfig, MoeConfig};
 use crate::model::weights::{Dtype, MatrixBytes};
 use std::sync::atomic::Ordering;
@@ -84,6 +84,8 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_cache(&self, spec: &CacheSpec) -> Result<CudaCache, BackendError> {
+        // Captured graphs hold the addresses of the cache they were captured with.
+        self.drop_graphs();
         cache::alloc(self, spec)
     }
 
@@ -159,8 +161,7 @@ impl Backend for CudaBackend {
             panic!("gather_cols: column {bad} outside {} columns", x.cols);
         }
         let out = self.tensor(x.rows, cols.len());
-        let idx: Vec<i32> = cols.iter().map(|&c| c as i32).collect();
-        let didx = self.step_inputs().gather.write(self, &idx);
+        let didx = self.ptr(&*self.column_list(cols));
         let n = x.rows * cols.len();
         self.launch(
             &self.k.gather_cols,
@@ -253,6 +254,10 @@ impl Backend for CudaBackend {
     fn sample_rows(&self, logits: &CudaTensor, rows: &[RowSampling]) -> Vec<u32> {
         let _span = self.span("sample");
         super::sample::sample_rows(self, logits, rows)
+    }
+
+    fn run_graphed(&self, key: GraphKey, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<CudaTensor>) -> Vec<CudaTensor> {
+        self.run_graphed_forward(key, inputs, forward)
     }
 
     fn reserve_step_inputs(&self, limits: StepLimits) -> Result<(), BackendError> {

@@ -14,6 +14,9 @@ use cudarc::driver::CudaSlice;
 #[derive(Default)]
 pub(super) struct PersistentInts {
     buf: Option<CudaSlice<i32>>,
+    /// What the buffer holds now: a write of the same contents copies nothing (so an op inside
+    /// a graph capture finds its inputs already in place).
+    held: Vec<i32>,
 }
 
 impl PersistentInts {
@@ -24,9 +27,11 @@ impl PersistentInts {
     /// Makes room for `n` ints (a new allocation only when it grows).
     pub fn reserve(&mut self, be: &CudaBackend, n: usize) -> Result<(), BackendError> {
         if n > self.capacity() {
+            assert!(!be.capturing(), "a step input buffer would grow inside a graph capture");
             // SAFETY: only the part written by `write` is ever read.
             let buf = unsafe { be.stream.alloc::<i32>(n.max(1)) }.map_err(|e| BackendError::OutOfMemory(format!("step input buffer of {n} ints: {e:?}")))?;
             self.buf = Some(buf);
+            self.held.clear();
         }
         Ok(())
     }
@@ -37,9 +42,13 @@ impl PersistentInts {
             panic!("{e}");
         }
         let buf = self.buf.as_mut().expect("reserved above");
-        if !data.is_empty() {
+        if !data.is_empty() && self.held != data {
+            // A capture records launches only: inputs must be written before it starts.
+            assert!(!be.capturing(), "a step input changed inside a graph capture (the graph key misses a host decision)");
             let mut dst = buf.slice_mut(0..data.len());
             ck(be.stream.memcpy_htod(data, &mut dst), "step input copy");
+            self.held.clear();
+            self.held.extend_from_slice(data);
         }
         be.ptr(buf)
     }
