@@ -99,11 +99,13 @@ pub struct StepLimits {
 }
 
 /// What fixes the launch sequence of a forward that can be replayed as a CUDA graph: a step of
-/// `rows` one-token generate rows (decodes), each with a logits row. Everything else a step
-/// varies (ids, positions, block tables, state slots) is read from persistent device buffers.
+/// `rows` generate rows (decodes and verify rows) with `tokens` tokens in all, each token with
+/// a logits row. Everything else a step varies (ids, positions, how the tokens split into rows,
+/// block tables, state and snapshot slots) is read from persistent device buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GraphKey {
     pub rows: usize,
+    pub tokens: usize,
 }
 
 /// The per-step inputs of a graphed forward, written to the device before it runs or replays.

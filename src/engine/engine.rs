@@ -330,18 +330,19 @@ impl<B: Backend> Engine<B> {
         events
     }
 
-    /// The step's forward. A step of one-token decodes, each sampled, has a launch sequence fixed
-    /// by its row count, so the backend may replay it as a graph (see [`GraphKey`]).
+    /// The step's forward. A step of decode and verify rows only (each from its one unfed token
+    /// on, every token sampled) has a launch sequence fixed by its row and token counts, so the
+    /// backend may replay it as a graph (see [`GraphKey`]).
     fn forward(&mut self, plan: &StepPlan) -> ForwardOutput<B> {
-        let decode_only = plan.rows.iter().all(|r| r.kind == RowKind::Generate && r.num_tokens() == 1 && r.logits_start.is_some())
-            && plan.logit_rows.iter().enumerate().all(|(i, &t)| t as usize == i)
-            && plan.logit_rows.len() == plan.num_tokens();
+        let generate_only = plan.rows.iter().all(|r| r.kind == RowKind::Generate && r.committed == 1 && r.logits_start.is_some())
+            && plan.logit_rows.len() == plan.num_tokens()
+            && plan.logit_rows.iter().enumerate().all(|(i, &t)| t as usize == i);
         let (model, backend, cache) = (&self.model, &self.backend, &mut self.cache);
-        if !(self.config.cuda_graphs && decode_only) {
+        if !(self.config.cuda_graphs && generate_only) {
             return model.forward(backend, &plan.ids.0, &plan.layout, &plan.logit_rows, cache);
         }
         let inputs = GraphInputs { ids: &plan.ids.0, layout: &plan.layout, logit_rows: &plan.logit_rows, block_size: self.config.block_size };
-        let mut outputs = backend.run_graphed(GraphKey { rows: plan.rows.len() }, &inputs, &mut || {
+        let mut outputs = backend.run_graphed(GraphKey { rows: plan.rows.len(), tokens: plan.num_tokens() }, &inputs, &mut || {
             let out = model.forward(backend, inputs.ids, inputs.layout, inputs.logit_rows, cache);
             vec![out.hidden, out.logits]
         });

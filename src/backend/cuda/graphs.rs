@@ -1,26 +1,37 @@
 //! CUDA graphs of whole decode forwards (DESIGN Invariant 4).
 //!
-//! A forward of `rows` one-token generate rows launches the same kernels with the same
-//! arguments every step: its per-step inputs (ids, the packed layout, the logits rows) sit in
-//! persistent buffers at fixed addresses, with offsets that depend only on the row count
-//! (see layout.rs), and every grid size is a function of the shapes. So the first such forward
-//! is captured, and later steps write their inputs into those buffers and replay it.
+//! A forward of generate rows only (decodes and verify rows, every token sampled) launches the
+//! same kernels with the same arguments for a given row and token count: its per-step inputs
+//! (ids, the packed layout, the logits rows) sit in persistent buffers at fixed addresses, with
+//! offsets that depend only on those counts (see layout.rs), and every grid size is a function
+//! of the shapes. So the first such forward of each key is captured, and later steps write
+//! their inputs into those buffers and replay it. A key is captured on its
+//! [`CAPTURE_AFTER`]th forward: a capture costs a few eager forwards, and with speculation many
+//! (rows, tokens) keys occur only once or twice. Past [`MAX_GRAPHS`] keys, forwards run eagerly.
 //!
-//! Activations are allocated inside the graph (stream-ordered allocation nodes), at addresses
-//! fixed for the life of the graph; the outputs are not freed in the graph, so the graph is
-//! instantiated to free them itself on relaunch, and each replay hands out copies of them.
-//! A new cache (other KV and state addresses) drops every graph.
+//! Activations are allocated inside the graph (stream-ordered allocation nodes) and all of
+//! them are freed inside it too: the outputs are first copied into buffers shared by every
+//! graph (graphs run one at a time and each step copies its outputs out at once), so graphs
+//! can share their activation memory. A new cache (other KV and state addresses) drops every
+//! graph, and so does growing the shared output buffers.
 
 use super::{ck, CudaBackend, CudaTensor};
+use cudarc::driver::CudaSlice;
 use crate::backend::{GraphInputs, GraphKey};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
+/// Most graphs kept: every row count with every verify-row length of a busy engine.
+const MAX_GRAPHS: usize = 256;
+
+/// Forwards of one key before it is captured (the earlier ones run eagerly).
+const CAPTURE_AFTER: u32 = 3;
+
 struct CapturedForward {
-    /// Declared before the graph: these graph allocations are freed before it is destroyed.
-    outputs: Vec<CudaTensor>,
+    /// Shapes of the outputs the graph leaves in the shared output buffers.
+    shapes: Vec<(usize, usize)>,
     graph: OwnedGraph,
 }
 
@@ -35,11 +46,16 @@ unsafe impl Send for OwnedGraph {}
 #[derive(Default)]
 pub(super) struct Graphs {
     by_key: HashMap<GraphKey, CapturedForward>,
+    /// Forwards seen per key not captured yet.
+    seen: HashMap<GraphKey, u32>,
+    /// Where every graph leaves output `i` (see the module comment).
+    outputs: Vec<CudaSlice<f32>>,
 }
 
 impl Graphs {
     pub fn clear(&mut self) {
         self.by_key.clear();
+        self.seen.clear();
     }
 
     pub fn len(&self) -> usize {
@@ -48,10 +64,17 @@ impl Graphs {
 }
 
 impl CudaBackend {
-    fn copy_tensor(&self, t: &CudaTensor) -> CudaTensor {
-        let mut out = self.tensor(t.rows, t.cols);
-        ck(self.stream.memcpy_dtod(&t.data, &mut out.data), "graph output copy");
-        out
+    /// Copies of a graph's outputs out of the shared buffers.
+    fn read_graph_outputs(&self, buffers: &[CudaSlice<f32>], shapes: &[(usize, usize)]) -> Vec<CudaTensor> {
+        shapes
+            .iter()
+            .zip(buffers)
+            .map(|(&(rows, cols), buf)| {
+                let mut out = self.tensor(rows, cols);
+                ck(self.stream.memcpy_dtod(&buf.slice(0..rows * cols), &mut out.data), "graph output copy");
+                out
+            })
+            .collect()
     }
 
     /// Writes a graphed forward's inputs to the persistent buffers its kernels read.
@@ -73,26 +96,61 @@ impl CudaBackend {
         let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(captured) = graphs.by_key.get(&key) {
             ck(captured.graph.0.launch(), "graph launch");
-            return captured.outputs.iter().map(|t| self.copy_tensor(t)).collect();
+            return self.read_graph_outputs(&graphs.outputs, &captured.shapes);
         }
-        ck(self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "begin graph capture");
-        self.capturing.store(true, Ordering::Relaxed);
-        // A panic inside the capture (an op refusing its input) must still end it.
-        let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut *forward));
-        self.capturing.store(false, Ordering::Relaxed);
-        let graph = self.stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
-        let outputs = match outputs {
-            Ok(o) => o,
-            Err(panic) => std::panic::resume_unwind(panic),
-        };
-        let graph = ck(graph, "end graph capture").expect("a captured forward has kernels");
-        // Capturing ran nothing: this launch computes the step.
-        ck(graph.launch(), "graph launch");
-        let copies = outputs.iter().map(|t| self.copy_tensor(t)).collect();
-        graphs.by_key.insert(key, CapturedForward { outputs, graph: OwnedGraph(graph) });
-        copies
+        let seen = graphs.seen.entry(key).or_insert(0);
+        *seen += 1;
+        if *seen < CAPTURE_AFTER || graphs.by_key.len() >= MAX_GRAPHS {
+            return forward();
+        }
+        // The second attempt fits: the first grows the shared output buffers when they are small.
+        for _ in 0..2 {
+            ck(self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "begin graph capture");
+            self.capturing.store(true, Ordering::Relaxed);
+            let buffers = &mut graphs.outputs;
+            // A panic inside the capture (an op refusing its input) must still end it.
+            let captured = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let outputs = forward();
+                let shapes: Vec<(usize, usize)> = outputs.iter().map(|t| (t.rows, t.cols)).collect();
+                let fits = buffers.len() >= outputs.len() && outputs.iter().zip(buffers.iter()).all(|(t, b)| b.len() >= t.rows * t.cols);
+                if fits {
+                    for (t, buf) in outputs.iter().zip(buffers.iter_mut()) {
+                        ck(self.stream.memcpy_dtod(&t.data, &mut buf.slice_mut(0..t.rows * t.cols)), "graph output copy");
+                    }
+                }
+                // Dropped inside the capture: the graph frees every allocation it makes.
+                drop(outputs);
+                (shapes, fits)
+            }));
+            self.capturing.store(false, Ordering::Relaxed);
+            let graph = self.stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+            let (shapes, fits) = match captured {
+                Ok(c) => c,
+                Err(panic) => std::panic::resume_unwind(panic),
+            };
+            let graph = ck(graph, "end graph capture").expect("a captured forward has kernels");
+            if !fits {
+                drop(graph);
+                // Existing graphs write to the old buffers.
+                graphs.clear();
+                // Doubling: a workload whose steps keep growing regrows (and recaptures) rarely.
+                let old: Vec<usize> = graphs.outputs.iter().map(|b| b.len()).collect();
+                graphs.outputs = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(r, c))| ck(self.stream.alloc_zeros::<f32>((r * c).max(2 * old.get(i).copied().unwrap_or(0)).max(1)), "graph output buffer"))
+                    .collect();
+                continue;
+            }
+            // Capturing ran nothing: this launch computes the step.
+            ck(graph.launch(), "graph launch");
+            let outputs = self.read_graph_outputs(&graphs.outputs, &shapes);
+            graphs.by_key.insert(key, CapturedForward { shapes, graph: OwnedGraph(graph) });
+            graphs.seen.remove(&key);
+            return outputs;
+        }
+        unreachable!("the shared output buffers fit after growing")
     }
-
     /// Graphs captured so far (for tests and reports).
     pub fn captured_graphs(&self) -> usize {
         self.graphs.lock().unwrap_or_else(|p| p.into_inner()).len()
