@@ -104,7 +104,7 @@ fn matmul_microbench(gpu: &CudaBackend, c: &ModelConfig) -> serde_json::Value {
             }
         };
         let mut entry = serde_json::Map::new();
-        for rows in [1usize, 4096] {
+        for rows in [1usize, 8, 16, 17, 32, 33, 64, 65, 4096] {
             if rows * n > 1 << 30 {
                 continue;
             }
