@@ -76,7 +76,13 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
         None => (0, 0, 0, 0, 1, 0, 1, wlo != 0),
     };
     let tail = [Arg::I32(rows as i32), Arg::I32(n as i32), Arg::I32(k as i32), Arg::Ptr(table), Arg::Ptr(counts), Arg::Ptr(lists), Arg::I32(stride as i32), Arg::I32(a_div as i32), Arg::Ptr(active)];
-    if rows <= SMALL_MAX_ROWS {
+    // Past one m tile, a wide output gives the pipelined kernel enough 128-column blocks to
+    // fill the GPU, and it splits the activations once instead of in every column block: on
+    // the H100 it takes 1x12288 -> 64 rows from 0.28 to 0.14 ms and the 248320-wide lm_head
+    // from 5.4 to 2.0 ms, while at 4096 columns (32 blocks) the small-row kernel stays faster
+    // (examples/cuda_bench.rs times both).
+    let wide = n.div_ceil(128) * 2 >= be.sm_count;
+    if rows <= SMALL_MAX_ROWS && !(rows > 16 && wide && pipelined_fits(be, has_lo, k)) {
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(x), Arg::Ptr(whi), Arg::Ptr(wlo)];
         args.extend(tail);
         // One wave of resident blocks; more column blocks are walked by the grid-stride loop.
@@ -84,7 +90,7 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
         let v = &SMALL_VARIANTS[index];
         let col_blocks = n.div_ceil(8 * v.nt).min(be.small_matmul_slots[index]);
         be.launch((v.kernel)(&be.k), (col_blocks as u32, rows.div_ceil(16 * v.mt) as u32, groups as u32), SMALL_THREADS, 0, &args);
-    } else if !has_lo && k.is_multiple_of(32) && PIPELINED_SMEM <= be.max_dynamic_smem {
+    } else if pipelined_fits(be, has_lo, k) {
         // Split the activations once, then stream bf16 tiles with cp.async.
         let elems = x_rows * k;
         // SAFETY: fully written by split_activations before the matmul reads it.
@@ -99,6 +105,11 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
         args.extend(tail);
         be.launch(&be.k.matmul_tiled, (n.div_ceil(64) as u32, rows.div_ceil(64) as u32, groups as u32), 128, 0, &args);
     }
+}
+
+/// Whether the pipelined kernel takes this weight: bf16 only, K in whole 32-wide blocks.
+fn pipelined_fits(be: &CudaBackend, has_lo: bool, k: usize) -> bool {
+    !has_lo && k.is_multiple_of(32) && PIPELINED_SMEM <= be.max_dynamic_smem
 }
 
 pub(super) fn matmul(be: &CudaBackend, x: &CudaTensor, w: &CudaMatrix) -> CudaTensor {

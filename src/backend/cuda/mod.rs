@@ -137,6 +137,7 @@ pub struct CudaBackend {
     pub(super) max_dynamic_smem: usize,
     /// Resident blocks of each small-row matmul variant (matmul::SMALL_VARIANTS) across the GPU.
     pub(super) small_matmul_slots: [usize; matmul::SMALL_VARIANTS.len()],
+    pub(super) sm_count: usize,
     profiler: profile::Profiler,
 }
 
@@ -193,6 +194,7 @@ impl CudaBackend {
             max_dynamic_smem: max_dynamic_smem.max(0) as usize,
             profiler: profile::Profiler::from_env(),
             small_matmul_slots,
+            sm_count,
         })
     }
 
