@@ -129,6 +129,28 @@ __device__ __forceinline__ void small_kblock(float c[NT][4], const float* xr0, c
     for (int j = 0; j < NT; ++j) mma_kblock(c[j], ahi, alo, bh[j], bl[j], has_lo);
 }
 
+// small_kblock on activations split ahead of time (split_activations): rows g and g+8 of the
+// tile come as bf16 hi arrays `h0`/`h1` with their lo halves `lo_off` elements further on.
+// The fragments are exactly those split8 makes, so the results are bitwise the same.
+template <int NT>
+__device__ __forceinline__ void small_kblock_split(float c[NT][4], const bf16_t* h0, const bf16_t* h1, long long lo_off, bool two, int k, const uint4 bh[NT], const uint4 zero[NT]) {
+    u32 hi0[4] = {0, 0, 0, 0}, lo0[4] = {0, 0, 0, 0}, hi1[4] = {0, 0, 0, 0}, lo1[4] = {0, 0, 0, 0}, ahi[2][4], alo[2][4];
+    if (h0) {
+        uint4 a = *(const uint4*)(h0 + k), b = *(const uint4*)(h0 + lo_off + k);
+        hi0[0] = a.x; hi0[1] = a.y; hi0[2] = a.z; hi0[3] = a.w;
+        lo0[0] = b.x; lo0[1] = b.y; lo0[2] = b.z; lo0[3] = b.w;
+    }
+    if (two && h1) {
+        uint4 a = *(const uint4*)(h1 + k), b = *(const uint4*)(h1 + lo_off + k);
+        hi1[0] = a.x; hi1[1] = a.y; hi1[2] = a.z; hi1[3] = a.w;
+        lo1[0] = b.x; lo1[1] = b.y; lo1[2] = b.z; lo1[3] = b.w;
+    }
+    make_frags(hi0, hi1, ahi);
+    make_frags(lo0, lo1, alo);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) mma_kblock(c[j], ahi, alo, bh[j], zero[j], false);
+}
+
 // Few rows: grid (column blocks, ceil(rows/(16*MT)), groups), 32 * KSLICES threads; warp w
 // owns k-slice w. A block computes MT m16 tiles (up to 16*MT rows) from each weight load, so
 // the weights are streamed once per 16*MT rows.
@@ -138,9 +160,12 @@ __device__ __forceinline__ void small_kblock(float c[NT][4], const float* xr0, c
 // NT (n8 tiles per block) trades per-column overhead against parallelism for small N, and
 // SMALL_UNROLL (k blocks of weight loads in flight per warp) keeps the bytes in flight per SM
 // up when there are few columns; the per-element arithmetic depends on none of MT, NT, SMALL_UNROLL.
-template <int MT, int NT, int SMALL_UNROLL>
+// PRESPLIT kernels (more than one m tile) read activations split into bf16 halves once by
+// split_activations (`x` is then the hi array, lo_off elements before the lo array) instead of
+// splitting them in every column block; they take bf16 weights with K a multiple of 32 only.
+template <int MT, int NT, int SMALL_UNROLL, bool PRESPLIT>
 __device__ __forceinline__ void matmul_small_body(float* out, const float* x, const bf16_t* whi_, const bf16_t* wlo_, int rows, int N, int K,
-        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active) {
+        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active, long long lo_off) {
     __shared__ float red[KSLICES][MT][NT][32][4];
     Group grp = group_of(whi_, wlo_, rows, group_w, counts, lists, list_stride, active);
     int m0 = blockIdx.y * 16 * MT;
@@ -152,12 +177,18 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
     // whether it has rows 8..15 (both uniform across the warp).
     const float* xr0[MT];
     const float* xr1[MT];
+    const bf16_t* xh0[MT];
+    const bf16_t* xh1[MT];
     bool live[MT], two[MT];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         int r = m0 + mt * 16 + g;
-        xr0[mt] = r < grp.rows ? x + (long long)(grp.list ? grp.list[r] / a_div : r) * K : 0;
-        xr1[mt] = r + 8 < grp.rows ? x + (long long)(grp.list ? grp.list[r + 8] / a_div : r + 8) * K : 0;
+        long long a0 = r < grp.rows ? (long long)(grp.list ? grp.list[r] / a_div : r) * K : -1;
+        long long a1 = r + 8 < grp.rows ? (long long)(grp.list ? grp.list[r + 8] / a_div : r + 8) * K : -1;
+        xr0[mt] = a0 >= 0 ? x + a0 : 0;
+        xr1[mt] = a1 >= 0 ? x + a1 : 0;
+        xh0[mt] = a0 >= 0 ? (const bf16_t*)x + a0 : 0;
+        xh1[mt] = a1 >= 0 ? (const bf16_t*)x + a1 : 0;
         live[mt] = m0 + mt * 16 < grp.rows;
         two[mt] = m0 + mt * 16 + 8 < grp.rows;
     }
@@ -186,16 +217,22 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
 #pragma unroll
                 for (int u = 0; u < SMALL_UNROLL; ++u)
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-                        if (live[mt]) small_kblock<NT>(c[mt], xr0[mt], xr1[mt], two[mt], (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
+                    for (int mt = 0; mt < MT; ++mt) {
+                        if (!live[mt]) continue;
+                        if constexpr (PRESPLIT) small_kblock_split<NT>(c[mt], xh0[mt], xh1[mt], lo_off, two[mt], (kb + u) * 32 + q * 8, bh[u], zero);
+                        else small_kblock<NT>(c[mt], xr0[mt], xr1[mt], two[mt], (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
+                    }
             }
             for (; kb < kb1; ++kb) {
                 uint4 bh[NT];
 #pragma unroll
                 for (int j = 0; j < NT; ++j) bh[j] = ldg_stream(wh[j] + kb * 32);
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    if (live[mt]) small_kblock<NT>(c[mt], xr0[mt], xr1[mt], two[mt], kb * 32 + q * 8, K, true, bh, zero, false);
+                for (int mt = 0; mt < MT; ++mt) {
+                    if (!live[mt]) continue;
+                    if constexpr (PRESPLIT) small_kblock_split<NT>(c[mt], xh0[mt], xh1[mt], lo_off, two[mt], kb * 32 + q * 8, bh, zero);
+                    else small_kblock<NT>(c[mt], xr0[mt], xr1[mt], two[mt], kb * 32 + q * 8, K, true, bh, zero, false);
+                }
             }
         } else {
             const bf16_t* wh[NT];
@@ -252,21 +289,22 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
     }
 }
 
-#define SMALL_KERNEL(NAME, MT, NT, UNROLL)                                                                                        \
+#define SMALL_KERNEL(NAME, MT, NT, UNROLL, PRESPLIT)                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * KSLICES) NAME(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, \
-            int N, int K, const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active) {       \
-        matmul_small_body<MT, NT, UNROLL>(out, x, whi, wlo, rows, N, K, group_w, counts, lists, list_stride, a_div, active);              \
+            int N, int K, const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active,        \
+            long long lo_off) {                                                                                                          \
+        matmul_small_body<MT, NT, UNROLL, PRESPLIT>(out, x, whi, wlo, rows, N, K, group_w, counts, lists, list_stride, a_div, active, lo_off); \
     }
-// Up to 16 rows.
-SMALL_KERNEL(matmul_small_nt1, 1, 1, 16)
-SMALL_KERNEL(matmul_small_nt2, 1, 2, 8)
-SMALL_KERNEL(matmul_small_nt4, 1, 4, 4)
-// Up to 32 rows.
-SMALL_KERNEL(matmul_small2_nt1, 2, 1, 16)
-SMALL_KERNEL(matmul_small2_nt2, 2, 2, 8)
-// Up to 64 rows.
-SMALL_KERNEL(matmul_small4_nt1, 4, 1, 8)
-SMALL_KERNEL(matmul_small4_nt2, 4, 2, 4)
+// Up to 16 rows, f32 activations split in the k loop.
+SMALL_KERNEL(matmul_small_nt1, 1, 1, 16, false)
+SMALL_KERNEL(matmul_small_nt2, 1, 2, 8, false)
+SMALL_KERNEL(matmul_small_nt4, 1, 4, 4, false)
+// Up to 32 rows, activations split ahead.
+SMALL_KERNEL(matmul_small2_nt1, 2, 1, 16, true)
+SMALL_KERNEL(matmul_small2_nt2, 2, 2, 8, true)
+// Up to 64 rows, activations split ahead.
+SMALL_KERNEL(matmul_small4_nt1, 4, 1, 8, true)
+SMALL_KERNEL(matmul_small4_nt2, 4, 2, 4, true)
 
 #define TBM 64
 #define TBN 64

@@ -18,11 +18,13 @@ struct Options {
     presets: Vec<String>,
     prompt: usize,
     decode: usize,
+    /// Generate rows per decode step (row 0 follows the prompt; the others start empty).
+    decode_rows: usize,
     prefill: Vec<usize>,
 }
 
 fn parse_args() -> Result<Options, String> {
-    let mut o = Options { matmul_only: None, presets: vec!["qwen3.5-9b".into(), "qwen3.5-35b-a3b".into()], prompt: 512, decode: 64, prefill: vec![512, 4096] };
+    let mut o = Options { matmul_only: None, presets: vec!["qwen3.5-9b".into(), "qwen3.5-35b-a3b".into()], prompt: 512, decode: 64, decode_rows: 1, prefill: vec![512, 4096] };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or(format!("{a} needs a value"));
@@ -37,6 +39,7 @@ fn parse_args() -> Result<Options, String> {
             "--presets" => o.presets = value()?.split(',').map(str::to_string).collect(),
             "--prompt" => o.prompt = value()?.parse().map_err(|e| format!("--prompt: {e}"))?,
             "--decode" => o.decode = value()?.parse().map_err(|e| format!("--decode: {e}"))?,
+            "--decode-rows" => o.decode_rows = value()?.parse::<usize>().map_err(|e| format!("--decode-rows: {e}"))?.max(1),
             "--prefill" => o.prefill = value()?.split(',').map(|s| s.parse().map_err(|e| format!("--prefill: {e}"))).collect::<Result<_, _>>()?,
             other => return Err(format!("unknown argument {other}")),
         }
@@ -141,7 +144,8 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
     let per_token = bytes_per_token(&c, uploaded);
     let max_len = o.prefill.iter().copied().max().unwrap_or(0).max(o.prompt + o.decode + 1);
     let blocks = max_len.div_ceil(16) + 1;
-    let mut cache = gpu.alloc_cache(&model.cache_spec(blocks, 16, 1, 1)).map_err(|e| e.to_string())?;
+    let nrows = o.decode_rows;
+    let mut cache = gpu.alloc_cache(&model.cache_spec(blocks * nrows, 16, nrows, nrows)).map_err(|e| e.to_string())?;
     let vocab = c.vocab_size as u32;
     let ids = |n: usize, salt: u32| -> Vec<u32> { (0..n as u32).map(|i| (i.wrapping_mul(2654435761).wrapping_add(salt)) % vocab).collect() };
 
@@ -182,12 +186,26 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
     let mut enqueue_times = Vec::with_capacity(o.decode);
     gpu.profile_report();
     for i in 0..o.decode {
-        let layout = BatchLayout { rows: vec![RowLayout { kind: RowKind::Generate, token_start: 0, num_tokens: 1, start_position: o.prompt + i, block_table: (0..blocks as u32).collect(), state_slot: 0, snapshot_base: 0 }] };
+        let rows = (0..nrows)
+            .map(|r| RowLayout {
+                kind: RowKind::Generate,
+                token_start: r,
+                num_tokens: 1,
+                start_position: if r == 0 { o.prompt + i } else { i },
+                block_table: (r * blocks..(r + 1) * blocks).map(|b| b as u32).collect(),
+                state_slot: r,
+                snapshot_base: r,
+            })
+            .collect();
+        let layout = BatchLayout { rows };
+        let step_ids: Vec<u32> = std::iter::once(next).chain(ids(nrows - 1, i as u32)).collect();
+        let logit_rows: Vec<u32> = (0..nrows as u32).collect();
+        let commits: Vec<kestrel::backend::StateCommit> = (0..nrows).map(|r| kestrel::backend::StateCommit { slot: r, snapshot: r }).collect();
         let t = Instant::now();
-        let out = model.forward(gpu, &[next], &layout, &[0], &mut cache);
-        gpu.commit_states(&mut cache, &[kestrel::backend::StateCommit { slot: 0, snapshot: 0 }]);
+        let out = model.forward(gpu, &step_ids, &layout, &logit_rows, &mut cache);
+        gpu.commit_states(&mut cache, &commits);
         enqueue_times.push(t.elapsed().as_secs_f64());
-        next = argmax(&gpu.to_host(&out.logits));
+        next = argmax(&gpu.to_host(&out.logits)[..vocab as usize]);
         step_times.push(t.elapsed().as_secs_f64());
     }
     profiles.insert("decode_per_token".into(), profile_json(&gpu.profile_report(), o.decode));
@@ -203,9 +221,10 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
         "copy_bandwidth_bytes_per_s": bandwidth,
         "decode": {
             "prompt_tokens": o.prompt,
+            "rows": nrows,
             "steps": steady.len(),
             "ms_per_token": mean * 1e3,
-            "tokens_per_s": 1.0 / mean,
+            "tokens_per_s": nrows as f64 / mean,
             "roofline_ms_per_token": roofline_s * 1e3,
             "fraction_of_roofline": roofline_s / mean,
             "host_enqueue_ms_per_token": enqueue_times[enqueue_times.len().min(4)..].iter().sum::<f64>() / steady.len().max(1) as f64 * 1e3,

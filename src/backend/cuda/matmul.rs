@@ -82,21 +82,27 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
     // from 5.4 to 2.0 ms, while at 4096 columns (32 blocks) the small-row kernel stays faster
     // (examples/cuda_bench.rs times both).
     let wide = n.div_ceil(128) * 2 >= be.sm_count;
-    if rows <= SMALL_MAX_ROWS && !(rows > 16 && wide && pipelined_fits(be, has_lo, k)) {
-        let mut args = vec![Arg::Ptr(out), Arg::Ptr(x), Arg::Ptr(whi), Arg::Ptr(wlo)];
-        args.extend(tail);
-        // One wave of resident blocks; more column blocks are walked by the grid-stride loop.
+    let bf16_blocks = pipelined_fits(be, has_lo, k);
+    // Multi-tile small-row kernels read pre-split activations, so they take what the pipelined
+    // kernel takes (bf16 weights, whole 32-wide k blocks); other weights past 16 rows go tiled.
+    let small = rows <= 16 || (rows <= SMALL_MAX_ROWS && bf16_blocks && !wide);
+    if small {
         let index = small_variant(rows, n);
         let v = &SMALL_VARIANTS[index];
+        // Activations split into bf16 halves once for all column blocks (multi-tile kernels).
+        let split = (v.mt > 1).then(|| split_activations(be, x, x_rows * k));
+        let xs = split.as_ref().map_or(x, |s| be.ptr(s));
+        let mut args = vec![Arg::Ptr(out), Arg::Ptr(xs), Arg::Ptr(whi), Arg::Ptr(wlo)];
+        args.extend(tail);
+        args.push(Arg::I64((x_rows * k) as i64));
+        // One wave of resident blocks; more column blocks are walked by the grid-stride loop.
         let col_blocks = n.div_ceil(8 * v.nt).min(be.small_matmul_slots[index]);
         be.launch((v.kernel)(&be.k), (col_blocks as u32, rows.div_ceil(16 * v.mt) as u32, groups as u32), SMALL_THREADS, 0, &args);
-    } else if pipelined_fits(be, has_lo, k) {
+    } else if bf16_blocks {
         // Split the activations once, then stream bf16 tiles with cp.async.
         let elems = x_rows * k;
-        // SAFETY: fully written by split_activations before the matmul reads it.
-        let split = ck(unsafe { be.stream.alloc::<u16>(2 * elems) }, "alloc");
+        let split = split_activations(be, x, elems);
         let (hi, lo) = (be.ptr(&split), be.ptr(&split) + 2 * elems as u64);
-        be.launch(&be.k.split_activations, ((elems / 8).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(hi), Arg::Ptr(lo), Arg::Ptr(x), Arg::I64((elems / 8) as i64)]);
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(hi), Arg::Ptr(lo), Arg::Ptr(whi)];
         args.extend(tail);
         be.launch(&be.k.matmul_pipelined, (n.div_ceil(128) as u32, rows.div_ceil(128) as u32, groups as u32), 256, PIPELINED_SMEM, &args);
@@ -105,6 +111,15 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
         args.extend(tail);
         be.launch(&be.k.matmul_tiled, (n.div_ceil(64) as u32, rows.div_ceil(64) as u32, groups as u32), 128, 0, &args);
     }
+}
+
+/// `x` (`elems` f32, a multiple of 8) as bf16 hi halves followed by the lo halves.
+fn split_activations(be: &CudaBackend, x: u64, elems: usize) -> cudarc::driver::CudaSlice<u16> {
+    // SAFETY: fully written by split_activations before any matmul reads it.
+    let split = ck(unsafe { be.stream.alloc::<u16>(2 * elems) }, "alloc");
+    let (hi, lo) = (be.ptr(&split), be.ptr(&split) + 2 * elems as u64);
+    be.launch(&be.k.split_activations, ((elems / 8).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(hi), Arg::Ptr(lo), Arg::Ptr(x), Arg::I64((elems / 8) as i64)]);
+    split
 }
 
 /// Whether the pipelined kernel takes this weight: bf16 only, K in whole 32-wide blocks.
