@@ -63,44 +63,35 @@ const STATE_THREADS: u32 = 256;
 const STATE_CHUNKS: u32 = 16;
 
 pub(super) fn commit(be: &CudaBackend, cache: &mut CudaCache, commits: &[StateCommit]) {
-    if commits.is_empty() || cache.spec.linear_layers == 0 {
-        return;
-    }
     let mut pairs = Vec::with_capacity(2 * commits.len());
     for c in commits {
         assert!(c.slot < cache.spec.state_slots && c.snapshot < cache.spec.snapshot_slots, "commit_states: slot {} / snapshot {} out of range", c.slot, c.snapshot);
         pairs.extend([c.slot as i32, c.snapshot as i32]);
     }
-    let pairs = ck(be.stream.clone_htod(&pairs), "commit list copy");
-    let (conv, rec) = (cache.spec.linear.conv_state_len(), cache.spec.linear.recurrent_state_len());
     let t = &cache.tables;
-    be.launch(
-        &be.k.commit_states,
-        (commits.len() as u32, cache.spec.linear_layers as u32, STATE_CHUNKS),
-        STATE_THREADS,
-        0,
-        &[Arg::Ptr(be.ptr(&t.conv)), Arg::Ptr(be.ptr(&t.rec)), Arg::Ptr(be.ptr(&t.conv_snap)), Arg::Ptr(be.ptr(&t.rec_snap)), Arg::Ptr(be.ptr(&pairs)), Arg::I64(conv as i64), Arg::I64(rec as i64)],
-    );
+    launch_per_request(be, cache, &be.k.commit_states, &pairs, commits.len(), &[be.ptr(&t.conv), be.ptr(&t.rec), be.ptr(&t.conv_snap), be.ptr(&t.rec_snap)]);
 }
 
 pub(super) fn reset(be: &CudaBackend, cache: &mut CudaCache, slots: &[usize]) {
-    if slots.is_empty() || cache.spec.linear_layers == 0 {
-        return;
-    }
     for &s in slots {
         assert!(s < cache.spec.state_slots, "reset_states: slot {s} out of range");
     }
     let list: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
-    let list = ck(be.stream.clone_htod(&list), "reset list copy");
-    let (conv, rec) = (cache.spec.linear.conv_state_len(), cache.spec.linear.recurrent_state_len());
     let t = &cache.tables;
-    be.launch(
-        &be.k.reset_states,
-        (slots.len() as u32, cache.spec.linear_layers as u32, STATE_CHUNKS),
-        STATE_THREADS,
-        0,
-        &[Arg::Ptr(be.ptr(&t.conv)), Arg::Ptr(be.ptr(&t.rec)), Arg::Ptr(be.ptr(&list)), Arg::I64(conv as i64), Arg::I64(rec as i64)],
-    );
+    launch_per_request(be, cache, &be.k.reset_states, &list, slots.len(), &[be.ptr(&t.conv), be.ptr(&t.rec)]);
+}
+
+/// One launch of a state kernel over `requests` requests and every linear layer: its
+/// arguments are the layer tables, the request list and the conv / delta-rule state lengths.
+fn launch_per_request(be: &CudaBackend, cache: &CudaCache, f: &cudarc::driver::CudaFunction, list: &[i32], requests: usize, tables: &[u64]) {
+    if requests == 0 || cache.spec.linear_layers == 0 {
+        return;
+    }
+    let list = ck(be.stream.clone_htod(list), "state request list copy");
+    let (conv, rec) = (cache.spec.linear.conv_state_len(), cache.spec.linear.recurrent_state_len());
+    let mut args: Vec<Arg> = tables.iter().map(|&p| Arg::Ptr(p)).collect();
+    args.extend([Arg::Ptr(be.ptr(&list)), Arg::I64(conv as i64), Arg::I64(rec as i64)]);
+    be.launch(f, (requests as u32, cache.spec.linear_layers as u32, STATE_CHUNKS), STATE_THREADS, 0, &args);
 }
 
 impl CudaBackend {
