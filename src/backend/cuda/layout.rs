@@ -11,7 +11,6 @@ use crate::backend::{BatchLayout, RowKind};
 pub(super) const ROW_INTS: usize = 8;
 
 /// A packed layout in the persistent layout buffer (see step_inputs.rs).
-#[derive(Clone)]
 pub struct DeviceLayout {
     /// Device address of the packed ints.
     pub(super) base: u64,

@@ -60,8 +60,6 @@ pub(super) struct StepInputs {
     pub ids: PersistentInts,
     pub layout: PersistentInts,
     pub gather: PersistentInts,
-    /// The layout the buffer holds now, so that every layer of a step reuses one copy.
-    current: Option<(Vec<i32>, DeviceLayout)>,
 }
 
 impl StepInputs {
@@ -75,16 +73,12 @@ impl StepInputs {
         Ok(())
     }
 
-    /// `layout` in the layout buffer (copied only when it differs from what the buffer holds).
+    /// `layout` in the layout buffer (copied only when it differs from what the buffer holds,
+    /// so every layer of a step reuses one copy).
     pub fn layout(&mut self, be: &CudaBackend, layout: &BatchLayout, block_size: usize) -> DeviceLayout {
         let packed = layout::pack(layout, block_size);
-        if let Some((ints, dl)) = &self.current {
-            if *ints == packed.ints {
-                return dl.clone();
-            }
-        }
         let base = self.layout.write(be, &packed.ints);
-        let dl = DeviceLayout {
+        DeviceLayout {
             base,
             num_tokens: packed.num_tokens,
             tok_row_off: packed.tok_row_off,
@@ -96,8 +90,6 @@ impl StepInputs {
             max_block: packed.max_block,
             max_state_slot: packed.max_state_slot,
             max_snapshot: packed.max_snapshot,
-        };
-        self.current = Some((packed.ints, dl.clone()));
-        dl
+        }
     }
 }
