@@ -306,6 +306,34 @@ SMALL_KERNEL(matmul_small2_nt2, 2, 2, 8, true)
 SMALL_KERNEL(matmul_small4_nt1, 4, 1, 8, true)
 SMALL_KERNEL(matmul_small4_nt2, 4, 2, 4, true)
 
+// The end of a warp's MI x 4 block of m16n8 tiles in the tiled and pipelined kernels: the
+// slices after `slice` add their zero sums (as the small-row kernel does, so -0.0 turns into
+// 0.0 the same way everywhere), then the tiles are written from row `row0`, column `col0`.
+template <int MI>
+__device__ __forceinline__ void finish_warp_tiles(float* out, float tot[MI][4][4], int slice, const Group& grp, int N, int row0, int col0, int g, int q) {
+    for (; slice < KSLICES; ++slice)
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) tot[i][j][e] += 0.0f;
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int col = col0 + j * 8 + 2 * q;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                int r = row0 + i * 16 + g + 8 * half;
+                if (r >= grp.rows) continue;
+                long long orow = grp.list ? grp.list[r] : r;
+                if (col < N) out[orow * N + col] = tot[i][j][2 * half];
+                if (col + 1 < N) out[orow * N + col + 1] = tot[i][j][2 * half + 1];
+            }
+        }
+}
+
 #define TBM 64
 #define TBN 64
 
@@ -407,28 +435,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_tiled(float* out, const
         if (kb + 1 < nkb) store(buf ^ 1);
         __syncthreads();
     }
-    // Trailing empty slices add their zero sums, as the small-row kernel does.
-    for (; slice < KSLICES; ++slice)
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) tot[i][j][e] += 0.0f;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            int col = n0 + wn * 32 + j * 8 + 2 * q;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                int r = m0 + wm * 32 + i * 16 + g + 8 * half;
-                if (r >= grp.rows) continue;
-                long long orow = grp.list ? grp.list[r] : r;
-                if (col < N) out[orow * N + col] = tot[i][j][2 * half];
-                if (col + 1 < N) out[orow * N + col + 1] = tot[i][j][2 * half + 1];
-            }
-        }
+    finish_warp_tiles<2>(out, tot, slice, grp, N, m0 + wm * 32, n0 + wn * 32, g, q);
 }
 
 // Activations split once for the pipelined kernel: hi = bf16(x), lo = bf16(x - hi), exactly
@@ -558,26 +565,5 @@ extern "C" __global__ void __launch_bounds__(256, 1) matmul_pipelined(float* out
         }
     }
     asm volatile("cp.async.wait_group 0;");
-    // Trailing empty slices add their zero sums, as the small-row kernel does.
-    for (; slice < KSLICES; ++slice)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) tot[i][j][e] += 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            int col = n0 + wn * 32 + j * 8 + 2 * q;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                int r = m0 + wm * 64 + i * 16 + g + 8 * half;
-                if (r >= grp.rows) continue;
-                long long orow = grp.list ? grp.list[r] : r;
-                if (col < N) out[orow * N + col] = tot[i][j][2 * half];
-                if (col + 1 < N) out[orow * N + col + 1] = tot[i][j][2 * half + 1];
-            }
-        }
+    finish_warp_tiles<4>(out, tot, slice, grp, N, m0 + wm * 64, n0 + wn * 32, g, q);
 }
