@@ -27,6 +27,7 @@ fn matmul_matches_cpu_and_rows_are_independent() {
         for dtype in [Dtype::F32, Dtype::BF16] {
             let w = random_matrix(&mut rng, outputs, inputs, dtype);
             let gw = gpu.upload_matrix(&w).unwrap();
+            let w = cpu.upload_matrix(&w).unwrap();
             let max_rows = 200;
             let x = rng.vec(max_rows * inputs, 1.0);
             let full = gpu.to_host(&gpu.matmul(&gpu.from_host(&x, max_rows, inputs), &gw));
@@ -41,6 +42,56 @@ fn matmul_matches_cpu_and_rows_are_independent() {
             }
         }
     }
+}
+
+#[test]
+fn fused_projections_equal_the_separate_ops_bitwise() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(seed());
+    // Odd part widths; totals past 8320 columns take the pipelined kernel from 17 rows.
+    for (inputs, widths) in [(96, vec![37, 64, 1, 3]), (264, vec![130, 6]), (128, vec![8192, 100, 32, 32])] {
+        for dtype in [Dtype::F32, Dtype::BF16] {
+            let parts: Vec<_> = widths.iter().map(|&n| random_matrix(&mut rng, n, inputs, dtype)).collect();
+            let stacked = gpu.upload_stacked(&parts).unwrap();
+            let separate: Vec<_> = parts.iter().map(|m| gpu.upload_matrix(m).unwrap()).collect();
+            let (gate_up, cpu_gate_up) = (gpu.upload_stacked(&parts[..2]).unwrap(), cpu.upload_stacked(&parts[..2]).unwrap());
+            let (i, j) = (widths[0], widths[1]);
+            // SwiGLU pairs need gate and up of one width: the first part's width, twice.
+            let pair = [parts[0].clone(), random_matrix(&mut rng, i, inputs, dtype)];
+            let (swiglu_w, cpu_swiglu_w) = (gpu.upload_stacked(&pair).unwrap(), cpu.upload_stacked(&pair).unwrap());
+            let (gate, up) = (gpu.upload_matrix(&pair[0]).unwrap(), gpu.upload_matrix(&pair[1]).unwrap());
+            for rows in [1, 7, 17, 40, 64, 65, 200] {
+                let x = rng.vec(rows * inputs, 1.0);
+                let gx = gpu.from_host(&x, rows, inputs);
+                let what = format!("{inputs} -> {widths:?} ({dtype:?}), {rows} rows");
+                let got: Vec<Vec<f32>> = gpu.matmul_parts(&gx, &stacked, &widths).iter().map(|t| gpu.to_host(t)).collect();
+                for (p, w) in separate.iter().enumerate() {
+                    assert!(bitwise_equal(&got[p], &gpu.to_host(&gpu.matmul(&gx, w))), "matmul_parts part {p}: {what}");
+                }
+                let two = gpu.matmul_parts(&gx, &gate_up, &[i, j]);
+                assert!(bitwise_equal(&gpu.to_host(&two[1]), &got[1]), "two parts: {what}");
+                let want = gpu.silu_mul(&gpu.matmul(&gx, &gate), &gpu.matmul(&gx, &up));
+                let fused = gpu.matmul_swiglu(&gx, &swiglu_w);
+                assert!(bitwise_equal(&gpu.to_host(&fused), &gpu.to_host(&want)), "matmul_swiglu: {what}");
+                let cx = cpu.from_host(&x, rows, inputs);
+                let err = relative_error(&gpu.to_host(&fused), &cpu.to_host(&cpu.matmul_swiglu(&cx, &cpu_swiglu_w)));
+                assert!(err < 1e-4, "matmul_swiglu against the CPU: {what}: relative error {err}");
+                let err = relative_error(&gpu.to_host(&two[0]), &cpu.to_host(&cpu.matmul_parts(&cx, &cpu_gate_up, &[i, j])[0]));
+                assert!(err < 1e-4, "matmul_parts against the CPU: {what}: relative error {err}");
+                let acc0 = rng.vec(rows * i, 1.0);
+                let mut acc = gpu.from_host(&acc0, rows, i);
+                gpu.matmul_add(&mut acc, &gx, &gate);
+                let mut want = gpu.from_host(&acc0, rows, i);
+                gpu.add_assign(&mut want, &gpu.matmul(&gx, &gate));
+                assert!(bitwise_equal(&gpu.to_host(&acc), &gpu.to_host(&want)), "matmul_add: {what}");
+            }
+        }
+    }
+    // Parts that do not share a column count are refused.
+    let bad = [random_matrix(&mut rng, 4, 32, Dtype::BF16), random_matrix(&mut rng, 4, 48, Dtype::BF16)];
+    let Err(e) = gpu.upload_stacked(&bad) else { panic!("stacked 32 and 48 columns") };
+    assert!(e.to_string().contains("4x48 matrix under 32 columns"), "{e}");
 }
 
 #[test]
@@ -73,7 +124,7 @@ fn row_ops_match_cpu() {
             let table = random_matrix(&mut rng, 50, cols, dtype);
             let ids: Vec<u32> = (0..rows).map(|_| rng.below(50) as u32).collect();
             let got = gpu.to_host(&gpu.embed(&gpu.upload_matrix(&table).unwrap(), &ids));
-            let want = cpu.to_host(&cpu.embed(&table, &ids));
+            let want = cpu.to_host(&cpu.embed(&cpu.upload_matrix(&table).unwrap(), &ids));
             let err = relative_error(&got, &want);
             assert!(err < 2e-5, "embed ({dtype:?}): relative error {err}");
         }
@@ -248,15 +299,22 @@ fn moe_matches_cpu_and_tokens_are_independent() {
         let router = m(&mut rng, e, h);
         let experts: Vec<[_; 3]> = (0..e).map(|_| [m(&mut rng, inter, h), m(&mut rng, inter, h), m(&mut rng, h, inter)]).collect();
         let shared_w = (shared > 0).then(|| [m(&mut rng, shared, h), m(&mut rng, shared, h), m(&mut rng, h, shared)]);
+
         let shared_gate = (shared > 0).then(|| m(&mut rng, 1, h));
         let up = |x: &kestrel::model::weights::MatrixBytes| gpu.upload_matrix(x).unwrap();
         let gw = MoeWeights::<CudaBackend> {
             router: up(&router),
-            experts: experts.iter().map(|[a, b, c]| [up(a), up(b), up(c)]).collect(),
-            shared: shared_w.as_ref().map(|[a, b, c]| [up(a), up(b), up(c)]),
+            experts: experts.iter().map(|[a, b, c]| [gpu.upload_stacked(&[a.clone(), b.clone()]).unwrap(), up(c)]).collect(),
+            shared: shared_w.as_ref().map(|[a, b, c]| [gpu.upload_stacked(&[a.clone(), b.clone()]).unwrap(), up(c)]),
             shared_gate: shared_gate.as_ref().map(up),
         };
-        let cw = MoeWeights::<CpuBackend> { router, experts, shared: shared_w, shared_gate };
+        let host = |x: &kestrel::model::weights::MatrixBytes| cpu.upload_matrix(x).unwrap();
+        let cw = MoeWeights::<CpuBackend> {
+            router: host(&router),
+            experts: experts.iter().map(|[a, b, c]| [cpu.upload_stacked(&[a.clone(), b.clone()]).unwrap(), host(c)]).collect(),
+            shared: shared_w.as_ref().map(|[a, b, c]| [cpu.upload_stacked(&[a.clone(), b.clone()]).unwrap(), host(c)]),
+            shared_gate: shared_gate.as_ref().map(host),
+        };
         let max_t = 150;
         // Router logits spread enough that the top-k choice has no near-ties.
         let x = rng.vec(max_t * h, 3.0);

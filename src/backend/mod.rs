@@ -162,9 +162,10 @@ pub struct AttentionDims {
 /// Weights of one mixture-of-experts block.
 pub struct MoeWeights<B: Backend + ?Sized> {
     pub router: B::Matrix,
-    /// Per expert: gate `[I, H]`, up `[I, H]`, down `[H, I]`.
-    pub experts: Vec<[B::Matrix; 3]>,
-    pub shared: Option<[B::Matrix; 3]>,
+    /// Per expert: gate stacked over up `[2I, H]` ([`Backend::matmul_swiglu`]), down `[H, I]`.
+    pub experts: Vec<[B::Matrix; 2]>,
+    /// The shared expert, laid out like the others.
+    pub shared: Option<[B::Matrix; 2]>,
     /// `[1, H]`: sigmoid gate of the shared expert.
     pub shared_gate: Option<B::Matrix>,
 }
@@ -178,6 +179,10 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
 
     fn upload_matrix(&self, m: &MatrixBytes) -> Result<Self::Matrix, BackendError>;
+    /// One matrix of `parts` stacked by rows (all with the same column count): a layer's
+    /// projections that read the same input become one matmul ([`Backend::matmul_parts`],
+    /// [`Backend::matmul_swiglu`]). Nothing is copied on the host.
+    fn upload_stacked(&self, parts: &[MatrixBytes]) -> Result<Self::Matrix, BackendError>;
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector, BackendError>;
     fn alloc_cache(&self, spec: &CacheSpec) -> Result<Self::Cache, BackendError>;
 
@@ -192,6 +197,35 @@ pub trait Backend: Send + Sync {
     /// `x @ w^T` for `w` stored `[out, in]`.
     fn matmul(&self, x: &Self::Tensor, w: &Self::Matrix) -> Self::Tensor;
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    /// `acc += x @ w^T`, bitwise what `add_assign(acc, &matmul(x, w))` gives (a device backend
+    /// adds in the matmul's store and saves a launch and a tensor).
+    fn matmul_add(&self, acc: &mut Self::Tensor, x: &Self::Tensor, w: &Self::Matrix) {
+        let y = self.matmul(x, w);
+        self.add_assign(acc, &y);
+    }
+    /// `x @ w^T` for a row-stacked weight ([`Backend::upload_stacked`]), its output columns cut
+    /// into consecutive parts of `widths`; bitwise the columns of `matmul(x, w)`.
+    fn matmul_parts(&self, x: &Self::Tensor, w: &Self::Matrix, widths: &[usize]) -> Vec<Self::Tensor> {
+        let y = self.matmul(x, w);
+        let mut start = 0u32;
+        widths
+            .iter()
+            .map(|&n| {
+                let cols: Vec<u32> = (start..start + n as u32).collect();
+                start += n as u32;
+                self.gather_cols(&y, &cols)
+            })
+            .collect()
+    }
+    /// `silu(x @ gate^T) * (x @ up^T)` for `w` = gate stacked over up (`[2I, in]`); bitwise
+    /// `silu_mul` of the two products.
+    fn matmul_swiglu(&self, x: &Self::Tensor, w: &Self::Matrix) -> Self::Tensor {
+        let mut parts = self.matmul_parts(x, w, &[self.matrix_rows(w) / 2; 2]).into_iter();
+        let (gate, up) = (parts.next().expect("two parts"), parts.next().expect("two parts"));
+        self.silu_mul(&gate, &up)
+    }
+    /// Output rows of a matrix (`out` of `[out, in]`).
+    fn matrix_rows(&self, w: &Self::Matrix) -> usize;
     /// `silu(gate) * up`.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
     /// Columns of `x` in the order given (`out[:, j] = x[:, cols[j]]`).

@@ -29,17 +29,50 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// A weight as the CPU reads it: one or more parts stacked by rows, each read straight from
+/// the memory map (stacking never copies the weights).
+#[derive(Clone)]
+pub struct CpuMatrix {
+    parts: Vec<MatrixBytes>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl CpuMatrix {
+    /// `parts` stacked by rows; they must share the column count.
+    pub fn stacked(parts: &[MatrixBytes]) -> Result<Self, String> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        if let Some(p) = parts.iter().find(|p| p.cols != cols) {
+            return Err(format!("cannot stack a {}x{} matrix under {cols} columns", p.rows, p.cols));
+        }
+        Ok(CpuMatrix { parts: parts.to_vec(), rows: parts.iter().map(|p| p.rows).sum(), cols })
+    }
+}
+
+impl From<MatrixBytes> for CpuMatrix {
+    fn from(m: MatrixBytes) -> Self {
+        CpuMatrix { rows: m.rows, cols: m.cols, parts: vec![m] }
+    }
+}
+
 /// Writes row `r` of `w` as f32 into `out`.
 #[inline]
-pub fn weight_row(w: &MatrixBytes, r: usize, out: &mut [f32]) {
-    let rb = w.row_bytes();
-    let bytes = &w.bytes()[r * rb..(r + 1) * rb];
-    // Cannot fail: the slice holds exactly `cols` elements of `dtype` by construction.
-    kestrel_quant::dequantize_into(w.dtype, bytes, out).expect("weight row size");
+pub fn weight_row(w: &CpuMatrix, mut r: usize, out: &mut [f32]) {
+    for part in &w.parts {
+        if r < part.rows {
+            let rb = part.row_bytes();
+            let bytes = &part.bytes()[r * rb..(r + 1) * rb];
+            // Cannot fail: the slice holds exactly `cols` elements of `dtype` by construction.
+            kestrel_quant::dequantize_into(part.dtype, bytes, out).expect("weight row size");
+            return;
+        }
+        r -= part.rows;
+    }
+    panic!("weight row past the matrix's {} rows", w.rows);
 }
 
 /// `x [t, in] @ w^T` with `w [out, in]`, giving `[t, out]`.
-pub fn matmul(x: &[f32], t: usize, w: &MatrixBytes) -> Vec<f32> {
+pub fn matmul(x: &[f32], t: usize, w: &CpuMatrix) -> Vec<f32> {
     let (out, inn) = (w.rows, w.cols);
     assert_eq!(x.len(), t * inn, "matmul: activation has {} values, expected {t}x{inn}", x.len());
     let tasks = out.div_ceil(ROWS_PER_TASK);
@@ -90,7 +123,7 @@ mod tests {
         let (t, out, inn) = (5, 37, 19);
         let x: Vec<f32> = (0..t * inn).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
         let wv: Vec<f32> = (0..out * inn).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.05).collect();
-        let w = MatrixBytes::from_f32(wv.clone(), out, inn);
+        let w = CpuMatrix::from(MatrixBytes::from_f32(wv.clone(), out, inn));
         let y = matmul(&x, t, &w);
         for (a, b) in y.iter().zip(naive(&x, t, &wv, out, inn)) {
             assert!((a - b).abs() < 1e-5);
@@ -98,5 +131,23 @@ mod tests {
         // Row 2 alone gives bitwise the same values as inside the batch.
         let alone = matmul(&x[2 * inn..3 * inn], 1, &w);
         assert_eq!(&y[2 * out..3 * out], &alone[..]);
+    }
+
+    #[test]
+    fn stacked_parts_read_as_one_matrix() {
+        let (t, inn) = (3, 24);
+        let x: Vec<f32> = (0..t * inn).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
+        let part = |rows: usize, salt: usize| MatrixBytes::from_f32((0..rows * inn).map(|i| (((i + salt) * 5 % 11) as f32 - 5.0) * 0.05).collect(), rows, inn);
+        let (a, b, c) = (part(5, 0), part(1, 3), part(7, 8));
+        let stacked = CpuMatrix::stacked(&[a.clone(), b.clone(), c.clone()]).unwrap();
+        assert_eq!((stacked.rows, stacked.cols), (13, inn));
+        let y = matmul(&x, t, &stacked);
+        let parts: Vec<Vec<f32>> = [a, b, c].into_iter().map(|m| matmul(&x, t, &CpuMatrix::from(m))).collect();
+        for ti in 0..t {
+            let want: Vec<f32> = parts.iter().flat_map(|p| p[ti * p.len() / t..(ti + 1) * p.len() / t].to_vec()).collect();
+            assert_eq!(&y[ti * 13..(ti + 1) * 13], &want[..]);
+        }
+        let Err(err) = CpuMatrix::stacked(&[part(2, 0), MatrixBytes::from_f32(vec![0.0; 10], 1, 10)]) else { panic!("stacked 24 and 10 columns") };
+        assert!(err.contains("1x10 matrix under 24 columns"), "{err}");
     }
 }

@@ -8,6 +8,7 @@ pub mod matmul;
 use super::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, StateCommit};
 use crate::model::config::{LinearAttnConfig, MoeConfig};
 use crate::model::weights::MatrixBytes;
+pub use matmul::CpuMatrix;
 use rayon::prelude::*;
 
 /// A `[rows, cols]` f32 activation.
@@ -47,7 +48,7 @@ fn silu(x: f32) -> f32 {
 
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
-    type Matrix = MatrixBytes;
+    type Matrix = CpuMatrix;
     type Vector = Vec<f32>;
     type Cache = CpuCache;
 
@@ -55,9 +56,17 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn upload_matrix(&self, m: &MatrixBytes) -> Result<MatrixBytes, BackendError> {
+    fn upload_matrix(&self, m: &MatrixBytes) -> Result<CpuMatrix, BackendError> {
         // Zero-copy: the CPU reads weights straight from the memory map.
-        Ok(m.clone())
+        Ok(CpuMatrix::from(m.clone()))
+    }
+
+    fn upload_stacked(&self, parts: &[MatrixBytes]) -> Result<CpuMatrix, BackendError> {
+        CpuMatrix::stacked(parts).map_err(BackendError::Invalid)
+    }
+
+    fn matrix_rows(&self, w: &CpuMatrix) -> usize {
+        w.rows
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<Vec<f32>, BackendError> {
@@ -102,7 +111,7 @@ impl Backend for CpuBackend {
         (x.rows, x.cols)
     }
 
-    fn embed(&self, table: &MatrixBytes, ids: &[u32]) -> CpuTensor {
+    fn embed(&self, table: &CpuMatrix, ids: &[u32]) -> CpuTensor {
         let h = table.cols;
         let mut data = vec![0.0f32; ids.len() * h];
         data.par_chunks_mut(h).zip(ids.par_iter()).for_each(|(row, &id)| matmul::weight_row(table, id as usize, row));
@@ -122,7 +131,7 @@ impl Backend for CpuBackend {
         CpuTensor { data, rows: x.rows, cols: x.cols }
     }
 
-    fn matmul(&self, x: &CpuTensor, w: &MatrixBytes) -> CpuTensor {
+    fn matmul(&self, x: &CpuTensor, w: &CpuMatrix) -> CpuTensor {
         CpuTensor { data: matmul::matmul(&x.data, x.rows, w), rows: x.rows, cols: w.rows }
     }
 
@@ -229,7 +238,7 @@ impl Backend for CpuBackend {
         // Each expert runs once over the tokens routed to it; results are summed per token in
         // that token's top-k order, so the sum never depends on other tokens.
         let mut per_slot = vec![0.0f32; t * cfg.top_k * h];
-        for (ei, [gate, up, down]) in w.experts.iter().enumerate() {
+        for (ei, [gate_up, down]) in w.experts.iter().enumerate() {
             let mut toks = Vec::new();
             let mut slots = Vec::new();
             for (ti, route) in routes.iter().enumerate() {
@@ -242,7 +251,7 @@ impl Backend for CpuBackend {
                 continue;
             }
             let xe = self.gather_rows(x, &toks);
-            let act = self.silu_mul(&self.matmul(&xe, gate), &self.matmul(&xe, up));
+            let act = self.matmul_swiglu(&xe, gate_up);
             let y = self.matmul(&act, down);
             for (j, (&ti, &s)) in toks.iter().zip(&slots).enumerate() {
                 let wgt = routes[ti as usize][s].1;
@@ -261,8 +270,8 @@ impl Backend for CpuBackend {
                 }
             }
         }
-        if let Some([gate, up, down]) = &w.shared {
-            let act = self.silu_mul(&self.matmul(x, gate), &self.matmul(x, up));
+        if let Some([gate_up, down]) = &w.shared {
+            let act = self.matmul_swiglu(x, gate_up);
             let y = self.matmul(&act, down);
             let gates = w.shared_gate.as_ref().map(|g| self.matmul(x, g));
             for ti in 0..t {

@@ -21,10 +21,9 @@ pub(super) struct SmallVariant {
 /// The small-row kernels of cuda/matmul.cu. A launch takes the fewest m tiles that cover its
 /// rows (so each block streams the weights once for all of them) and, for that, the n-tile
 /// width suited to the output width.
-pub(super) const SMALL_VARIANTS: [SmallVariant; 7] = [
+pub(super) const SMALL_VARIANTS: [SmallVariant; 6] = [
     SmallVariant { mt: 1, nt: 1, kernel: |k| &k.matmul_small_nt1 },
     SmallVariant { mt: 1, nt: 2, kernel: |k| &k.matmul_small_nt2 },
-    SmallVariant { mt: 1, nt: 4, kernel: |k| &k.matmul_small_nt4 },
     SmallVariant { mt: 2, nt: 1, kernel: |k| &k.matmul_small2_nt1 },
     SmallVariant { mt: 2, nt: 2, kernel: |k| &k.matmul_small2_nt2 },
     SmallVariant { mt: 4, nt: 1, kernel: |k| &k.matmul_small4_nt1 },
@@ -34,14 +33,45 @@ pub(super) const SMALL_VARIANTS: [SmallVariant; 7] = [
 /// Index into [`SMALL_VARIANTS`] for `rows <= SMALL_MAX_ROWS` rows and `n` output columns.
 fn small_variant(rows: usize, n: usize) -> usize {
     let mt = rows.div_ceil(16).next_power_of_two().min(4);
-    // Enough warps to keep the memory system busy: narrower column blocks for small N.
-    let nt = match n {
-        0..=2048 => 1,
-        2049..=8192 => 2,
-        _ => 4,
-    };
+    // Enough warps to keep the memory system busy: narrower column blocks for small N. (Four n
+    // tiles per block measured no faster than two at any width, 4096 to 248320 columns.)
+    let nt = if n <= 2048 { 1 } else { 2 };
     // The widest n tile that exists for this m tile count.
     (0..SMALL_VARIANTS.len()).filter(|&i| SMALL_VARIANTS[i].mt == mt && SMALL_VARIANTS[i].nt <= nt).max_by_key(|&i| SMALL_VARIANTS[i].nt).expect("every m tile count has an nt=1 kernel")
+}
+
+/// What a matmul does with each product (`struct Epilogue` in cuda/matmul.cu, passed by
+/// value): store it, add it into the output, apply SwiGLU to gate/up pairs, or cut the columns
+/// into parts. Every mode computes the same products; only the store differs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Epilogue {
+    mode: i32,
+    parts: i32,
+    width: [i32; 4],
+    ptr: [u64; 4],
+}
+
+// SAFETY: a plain `repr(C)` struct of integers with the layout of the kernels' `struct Epilogue`.
+unsafe impl cudarc::driver::DeviceRepr for Epilogue {}
+
+/// Most column parts one launch can write.
+pub(super) const MAX_PARTS: usize = 4;
+
+impl Epilogue {
+    pub const STORE: Epilogue = Epilogue { mode: 0, parts: 0, width: [0; 4], ptr: [0; 4] };
+    pub const ADD: Epilogue = Epilogue { mode: 1, parts: 0, width: [0; 4], ptr: [0; 4] };
+    pub const SWIGLU: Epilogue = Epilogue { mode: 2, parts: 0, width: [0; 4], ptr: [0; 4] };
+
+    fn parts(parts: &[(u64, usize)]) -> Epilogue {
+        assert!((1..=MAX_PARTS).contains(&parts.len()), "matmul: {} output parts (1..={MAX_PARTS})", parts.len());
+        let mut e = Epilogue { mode: 3, parts: parts.len() as i32, ..Default::default() };
+        for (i, &(ptr, width)) in parts.iter().enumerate() {
+            e.ptr[i] = ptr;
+            e.width[i] = width as i32;
+        }
+        e
+    }
 }
 
 /// Row lists of a grouped (per-expert) launch.
@@ -67,7 +97,7 @@ pub(super) const PIPELINED_SMEM: usize = 3 * 3 * 128 * 64;
 /// `out[rows, n] = x[x_rows, k] @ W^T`. Plain launches read rows `0..rows` of `x`; grouped
 /// launches read the rows listed per group (at most `rows` per group).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, whi: u64, wlo: u64, rows: usize, n: usize, k: usize, grouped: Option<&Grouped>) {
+pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, whi: u64, wlo: u64, rows: usize, n: usize, k: usize, grouped: Option<&Grouped>, epi: Epilogue) {
     if rows == 0 || n == 0 {
         return;
     }
@@ -95,6 +125,7 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(xs), Arg::Ptr(whi), Arg::Ptr(wlo)];
         args.extend(tail);
         args.push(Arg::I64((x_rows * k) as i64));
+        args.push(Arg::Epilogue(epi));
         // One wave of resident blocks; more column blocks are walked by the grid-stride loop.
         let col_blocks = n.div_ceil(8 * v.nt).min(be.small_matmul_slots[index]);
         be.launch((v.kernel)(&be.k), (col_blocks as u32, rows.div_ceil(16 * v.mt) as u32, groups as u32), SMALL_THREADS, 0, &args);
@@ -105,10 +136,12 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
         let (hi, lo) = (be.ptr(&split), be.ptr(&split) + 2 * elems as u64);
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(hi), Arg::Ptr(lo), Arg::Ptr(whi)];
         args.extend(tail);
+        args.push(Arg::Epilogue(epi));
         be.launch(&be.k.matmul_pipelined, (n.div_ceil(128) as u32, rows.div_ceil(128) as u32, groups as u32), 256, PIPELINED_SMEM, &args);
     } else {
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(x), Arg::Ptr(whi), Arg::Ptr(wlo)];
         args.extend(tail);
+        args.push(Arg::Epilogue(epi));
         be.launch(&be.k.matmul_tiled, (n.div_ceil(64) as u32, rows.div_ceil(64) as u32, groups as u32), 128, 0, &args);
     }
 }
@@ -127,11 +160,39 @@ fn pipelined_fits(be: &CudaBackend, has_lo: bool, k: usize) -> bool {
     !has_lo && k.is_multiple_of(32) && PIPELINED_SMEM <= be.max_dynamic_smem
 }
 
-pub(super) fn matmul(be: &CudaBackend, x: &CudaTensor, w: &CudaMatrix) -> CudaTensor {
+/// `x @ w^T` with the products stored by `epi` at `out`.
+fn launch_plain(be: &CudaBackend, out: u64, x: &CudaTensor, w: &CudaMatrix, epi: Epilogue) {
     assert_eq!(x.cols, w.cols, "matmul: activation has {} columns, weight has {} inputs", x.cols, w.cols);
-    let out = be.tensor(x.rows, w.rows);
     let wlo = w.lo.as_ref().map_or(0, |l| be.ptr(l));
-    launch_matmul(be, be.ptr(&out.data), be.ptr(&x.data), x.rows, be.ptr(&w.hi), wlo, x.rows, w.rows, w.cols, None);
+    launch_matmul(be, out, be.ptr(&x.data), x.rows, be.ptr(&w.hi), wlo, x.rows, w.rows, w.cols, None, epi);
+}
+
+pub(super) fn matmul(be: &CudaBackend, x: &CudaTensor, w: &CudaMatrix) -> CudaTensor {
+    let out = be.tensor(x.rows, w.rows);
+    launch_plain(be, be.ptr(&out.data), x, w, Epilogue::STORE);
+    out
+}
+
+/// `acc += x @ w^T` in the matmul's store.
+pub(super) fn matmul_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &CudaMatrix) {
+    assert_eq!((acc.rows, acc.cols), (x.rows, w.rows), "matmul_add: accumulator shape");
+    launch_plain(be, be.ptr(&acc.data), x, w, Epilogue::ADD);
+}
+
+/// `x @ w^T` cut into column parts of `widths`, each written to its own tensor by the store.
+pub(super) fn matmul_parts(be: &CudaBackend, x: &CudaTensor, w: &CudaMatrix, widths: &[usize]) -> Vec<CudaTensor> {
+    assert_eq!(widths.iter().sum::<usize>(), w.rows, "matmul_parts: widths {widths:?} do not add up to {} rows", w.rows);
+    let outs: Vec<CudaTensor> = widths.iter().map(|&n| be.tensor(x.rows, n)).collect();
+    let parts: Vec<(u64, usize)> = outs.iter().zip(widths).map(|(t, &n)| (be.ptr(&t.data), n)).collect();
+    launch_plain(be, parts[0].0, x, w, Epilogue::parts(&parts));
+    outs
+}
+
+/// `silu(x @ gate^T) * (x @ up^T)` for gate stacked over up, in the matmul's store.
+pub(super) fn matmul_swiglu(be: &CudaBackend, x: &CudaTensor, w: &CudaMatrix) -> CudaTensor {
+    assert!(w.rows.is_multiple_of(2), "matmul_swiglu: {} rows is not gate over up", w.rows);
+    let out = be.tensor(x.rows, w.rows / 2);
+    launch_plain(be, be.ptr(&out.data), x, w, Epilogue::SWIGLU);
     out
 }
 
@@ -146,7 +207,7 @@ mod tests {
                 let v = &SMALL_VARIANTS[small_variant(rows, n)];
                 assert_eq!(rows.div_ceil(16 * v.mt), 1, "rows {rows}: one block row streams the weights once");
                 assert!(16 * v.mt < 2 * rows.max(16), "rows {rows}: at most twice the m tiles needed");
-                let widest = if n <= 2048 { 1 } else if n <= 8192 { 2 } else { 4 };
+                let widest = if n <= 2048 { 1 } else { 2 };
                 assert!(v.nt <= widest);
             }
         }

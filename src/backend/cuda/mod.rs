@@ -79,6 +79,8 @@ pub(super) enum Arg {
     F32(f32),
     U64(u64),
     I64(i64),
+    /// What a matmul stores (matmul::Epilogue, `struct Epilogue` in cuda/matmul.cu).
+    Epilogue(matmul::Epilogue),
 }
 
 macro_rules! kernel_table {
@@ -104,7 +106,7 @@ macro_rules! kernel_table {
 
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth],
-    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_tiled, matmul_pipelined, split_activations],
+    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core],
     "gdn" => [gdn_conv, gdn_conv_state, gdn_gates, gdn_recurrent, gdn_chunked, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine],
@@ -115,7 +117,7 @@ kernel_table! {
 type RopeKey = (u64, usize);
 
 /// Per-expert weight pointer tables of one MoE block: (gate, up, down), each `[E][hi, lo]`.
-pub(super) type ExpertTables = Arc<[CudaSlice<u64>; 3]>;
+pub(super) type ExpertTables = Arc<[CudaSlice<u64>; 2]>;
 
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -141,6 +143,23 @@ pub struct CudaBackend {
     profiler: profile::Profiler,
 }
 
+/// Activations are allocated from the device's default memory pool (`cuMemAllocAsync`). Its
+/// release threshold defaults to zero, which hands every freed byte back to the driver at each
+/// synchronization, so each step would map its activation memory afresh; keep it instead (the
+/// memory planning leaves room for the activations anyway).
+fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<(), DriverError> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread()?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: a valid device handle and out pointer; the attribute takes a u64 by pointer.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()?;
+        sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast()).result()?;
+    }
+    Ok(())
+}
+
 impl CudaBackend {
     /// Opens GPU `ordinal`, compiles (or loads cached) kernels for its architecture.
     pub fn new(ordinal: usize) -> Result<Self, CudaInitError> {
@@ -153,6 +172,7 @@ impl CudaBackend {
         // Per-slice event tracking breaks graph capture; this backend orders all work on one stream.
         // SAFETY: called before any allocation on this context.
         unsafe { ctx.disable_event_tracking() };
+        keep_pool_memory(&ctx).map_err(driver)?;
         let (major, minor) = ctx.compute_capability().map_err(driver)?;
         let name = ctx.name().map_err(driver)?;
         if major < 8 {
@@ -255,6 +275,7 @@ impl CudaBackend {
                 Arg::I32(v) => b.arg(v),
                 Arg::F32(v) => b.arg(v),
                 Arg::I64(v) => b.arg(v),
+                Arg::Epilogue(v) => b.arg(v),
             };
         }
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem as u32 };

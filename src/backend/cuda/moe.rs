@@ -1,7 +1,7 @@
 //! Mixture of experts on the device: routing, per-expert row lists in token order, grouped
 //! expert matmuls (one launch per projection for all experts), and the weighted sum.
 
-use super::matmul::{launch_matmul, Grouped};
+use super::matmul::{launch_matmul, Epilogue, Grouped};
 use super::{ck, Arg, CudaBackend, CudaTensor, ExpertTables};
 use crate::backend::MoeWeights;
 use crate::model::config::MoeConfig;
@@ -23,7 +23,7 @@ fn expert_tables(be: &CudaBackend, w: &MoeWeights<CudaBackend>) -> ExpertTables 
                 let ptrs: Vec<u64> = w.experts.iter().flat_map(|m| [be.ptr(&m[which].hi), m[which].lo.as_ref().map_or(0, |l| be.ptr(l))]).collect();
                 ck(be.stream.clone_htod(&ptrs), "expert table upload")
             };
-            Arc::new([table(0), table(1), table(2)])
+            Arc::new([table(0), table(1)])
         })
         .clone()
 }
@@ -33,8 +33,8 @@ pub(super) fn moe(be: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>,
     let (e, k, inter) = (cfg.num_experts, cfg.top_k, cfg.expert_intermediate);
     assert_eq!(w.experts.len(), e, "moe: {} experts loaded, config says {e}", w.experts.len());
     assert!(k >= 1 && k <= e && k <= MAX_TOP_K, "moe: top-k {k} unsupported");
-    for (i, [g, u, d]) in w.experts.iter().enumerate() {
-        assert!((g.rows, g.cols, u.rows, u.cols, d.rows, d.cols) == (inter, h, inter, h, h, inter), "moe: expert {i} has unexpected shapes");
+    for (i, [gu, d]) in w.experts.iter().enumerate() {
+        assert!((gu.rows, gu.cols, d.rows, d.cols) == (2 * inter, h, h, inter), "moe: expert {i} has unexpected shapes");
     }
     let logits = super::matmul::matmul(be, x, &w.router);
     let topk_idx = be.alloc_i32(t * k);
@@ -82,18 +82,13 @@ pub(super) fn moe(be: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>,
         groups,
         has_lo: w.experts.iter().any(|m| m[which].lo.is_some()),
     };
-    let gate = be.tensor(t * k, inter);
-    let up = be.tensor(t * k, inter);
-    launch_matmul(be, be.ptr(&gate.data), be.ptr(&x.data), t, 0, 0, t, inter, h, Some(&grouped(0, k)));
-    launch_matmul(be, be.ptr(&up.data), be.ptr(&x.data), t, 0, 0, t, inter, h, Some(&grouped(1, k)));
-    let act = super::ops::silu_mul(be, &gate, &up);
+    // Gate and up in one grouped launch, SwiGLU applied in its store.
+    let act = be.tensor(t * k, inter);
+    launch_matmul(be, be.ptr(&act.data), be.ptr(&x.data), t, 0, 0, t, 2 * inter, h, Some(&grouped(0, k)), Epilogue::SWIGLU);
     let y = be.tensor(t * k, h);
-    launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), t * k, 0, 0, t, h, inter, Some(&grouped(2, 1)));
+    launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), t * k, 0, 0, t, h, inter, Some(&grouped(1, 1)), Epilogue::STORE);
 
-    let shared = w.shared.as_ref().map(|[g, u, d]| {
-        let a = super::ops::silu_mul(be, &super::matmul::matmul(be, x, g), &super::matmul::matmul(be, x, u));
-        super::matmul::matmul(be, &a, d)
-    });
+    let shared = w.shared.as_ref().map(|[gu, d]| super::matmul::matmul(be, &super::matmul::matmul_swiglu(be, x, gu), d));
     let shared_gate = match (&shared, &w.shared_gate) {
         (Some(_), Some(g)) => Some(super::matmul::matmul(be, x, g)),
         _ => None,

@@ -57,25 +57,45 @@ impl Backend for CudaBackend {
     }
 
     fn upload_matrix(&self, m: &MatrixBytes) -> Result<CudaMatrix, BackendError> {
-        let (rows, cols) = (m.rows, m.cols);
+        self.upload_stacked(std::slice::from_ref(m))
+    }
+
+    fn upload_stacked(&self, parts: &[MatrixBytes]) -> Result<CudaMatrix, BackendError> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        if let Some(p) = parts.iter().find(|p| p.cols != cols) {
+            return Err(BackendError::Invalid(format!("cannot stack a {}x{} matrix under {cols} columns", p.rows, p.cols)));
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let oom = |bytes: usize, e: cudarc::driver::DriverError| BackendError::OutOfMemory(format!("{} MiB of weights: {e:?}", bytes >> 20));
         let matrix = if let Some(seed) = self.random_seed() {
             self.random_matrix(rows, cols, seed)?
-        } else {
-            match m.dtype {
-                // Stored bf16 goes up as is.
-                Dtype::BF16 => {
-                    let hi = self.stream.clone_htod(m.bytes()).map_err(|e| BackendError::OutOfMemory(format!("{} MiB of weights: {e:?}", m.bytes().len() >> 20)))?;
-                    CudaMatrix { hi, lo: None, rows, cols, expert_tables: Default::default() }
-                }
-                Dtype::F32 | Dtype::F16 => {
-                    let values = kestrel_quant::dequantize(m.dtype, m.bytes()).map_err(|e| BackendError::Invalid(e.to_string()))?;
-                    let (hi, lo) = split_bf16(&values);
-                    CudaMatrix { hi: upload_u16(self, &hi)?, lo: Some(upload_u16(self, &lo)?), rows, cols, expert_tables: Default::default() }
-                }
+        } else if parts.iter().all(|p| p.dtype == Dtype::BF16) {
+            // Stored bf16 goes up as is, each part straight into its rows.
+            let total: usize = parts.iter().map(|p| p.bytes().len()).sum();
+            // SAFETY: every byte is written by the part copies below.
+            let mut hi = unsafe { self.stream.alloc::<u8>(total.max(2)) }.map_err(|e| oom(total, e))?;
+            let mut offset = 0;
+            for p in parts {
+                let bytes = p.bytes();
+                self.stream.memcpy_htod(bytes, &mut hi.slice_mut(offset..offset + bytes.len())).map_err(|e| oom(total, e))?;
+                offset += bytes.len();
             }
+            CudaMatrix { hi, lo: None, rows, cols, expert_tables: Default::default() }
+        } else {
+            // F32/F16 weights keep ~16 bits as bf16 hi + lo matrices.
+            let mut values = Vec::with_capacity(rows * cols);
+            for p in parts {
+                values.extend(kestrel_quant::dequantize(p.dtype, p.bytes()).map_err(|e| BackendError::Invalid(e.to_string()))?);
+            }
+            let (hi, lo) = split_bf16(&values);
+            CudaMatrix { hi: upload_u16(self, &hi)?, lo: Some(upload_u16(self, &lo)?), rows, cols, expert_tables: Default::default() }
         };
         self.uploaded_bytes.fetch_add(matrix.device_bytes(), Ordering::Relaxed);
         Ok(matrix)
+    }
+
+    fn matrix_rows(&self, w: &CudaMatrix) -> usize {
+        w.rows
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<CudaVector, BackendError> {
@@ -141,6 +161,21 @@ impl Backend for CudaBackend {
     fn matmul(&self, x: &CudaTensor, w: &CudaMatrix) -> CudaTensor {
         let _span = self.span("matmul");
         super::matmul::matmul(self, x, w)
+    }
+
+    fn matmul_add(&self, acc: &mut CudaTensor, x: &CudaTensor, w: &CudaMatrix) {
+        let _span = self.span("matmul");
+        super::matmul::matmul_add(self, acc, x, w)
+    }
+
+    fn matmul_parts(&self, x: &CudaTensor, w: &CudaMatrix, widths: &[usize]) -> Vec<CudaTensor> {
+        let _span = self.span("matmul");
+        super::matmul::matmul_parts(self, x, w, widths)
+    }
+
+    fn matmul_swiglu(&self, x: &CudaTensor, w: &CudaMatrix) -> CudaTensor {
+        let _span = self.span("matmul");
+        super::matmul::matmul_swiglu(self, x, w)
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) {

@@ -42,6 +42,16 @@ impl<B: Backend> Loader<'_, B> {
         view.expect_shape(&[rows, cols])?;
         Ok(self.backend.upload_matrix(&view.matrix(rows, cols)?)?)
     }
+    /// The named `[rows, cols]` matrices stacked by rows into one (projections of one input).
+    pub fn stacked(&self, parts: &[(&str, usize)], cols: usize) -> Result<B::Matrix, LoadError> {
+        let mut bytes = Vec::with_capacity(parts.len());
+        for &(name, rows) in parts {
+            let view = self.view(name)?;
+            view.expect_shape(&[rows, cols])?;
+            bytes.push(view.matrix(rows, cols)?);
+        }
+        Ok(self.backend.upload_stacked(&bytes)?)
+    }
     pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
         let view = self.view(name)?;
         if view.numel() != len {
@@ -64,8 +74,8 @@ impl<B: Backend> Loader<'_, B> {
 }
 
 enum GdnProjection<B: Backend> {
-    /// Qwen3.5: separate q|k|v, z, b and a projections.
-    Split { qkv: B::Matrix, z: B::Matrix, b: B::Matrix, a: B::Matrix },
+    /// Qwen3.5: the q|k|v, z, b and a projections stacked into one matmul of four parts.
+    Stacked { qkvzba: B::Matrix, widths: [usize; 4] },
     /// Qwen3-Next: fused projections grouped per key head; regrouped by column gathers.
     Packed { qkvz: B::Matrix, ba: B::Matrix, mixed_cols: Vec<u32>, z_cols: Vec<u32>, b_cols: Vec<u32>, a_cols: Vec<u32> },
 }
@@ -78,9 +88,9 @@ struct GdnLayer<B: Backend> {
 }
 
 pub(crate) struct AttnLayer<B: Backend> {
-    q_proj: B::Matrix,
-    k_proj: B::Matrix,
-    v_proj: B::Matrix,
+    /// q (with its gate) | k | v stacked: one matmul of three parts.
+    qkv_proj: B::Matrix,
+    qkv_widths: [usize; 3],
     o_proj: B::Matrix,
     q_norm: B::Vector,
     k_norm: B::Vector,
@@ -93,7 +103,8 @@ enum Mixer<B: Backend> {
 }
 
 enum Mlp<B: Backend> {
-    Dense { gate: B::Matrix, up: B::Matrix, down: B::Matrix },
+    /// `gate_up`: gate stacked over up, one matmul with the SwiGLU in its store.
+    Dense { gate_up: B::Matrix, down: B::Matrix },
     Moe(MoeWeights<B>),
 }
 
@@ -221,10 +232,15 @@ impl<B: Backend> DecoderLayer<B> {
     pub(crate) fn forward(&self, m: &Qwen35<B>, b: &B, x: &mut B::Tensor, layout: &BatchLayout, cache: &mut B::Cache) {
         let c = &m.config;
         let h = b.rms_norm(x, &self.input_norm, c.rms_norm_eps);
-        let mixed_out = match &self.mixer {
+        // The output projections add into the residual stream in their store.
+        match &self.mixer {
             Mixer::Linear(g) => {
                 let (mixed, z, bb, a) = match &g.proj {
-                    GdnProjection::Split { qkv, z, b: wb, a } => (b.matmul(&h, qkv), b.matmul(&h, z), b.matmul(&h, wb), b.matmul(&h, a)),
+                    GdnProjection::Stacked { qkvzba, widths } => {
+                        let mut p = b.matmul_parts(&h, qkvzba, widths).into_iter();
+                        let mut next = || p.next().expect("four projection parts");
+                        (next(), next(), next(), next())
+                    }
                     GdnProjection::Packed { qkvz, ba, mixed_cols, z_cols, b_cols, a_cols } => {
                         let p = b.matmul(&h, qkvz);
                         let q = b.matmul(&h, ba);
@@ -232,34 +248,38 @@ impl<B: Backend> DecoderLayer<B> {
                     }
                 };
                 let o = b.gated_delta_net(&mixed, &z, &bb, &a, &g.params, &c.linear, c.rms_norm_eps, layout, cache, g.linear_index);
-                b.matmul(&o, &g.out_proj)
+                b.matmul_add(x, &o, &g.out_proj);
             }
-            Mixer::Full(att) => att.forward(m, b, &h, layout, cache),
-        };
-        b.add_assign(x, &mixed_out);
+            Mixer::Full(att) => {
+                let o = att.attend(m, b, &h, layout, cache);
+                b.matmul_add(x, &o, &att.o_proj);
+            }
+        }
         let h = b.rms_norm(x, &self.post_norm, c.rms_norm_eps);
-        let mlp_out = match &self.mlp {
-            Mlp::Dense { gate, up, down } => b.matmul(&b.silu_mul(&b.matmul(&h, gate), &b.matmul(&h, up)), down),
-            Mlp::Moe(w) => b.moe(&h, w, c.moe.as_ref().expect("MoE layer without MoE config")),
-        };
-        b.add_assign(x, &mlp_out);
+        match &self.mlp {
+            Mlp::Dense { gate_up, down } => b.matmul_add(x, &b.matmul_swiglu(&h, gate_up), down),
+            Mlp::Moe(w) => b.add_assign(x, &b.moe(&h, w, c.moe.as_ref().expect("MoE layer without MoE config"))),
+        }
     }
 }
 
 impl<B: Backend> AttnLayer<B> {
-    fn forward(&self, m: &Qwen35<B>, b: &B, h: &B::Tensor, layout: &BatchLayout, cache: &mut B::Cache) -> B::Tensor {
-        let (qg, k, v) = (b.matmul(h, &self.q_proj), b.matmul(h, &self.k_proj), b.matmul(h, &self.v_proj));
-        let att = b.gated_attention(&qg, &k, &v, &self.q_norm, &self.k_norm, &m.attention_dims(), layout, cache, self.attention_index);
-        b.matmul(&att, &self.o_proj)
+    /// The attention output before the output projection.
+    fn attend(&self, m: &Qwen35<B>, b: &B, h: &B::Tensor, layout: &BatchLayout, cache: &mut B::Cache) -> B::Tensor {
+        let mut p = b.matmul_parts(h, &self.qkv_proj, &self.qkv_widths).into_iter();
+        let mut next = || p.next().expect("three projection parts");
+        let (qg, k, v) = (next(), next(), next());
+        b.gated_attention(&qg, &k, &v, &self.q_norm, &self.k_norm, &m.attention_dims(), layout, cache, self.attention_index)
     }
 }
 
 pub(crate) fn load_attention<B: Backend>(ld: &Loader<B>, c: &ModelConfig, p: &str, attention_index: usize) -> Result<AttnLayer<B>, LoadError> {
     let (h, d) = (c.hidden_size, c.head_dim);
+    let qkv_widths = [c.num_heads * d * 2, c.num_kv_heads * d, c.num_kv_heads * d];
+    let names = ["q_proj", "k_proj", "v_proj"].map(|n| format!("{p}self_attn.{n}.weight"));
     Ok(AttnLayer {
-        q_proj: ld.matrix(&format!("{p}self_attn.q_proj.weight"), c.num_heads * d * 2, h)?,
-        k_proj: ld.matrix(&format!("{p}self_attn.k_proj.weight"), c.num_kv_heads * d, h)?,
-        v_proj: ld.matrix(&format!("{p}self_attn.v_proj.weight"), c.num_kv_heads * d, h)?,
+        qkv_proj: ld.stacked(&[(&names[0], qkv_widths[0]), (&names[1], qkv_widths[1]), (&names[2], qkv_widths[2])], h)?,
+        qkv_widths,
         o_proj: ld.matrix(&format!("{p}self_attn.o_proj.weight"), h, c.num_heads * d)?,
         q_norm: ld.norm1p(&format!("{p}self_attn.q_norm.weight"), d)?,
         k_norm: ld.norm1p(&format!("{p}self_attn.k_norm.weight"), d)?,
@@ -289,12 +309,9 @@ fn load_gdn<B: Backend>(ld: &Loader<B>, c: &ModelConfig, p: &str, linear_index: 
             a_cols: ba_cols(r),
         }
     } else {
-        GdnProjection::Split {
-            qkv: ld.matrix(&format!("{p}in_proj_qkv.weight"), l.conv_dim(), h)?,
-            z: ld.matrix(&format!("{p}in_proj_z.weight"), l.value_dim(), h)?,
-            b: ld.matrix(&format!("{p}in_proj_b.weight"), l.num_value_heads, h)?,
-            a: ld.matrix(&format!("{p}in_proj_a.weight"), l.num_value_heads, h)?,
-        }
+        let widths = [l.conv_dim(), l.value_dim(), l.num_value_heads, l.num_value_heads];
+        let names = ["qkv", "z", "b", "a"].map(|n| format!("{p}in_proj_{n}.weight"));
+        GdnProjection::Stacked { qkvzba: ld.stacked(&[(&names[0], widths[0]), (&names[1], widths[1]), (&names[2], widths[2]), (&names[3], widths[3])], h)?, widths }
     };
     let conv = ld.vector(&format!("{p}conv1d.weight"), l.conv_dim() * l.conv_kernel)?;
     let neg_a: Vec<f32> = ld.vector(&format!("{p}A_log"), l.num_value_heads)?.iter().map(|a| -a.exp()).collect();
@@ -316,11 +333,8 @@ fn load_mlp<B: Backend>(ld: &Loader<B>, c: &ModelConfig, p: &str, moe: bool) -> 
     let h = c.hidden_size;
     if !moe {
         let i = c.intermediate_size;
-        return Ok(Mlp::Dense {
-            gate: ld.matrix(&format!("{p}mlp.gate_proj.weight"), i, h)?,
-            up: ld.matrix(&format!("{p}mlp.up_proj.weight"), i, h)?,
-            down: ld.matrix(&format!("{p}mlp.down_proj.weight"), h, i)?,
-        });
+        let (gate, up) = (format!("{p}mlp.gate_proj.weight"), format!("{p}mlp.up_proj.weight"));
+        return Ok(Mlp::Dense { gate_up: ld.stacked(&[(&gate, i), (&up, i)], h)?, down: ld.matrix(&format!("{p}mlp.down_proj.weight"), h, i)? });
     }
     let m = c.moe.as_ref().expect("MoE layer without MoE config");
     let (e, i) = (m.num_experts, m.expert_intermediate);
@@ -331,29 +345,19 @@ fn load_mlp<B: Backend>(ld: &Loader<B>, c: &ModelConfig, p: &str, moe: bool) -> 
         let dn = ld.view_matrix(&format!("{p}mlp.experts.down_proj"), &[e, h, i])?;
         for x in 0..e {
             let b = ld.backend;
-            experts.push([
-                b.upload_matrix(&gu.rows(x * 2 * i, x * 2 * i + i))?,
-                b.upload_matrix(&gu.rows(x * 2 * i + i, (x + 1) * 2 * i))?,
-                b.upload_matrix(&dn.rows(x * h, (x + 1) * h))?,
-            ]);
+            experts.push([b.upload_matrix(&gu.rows(x * 2 * i, (x + 1) * 2 * i))?, b.upload_matrix(&dn.rows(x * h, (x + 1) * h))?]);
         }
     } else {
         for x in 0..e {
             let q = format!("{p}mlp.experts.{x}.");
-            experts.push([
-                ld.matrix(&format!("{q}gate_proj.weight"), i, h)?,
-                ld.matrix(&format!("{q}up_proj.weight"), i, h)?,
-                ld.matrix(&format!("{q}down_proj.weight"), h, i)?,
-            ]);
+            let (gate, up) = (format!("{q}gate_proj.weight"), format!("{q}up_proj.weight"));
+            experts.push([ld.stacked(&[(&gate, i), (&up, i)], h)?, ld.matrix(&format!("{q}down_proj.weight"), h, i)?]);
         }
     }
     let shared = if m.shared_intermediate > 0 {
         let s = m.shared_intermediate;
-        Some([
-            ld.matrix(&format!("{p}mlp.shared_expert.gate_proj.weight"), s, h)?,
-            ld.matrix(&format!("{p}mlp.shared_expert.up_proj.weight"), s, h)?,
-            ld.matrix(&format!("{p}mlp.shared_expert.down_proj.weight"), h, s)?,
-        ])
+        let (gate, up) = (format!("{p}mlp.shared_expert.gate_proj.weight"), format!("{p}mlp.shared_expert.up_proj.weight"));
+        Some([ld.stacked(&[(&gate, s), (&up, s)], h)?, ld.matrix(&format!("{p}mlp.shared_expert.down_proj.weight"), h, s)?])
     } else {
         None
     };
