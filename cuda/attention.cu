@@ -1,12 +1,37 @@
 // Gated full attention: q/gate split, per-head q/k RMSNorm, partial NeoX RoPE, paged KV
 // writes (attn_prep), then causal attention per (token, head) over key tiles of 64 aligned to
-// absolute positions, with an online softmax (attn_core). A query's arithmetic depends only on
-// its own context, so it is the same alone, in any batch, and in any prefill split.
+// absolute positions, with an online softmax (attn_core). A query's context is cut into
+// ATTN_SPLITS contiguous ranges of whole tiles (their length from the context length alone);
+// each range gets its own online softmax, and the range results are merged in range order
+// (merge_range). The ranges run in one block one after another, or, for steps with few rows, in
+// blocks of their own whose results attn_combine merges: the same arithmetic either way. A
+// query's arithmetic depends only on its own context, so it is the same alone, in any batch,
+// and in any prefill split.
 
 #define KEY_TILE 64
 #define MAX_ELEMS_PER_THREAD 8
 #define MAX_DIMS_PER_LANE 8   // head_dim <= 256
 #define KEYS_PER_PASS 4
+#define ATTN_SPLITS 8
+
+// Keys per range for a context of ctx keys: whole tiles, ATTN_SPLITS ranges covering ctx.
+__device__ __forceinline__ int range_keys(int ctx) {
+    return (ctx + ATTN_SPLITS * KEY_TILE - 1) / (ATTN_SPLITS * KEY_TILE) * KEY_TILE;
+}
+
+// Merges one range's (m, l, acc) into the running (M, L, ACC), ranges in order; products and
+// sums rounded one by one (no contraction), so every kernel that merges gets the same bits.
+// Call only for non-empty ranges (l > 0, m finite). Returns the new M; *L is updated.
+__device__ __forceinline__ float merge_scales(float M, float* L, float m, float l, float* c_old, float* c_new) {
+    float mn = fmaxf(M, m);
+    *c_old = expf(M - mn);
+    *c_new = expf(m - mn);
+    *L = __fadd_rn(__fmul_rn(*L, *c_old), __fmul_rn(l, *c_new));
+    return mn;
+}
+__device__ __forceinline__ float merge_acc(float ACC, float acc, float c_old, float c_new) {
+    return __fadd_rn(__fmul_rn(ACC, c_old), __fmul_rn(acc, c_new));
+}
 
 // grid (T, nq + nkv), 128 threads; dynamic shared memory: hd floats.
 extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cache, float* v_cache, const float* qg, const float* k, const float* v,
@@ -54,12 +79,15 @@ extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cac
     }
 }
 
-// grid (T, nq / heads_per_block), 256 threads. A block serves heads_per_block query heads of
-// one kv group (sharing the key/value reads); the per-(query, head) arithmetic is identical
-// for any heads_per_block. Dynamic shared memory: heads_per_block * (hd + KEY_TILE + 3) floats.
+// grid (T, nq / heads_per_block, 1 or ATTN_SPLITS), 256 threads. A block serves
+// heads_per_block query heads of one kv group (sharing the key/value reads); the per-(query,
+// head) arithmetic is identical for any heads_per_block. With gridDim.z == 1 a block walks all
+// ranges and merges them; with gridDim.z == ATTN_SPLITS block z computes range z only and
+// writes its (m, l, acc) to `partial` ([T][nq][ATTN_SPLITS][hd + 2]) for attn_combine.
+// Dynamic shared memory: heads_per_block * (hd + KEY_TILE + 5) floats.
 extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const float* q, const float* gate, const float* k_cache, const float* v_cache,
         const int* tok_row, const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd, int block_size,
-        int heads_per_block, float scale) {
+        int heads_per_block, float scale, float* partial) {
     extern __shared__ float sm[];
     __shared__ long long slots[KEY_TILE];
     int hpb = heads_per_block;
@@ -68,21 +96,32 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
     float* mrun = sc + hpb * KEY_TILE;   // [hpb]
     float* lrun = mrun + hpb;            // [hpb]
     float* corr = lrun + hpb;            // [hpb]
+    float* mtot = corr + hpb;            // [hpb]
+    float* ltot = mtot + hpb;            // [hpb]
     int t = blockIdx.x, h0 = blockIdx.y * hpb;
     int group = nq / nkv, kvh = h0 / group;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = blockDim.x >> 5;
     for (int e = tid; e < hpb * hd; e += blockDim.x) qs[e] = q[(long long)t * nq * hd + (long long)h0 * hd + e];
-    if (tid < hpb) { mrun[tid] = NEG_INF; lrun[tid] = 0.0f; }
+    if (tid < hpb) { mtot[tid] = NEG_INF; ltot[tid] = 0.0f; }
     RowInfo row = rows[tok_row[t]];
     const int* table = block_tables + row.block_table_offset;
     int ctx = positions[t] + 1;
     int kv_stride = nkv * hd;
+    int span = range_keys(ctx);
+    bool split = gridDim.z > 1;
+    float tot[MAX_ELEMS_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) tot[i] = 0.0f;
+    for (int r = split ? blockIdx.z : 0; r < (split ? (int)blockIdx.z + 1 : ATTN_SPLITS); ++r) {
+    int k0 = r * span, k1 = min(ctx, k0 + span);
+    if (k0 >= k1) break;  // this range and the later ones are empty (uniform across the block)
     float acc[MAX_ELEMS_PER_THREAD];
 #pragma unroll
     for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) acc[i] = 0.0f;
+    if (tid < hpb) { mrun[tid] = NEG_INF; lrun[tid] = 0.0f; }
     __syncthreads();
-    for (int p0 = 0; p0 < ctx; p0 += KEY_TILE) {
-        int np = min(KEY_TILE, ctx - p0);
+    for (int p0 = k0; p0 < k1; p0 += KEY_TILE) {
+        int np = min(KEY_TILE, k1 - p0);
         if (tid < np) {
             int p = p0 + tid;
             slots[tid] = (long long)table[p / block_size] * block_size + p % block_size;
@@ -151,12 +190,64 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
         }
         __syncthreads();
     }
+    if (split) {
+        // This range's result for attn_combine.
+        for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) {
+            int e = tid + i * blockDim.x;
+            if (e >= hpb * hd) break;
+            int g = e / hd, d = e % hd;
+            partial[(((long long)t * nq + h0 + g) * ATTN_SPLITS + r) * (hd + 2) + 2 + d] = acc[i];
+        }
+        if (tid < hpb) {
+            float* pm = partial + (((long long)t * nq + h0 + tid) * ATTN_SPLITS + r) * (hd + 2);
+            pm[0] = mrun[tid];
+            pm[1] = lrun[tid];
+        }
+        return;
+    }
+    // Merge this range into the running totals: every thread reads the old totals, then one
+    // thread per head updates them.
+#pragma unroll
+    for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) {
+        int e = tid + i * blockDim.x;
+        if (e >= hpb * hd) break;
+        int g = e / hd;
+        float L = ltot[g], c_old, c_new;
+        merge_scales(mtot[g], &L, mrun[g], lrun[g], &c_old, &c_new);
+        tot[i] = merge_acc(tot[i], acc[i], c_old, c_new);
+    }
+    __syncthreads();
+    if (tid < hpb) {
+        float c_old, c_new;
+        mtot[tid] = merge_scales(mtot[tid], &ltot[tid], mrun[tid], lrun[tid], &c_old, &c_new);
+    }
+    __syncthreads();
+    }
+    if (split) return;  // an empty range: attn_combine skips it
 #pragma unroll
     for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) {
         int e = tid + i * blockDim.x;
         if (e >= hpb * hd) break;
         int g = e / hd;
         long long o = (long long)t * nq * hd + (long long)h0 * hd + e;
-        out[o] = acc[i] / lrun[g] * sigmoidf_(gate[o]);
+        out[o] = tot[i] / ltot[g] * sigmoidf_(gate[o]);
+    }
+}
+
+// grid (T, nq), hd threads (rounded up to a warp): merges the ranges attn_core wrote to
+// `partial`, in range order, exactly as attn_core merges them in one block.
+extern "C" __global__ void attn_combine(float* out, const float* gate, const float* partial, const int* positions, int nq, int hd) {
+    int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    int ctx = positions[t] + 1, span = range_keys(ctx);
+    float M = NEG_INF, L = 0.0f, ACC = 0.0f;
+    for (int r = 0; r < ATTN_SPLITS && r * span < ctx; ++r) {
+        const float* pm = partial + (((long long)t * nq + h) * ATTN_SPLITS + r) * (hd + 2);
+        float c_old, c_new;
+        M = merge_scales(M, &L, pm[0], pm[1], &c_old, &c_new);
+        if (d < hd) ACC = merge_acc(ACC, pm[2 + d], c_old, c_new);
+    }
+    if (d < hd) {
+        long long o = ((long long)t * nq + h) * hd + d;
+        out[o] = ACC / L * sigmoidf_(gate[o]);
     }
 }

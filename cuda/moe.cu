@@ -1,15 +1,14 @@
 // Mixture-of-experts routing and combination. Expert matmuls run through the grouped mode of
 // the matmul kernels, with per-expert row lists built here in token order.
 
-// One block (256 threads) per token: softmax over all experts, top-k by repeated argmax
-// (ties to the lower index), optional renormalization. Dynamic shared memory: E floats.
-extern "C" __global__ void moe_route(int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize) {
-    extern __shared__ float ex[];
+// Routing of token t by one block of 256 threads: softmax over all experts, top-k by repeated
+// argmax (ties to the lower index), optional renormalization. `ex`: E floats of shared memory.
+__device__ __forceinline__ void route_token(int t, int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize, float* ex) {
     __shared__ float scratch[33];
     __shared__ float best_v[8];
     __shared__ int best_i[8];
     __shared__ float chosen[64];
-    int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* l = logits + (long long)t * E;
     float m = NEG_INF;
     for (int e = tid; e < E; e += blockDim.x) m = fmaxf(m, l[e]);
@@ -51,6 +50,13 @@ extern "C" __global__ void moe_route(int* topk_idx, float* topk_w, const float* 
         for (int s = 0; s < k; ++s) total += chosen[s];
         for (int s = 0; s < k; ++s) topk_w[t * k + s] = renormalize ? chosen[s] / total : chosen[s];
     }
+    __syncthreads();
+}
+
+// One block (256 threads) per token. Dynamic shared memory: E floats.
+extern "C" __global__ void moe_route(int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize) {
+    extern __shared__ float ex[];
+    route_token(blockIdx.x, topk_idx, topk_w, logits, E, k, renormalize, ex);
 }
 
 // One block (256 threads) per expert: the (token, slot) entries routed to it, in entry order.
@@ -86,10 +92,15 @@ extern "C" __global__ void moe_active(int* active, const int* counts, int E) {
     active[0] = n;
 }
 
-// moe_group and moe_active in one block, for steps with few (token, slot) entries (decode):
-// the same lists, counts and active list, from one launch. Dynamic shared memory: E ints.
-extern "C" __global__ void moe_group_few(int* lists, int* counts, int* active, const int* topk_idx, int entries, int cap, int E) {
-    extern __shared__ int cnt[];
+// moe_route, moe_group and moe_active in one block, for steps with few (token, slot) entries
+// (decode): the same routes, lists, counts and active list from one launch. Dynamic shared
+// memory: E floats (routing), then reused as E ints (counts).
+extern "C" __global__ void moe_route_group_few(int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize, int* lists, int* counts, int* active, int T) {
+    extern __shared__ float ex[];
+    for (int t = 0; t < T; ++t) route_token(t, topk_idx, topk_w, logits, E, k, renormalize, ex);
+    // route_token ends on a barrier: the block's writes of topk_idx are visible to it here.
+    int* cnt = (int*)ex;
+    int entries = T * k, cap = T;
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -106,7 +117,8 @@ extern "C" __global__ void moe_group_few(int* lists, int* counts, int* active, c
     for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = cnt[e];
 }
 
-// out[t] = sum_s w[t,s] * y[t*k+s] (slots in order), then + sigmoid(shared_gate[t]) * shared[t].
+// acc[t] += (sum_s w[t,s] * y[t*k+s] (slots in order), then + sigmoid(shared_gate[t]) * shared[t]):
+// the MoE output added into the residual stream, as add_assign would.
 extern "C" __global__ void moe_combine(float* out, const float* y, const float* topk_w, const float* shared, const float* shared_gate, int T, int H, int k) {
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)T * H) return;
@@ -117,5 +129,5 @@ extern "C" __global__ void moe_combine(float* out, const float* y, const float* 
         float scale = shared_gate ? 1.0f / (1.0f + expf(-shared_gate[t])) : 1.0f;
         acc += scale * shared[idx];
     }
-    out[idx] = acc;
+    out[idx] = out[idx] + acc;
 }

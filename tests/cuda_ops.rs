@@ -223,6 +223,69 @@ fn gated_attention_matches_cpu() {
     }
 }
 
+/// A decode step with few rows gives each context range of a query its own block and merges
+/// them in a second launch; a step with many rows walks the ranges in one block. The two must
+/// agree bitwise (speculation and preemption put the same query in steps of any size).
+#[test]
+fn attention_ranges_merge_the_same_in_split_and_walked_blocks() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(seed());
+    let (nq, nkv, hd) = (4, 2, 64);
+    let dims = AttentionDims { num_heads: nq, num_kv_heads: nkv, head_dim: hd, rotary_dim: 16, rope_theta: 1e6, eps: 1e-6 };
+    let spec = CacheSpec {
+        attention_layers: 1,
+        num_blocks: 3 * 90,
+        block_size: 16,
+        kv_heads: nkv,
+        head_dim: hd,
+        linear_layers: 0,
+        linear: LinearAttnConfig { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4 },
+        state_slots: 3,
+        snapshot_slots: 8,
+    };
+    let (mut gcache, mut ccache) = (gpu.alloc_cache(&spec).unwrap(), cpu.alloc_cache(&spec).unwrap());
+    let norm = gpu.upload_vector(&vec![1.0; hd]).unwrap();
+    let cnorm = vec![1.0; hd];
+    let mut seqs = sequences(&mut rng, 90);
+    let mut run = |seqs: &[Seq], rows: &[(RowKind, usize, usize)], rng: &mut Rng, check_cpu: bool| {
+        let lay = layout(seqs, rows);
+        let t = lay.num_tokens();
+        let (qg, k, v) = (rng.vec(t * nq * 2 * hd, 2.0), rng.vec(t * nkv * hd, 2.0), rng.vec(t * nkv * hd, 1.0));
+        let got = gpu.to_host(&gpu.gated_attention(&gpu.from_host(&qg, t, nq * 2 * hd), &gpu.from_host(&k, t, nkv * hd), &gpu.from_host(&v, t, nkv * hd), &norm, &norm, &dims, &lay, &mut gcache, 0));
+        if check_cpu {
+            let want = cpu.gated_attention(&cpu.from_host(&qg, t, nq * 2 * hd), &cpu.from_host(&k, t, nkv * hd), &cpu.from_host(&v, t, nkv * hd), &cnorm, &cnorm, &dims, &lay, &mut ccache, 0);
+            let err = relative_error(&got, &cpu.to_host(&want));
+            assert!(err < 1e-4, "attention with {t} tokens: relative error {err}");
+        }
+        (got, qg, k, v)
+    };
+    // Contexts of 1100+ keys: six ranges of 192 keys.
+    for (s, n) in [(0, 1100), (1, 700)] {
+        run(&seqs, &[(RowKind::Prefill, s, n)], &mut rng, true);
+        advance(&mut seqs, &[(RowKind::Prefill, s, n)]);
+    }
+    // The same query alone (split ranges) and beside 150 prefill tokens (walked ranges).
+    let alone = [(RowKind::Generate, 0, 1)];
+    let lay = layout(&seqs, &alone);
+    let (qg, k, v) = (rng.vec(nq * 2 * hd, 2.0), rng.vec(nkv * hd, 2.0), rng.vec(nkv * hd, 1.0));
+    let single = gpu.to_host(&gpu.gated_attention(&gpu.from_host(&qg, 1, nq * 2 * hd), &gpu.from_host(&k, 1, nkv * hd), &gpu.from_host(&v, 1, nkv * hd), &norm, &norm, &dims, &lay, &mut gcache, 0));
+    let crowd = [(RowKind::Generate, 0, 1), (RowKind::Prefill, 1, 150)];
+    let lay = layout(&seqs, &crowd);
+    let t = lay.num_tokens();
+    let mut qg_all = qg.clone();
+    qg_all.extend(rng.vec((t - 1) * nq * 2 * hd, 2.0));
+    let mut k_all = k.clone();
+    k_all.extend(rng.vec((t - 1) * nkv * hd, 2.0));
+    let mut v_all = v.clone();
+    v_all.extend(rng.vec((t - 1) * nkv * hd, 1.0));
+    let many = gpu.to_host(&gpu.gated_attention(&gpu.from_host(&qg_all, t, nq * 2 * hd), &gpu.from_host(&k_all, t, nkv * hd), &gpu.from_host(&v_all, t, nkv * hd), &norm, &norm, &dims, &lay, &mut gcache, 0));
+    assert!(bitwise_equal(&single, &many[..nq * hd]), "a query's attention differs between a 1-token and a {t}-token step");
+    let want = cpu.gated_attention(&cpu.from_host(&qg, 1, nq * 2 * hd), &cpu.from_host(&k, 1, nkv * hd), &cpu.from_host(&v, 1, nkv * hd), &cnorm, &cnorm, &dims, &layout(&seqs, &alone), &mut ccache, 0);
+    let err = relative_error(&single, &cpu.to_host(&want));
+    assert!(err < 1e-4, "decode attention over 1101 keys: relative error {err}");
+}
+
 fn compare_linear_caches(what: &str, got: &CpuCache, want: &CpuCache) {
     for (name, a, b) in [("conv", &got.conv, &want.conv), ("rec", &got.rec, &want.rec), ("conv_snap", &got.conv_snap, &want.conv_snap), ("rec_snap", &got.rec_snap, &want.rec_snap)] {
         let err = relative_error(&a[0], &b[0]);
@@ -300,29 +363,39 @@ fn moe_matches_cpu_and_tokens_are_independent() {
         let experts: Vec<[_; 3]> = (0..e).map(|_| [m(&mut rng, inter, h), m(&mut rng, inter, h), m(&mut rng, h, inter)]).collect();
         let shared_w = (shared > 0).then(|| [m(&mut rng, shared, h), m(&mut rng, shared, h), m(&mut rng, h, shared)]);
 
-        let shared_gate = (shared > 0).then(|| m(&mut rng, 1, h));
+        // The shared expert's gate row stacked under the router, as the model loads it.
+        let routers: Vec<_> = if shared > 0 { vec![router.clone(), m(&mut rng, 1, h)] } else { vec![router.clone()] };
         let up = |x: &kestrel::model::weights::MatrixBytes| gpu.upload_matrix(x).unwrap();
         let gw = MoeWeights::<CudaBackend> {
-            router: up(&router),
+            router: gpu.upload_stacked(&routers).unwrap(),
             experts: experts.iter().map(|[a, b, c]| [gpu.upload_stacked(&[a.clone(), b.clone()]).unwrap(), up(c)]).collect(),
             shared: shared_w.as_ref().map(|[a, b, c]| [gpu.upload_stacked(&[a.clone(), b.clone()]).unwrap(), up(c)]),
-            shared_gate: shared_gate.as_ref().map(up),
+            shared_gate: shared > 0,
         };
         let host = |x: &kestrel::model::weights::MatrixBytes| cpu.upload_matrix(x).unwrap();
         let cw = MoeWeights::<CpuBackend> {
-            router: host(&router),
+            router: cpu.upload_stacked(&routers).unwrap(),
             experts: experts.iter().map(|[a, b, c]| [cpu.upload_stacked(&[a.clone(), b.clone()]).unwrap(), host(c)]).collect(),
             shared: shared_w.as_ref().map(|[a, b, c]| [cpu.upload_stacked(&[a.clone(), b.clone()]).unwrap(), host(c)]),
-            shared_gate: shared_gate.as_ref().map(host),
+            shared_gate: shared > 0,
         };
         let max_t = 150;
-        // Router logits spread enough that the top-k choice has no near-ties.
+        // Router logits spread enough that the top-k choice has no near-ties; the MoE output is
+        // added into a residual stream.
         let x = rng.vec(max_t * h, 3.0);
-        let full = gpu.to_host(&gpu.moe(&gpu.from_host(&x, max_t, h), &gw, &cfg));
+        let residual = rng.vec(max_t * h, 1.0);
+        let run_gpu = |t: usize| {
+            let mut acc = gpu.from_host(&residual[..t * h], t, h);
+            gpu.moe_add(&mut acc, &gpu.from_host(&x[..t * h], t, h), &gw, &cfg);
+            gpu.to_host(&acc)
+        };
+        let full = run_gpu(max_t);
+        // 1 and 5 tokens route and group in one block (decode); 70 and 150 in per-token blocks.
         for t in [1, 5, 70, 150] {
-            let xs = &x[..t * h];
-            let got = gpu.to_host(&gpu.moe(&gpu.from_host(xs, t, h), &gw, &cfg));
-            let want = cpu.to_host(&cpu.moe(&cpu.from_host(xs, t, h), &cw, &cfg));
+            let got = run_gpu(t);
+            let mut acc = cpu.from_host(&residual[..t * h], t, h);
+            cpu.moe_add(&mut acc, &cpu.from_host(&x[..t * h], t, h), &cw, &cfg);
+            let want = cpu.to_host(&acc);
             let err = relative_error(&got, &want);
             assert!(err < 1e-4, "moe E{e} k{k} with {t} tokens: relative error {err}");
             assert!(bitwise_equal(&got, &full[..t * h]), "moe E{e} k{k}: tokens differ between {t} and {max_t} tokens");

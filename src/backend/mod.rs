@@ -161,13 +161,15 @@ pub struct AttentionDims {
 
 /// Weights of one mixture-of-experts block.
 pub struct MoeWeights<B: Backend + ?Sized> {
+    /// Router `[E, H]`; with `shared_gate`, the shared expert's gate row `[1, H]` stacked under
+    /// it (both read the same input: one matmul).
     pub router: B::Matrix,
     /// Per expert: gate stacked over up `[2I, H]` ([`Backend::matmul_swiglu`]), down `[H, I]`.
     pub experts: Vec<[B::Matrix; 2]>,
     /// The shared expert, laid out like the others.
     pub shared: Option<[B::Matrix; 2]>,
-    /// `[1, H]`: sigmoid gate of the shared expert.
-    pub shared_gate: Option<B::Matrix>,
+    /// Whether the router's last row is the shared expert's sigmoid gate.
+    pub shared_gate: bool,
 }
 
 pub trait Backend: Send + Sync {
@@ -273,8 +275,10 @@ pub trait Backend: Send + Sync {
         linear_layer: usize,
     ) -> Self::Tensor;
 
-    /// Mixture of experts with softmax top-k routing and an optional sigmoid-gated shared expert.
-    fn moe(&self, x: &Self::Tensor, w: &MoeWeights<Self>, cfg: &MoeConfig) -> Self::Tensor;
+    /// `acc += moe(x)`: mixture of experts with softmax top-k routing and an optional
+    /// sigmoid-gated shared expert, added into the residual stream (bitwise what `add_assign`
+    /// of the MoE output would give).
+    fn moe_add(&self, acc: &mut Self::Tensor, x: &Self::Tensor, w: &MoeWeights<Self>, cfg: &MoeConfig);
 
     /// One token per row of `logits` (`[N, vocab]`), drawn by position-keyed sampling
     /// ([`sample_at_position`]) with `rows[i]` for row `i`. A device backend draws on the device

@@ -214,10 +214,12 @@ impl Backend for CpuBackend {
         gdn::gated_delta_net(&inputs, cfg, eps, layout, cache, linear_layer)
     }
 
-    fn moe(&self, x: &CpuTensor, w: &MoeWeights<Self>, cfg: &MoeConfig) -> CpuTensor {
+    fn moe_add(&self, acc: &mut CpuTensor, x: &CpuTensor, w: &MoeWeights<Self>, cfg: &MoeConfig) {
         let (t, h) = (x.rows, x.cols);
-        let logits = self.matmul(x, &w.router);
         let e = cfg.num_experts;
+        let mut parts = self.matmul_parts(x, &w.router, &[e, 1][..1 + usize::from(w.shared_gate)]).into_iter();
+        let logits = parts.next().expect("router logits");
+        let gates = parts.next();
         // Routing per token: softmax over all experts, top-k (ties to the lower index).
         let routes: Vec<Vec<(usize, f32)>> = (0..t)
             .map(|ti| {
@@ -273,7 +275,6 @@ impl Backend for CpuBackend {
         if let Some([gate_up, down]) = &w.shared {
             let act = self.matmul_swiglu(x, gate_up);
             let y = self.matmul(&act, down);
-            let gates = w.shared_gate.as_ref().map(|g| self.matmul(x, g));
             for ti in 0..t {
                 let scale = gates.as_ref().map(|g| 1.0 / (1.0 + (-g.data[ti]).exp())).unwrap_or(1.0);
                 for (a, b) in out[ti * h..(ti + 1) * h].iter_mut().zip(&y.data[ti * h..(ti + 1) * h]) {
@@ -281,7 +282,7 @@ impl Backend for CpuBackend {
                 }
             }
         }
-        CpuTensor { data: out, rows: t, cols: h }
+        self.add_assign(acc, &CpuTensor { data: out, rows: t, cols: h });
     }
 
     fn commit_states(&self, cache: &mut CpuCache, commits: &[StateCommit]) {

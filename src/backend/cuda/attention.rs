@@ -14,6 +14,8 @@ const MAX_BLOCK_ELEMS: usize = 2048;
 /// reads); below it, one head per block spreads a short step over more SMs. The per-(query,
 /// head) arithmetic is identical either way.
 const GROUPED_HEADS_MIN_TOKENS: usize = 64;
+/// Context ranges per query (ATTN_SPLITS in cuda/attention.cu).
+const ATTN_SPLITS: usize = 8;
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gated_attention(
@@ -78,12 +80,17 @@ pub(super) fn gated_attention(
     );
     let group = nq / nkv;
     let heads_per_block = if t >= GROUPED_HEADS_MIN_TOKENS && group * hd <= MAX_BLOCK_ELEMS { group } else { 1 };
-    let smem = heads_per_block * (hd + KEY_TILE + 3) * 4;
+    let smem = heads_per_block * (hd + KEY_TILE + 5) * 4;
     assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
     let out = be.tensor(t, nq * hd);
+    // A step whose (token, head) blocks cannot fill the GPU gives each context range a block of
+    // its own and merges the ranges in a second launch (the same arithmetic as one block
+    // walking them all), so a decode step reads its keys on ATTN_SPLITS times more SMs.
+    let split = t * (nq / heads_per_block) < be.sm_count;
+    let partial = split.then(|| be.alloc_f32(t * nq * ATTN_SPLITS * (hd + 2)));
     be.launch(
         &be.k.attn_core,
-        (t as u32, (nq / heads_per_block) as u32, 1),
+        (t as u32, (nq / heads_per_block) as u32, if split { ATTN_SPLITS as u32 } else { 1 }),
         256,
         smem,
         &[
@@ -102,7 +109,17 @@ pub(super) fn gated_attention(
             Arg::I32(bs as i32),
             Arg::I32(heads_per_block as i32),
             Arg::F32(1.0 / (hd as f32).sqrt()),
+            Arg::Ptr(partial.as_ref().map_or(0, |p| be.ptr(p))),
         ],
     );
+    if let Some(partial) = &partial {
+        be.launch(
+            &be.k.attn_combine,
+            (t as u32, nq as u32, 1),
+            hd.div_ceil(32) as u32 * 32,
+            0,
+            &[Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(be.ptr(&gate.data)), Arg::Ptr(be.ptr(partial)), Arg::Ptr(at(dl.pos_off)), Arg::I32(nq as i32), Arg::I32(hd as i32)],
+        );
+    }
     out
 }

@@ -28,7 +28,7 @@ fn expert_tables(be: &CudaBackend, w: &MoeWeights<CudaBackend>) -> ExpertTables 
         .clone()
 }
 
-pub(super) fn moe(be: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig) -> CudaTensor {
+pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig) {
     let (t, h) = (x.rows, x.cols);
     let (e, k, inter) = (cfg.num_experts, cfg.top_k, cfg.expert_intermediate);
     assert_eq!(w.experts.len(), e, "moe: {} experts loaded, config says {e}", w.experts.len());
@@ -36,30 +36,26 @@ pub(super) fn moe(be: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>,
     for (i, [gu, d]) in w.experts.iter().enumerate() {
         assert!((gu.rows, gu.cols, d.rows, d.cols) == (2 * inter, h, h, inter), "moe: expert {i} has unexpected shapes");
     }
-    let logits = super::matmul::matmul(be, x, &w.router);
+    assert_eq!((acc.rows, acc.cols), (t, h), "moe: accumulator shape");
+    // Router logits and the shared expert's gate from one matmul.
+    let mut parts = super::matmul::matmul_parts(be, x, &w.router, &[e, 1][..1 + usize::from(w.shared_gate)]).into_iter();
+    let logits = parts.next().expect("router logits");
+    let shared_gate = parts.next();
     let topk_idx = be.alloc_i32(t * k);
     let topk_w = be.alloc_f32(t * k);
     assert!(e * 4 <= be.max_dynamic_smem, "moe: {e} experts exceed the routing kernel's shared memory");
-    be.launch(
-        &be.k.moe_route,
-        (t as u32, 1, 1),
-        256,
-        e * 4,
-        &[Arg::Ptr(be.ptr(&topk_idx)), Arg::Ptr(be.ptr(&topk_w)), Arg::Ptr(be.ptr(&logits.data)), Arg::I32(e as i32), Arg::I32(k as i32), Arg::I32(i32::from(cfg.norm_topk_prob))],
-    );
+    let route_args = [Arg::Ptr(be.ptr(&topk_idx)), Arg::Ptr(be.ptr(&topk_w)), Arg::Ptr(be.ptr(&logits.data)), Arg::I32(e as i32), Arg::I32(k as i32), Arg::I32(i32::from(cfg.norm_topk_prob))];
     // Each token picks an expert at most once, so an expert's list holds at most t entries.
     let lists = be.alloc_i32(e * t);
     let counts = be.alloc_i32(e);
     let active = be.alloc_i32(e + 1);
     if t * k <= FEW_ENTRIES {
-        be.launch(
-            &be.k.moe_group_few,
-            (1, 1, 1),
-            256,
-            e * 4,
-            &[Arg::Ptr(be.ptr(&lists)), Arg::Ptr(be.ptr(&counts)), Arg::Ptr(be.ptr(&active)), Arg::Ptr(be.ptr(&topk_idx)), Arg::I32((t * k) as i32), Arg::I32(t as i32), Arg::I32(e as i32)],
-        );
+        // Routing and grouping in one block (decode steps).
+        let mut args = route_args.to_vec();
+        args.extend([Arg::Ptr(be.ptr(&lists)), Arg::Ptr(be.ptr(&counts)), Arg::Ptr(be.ptr(&active)), Arg::I32(t as i32)]);
+        be.launch(&be.k.moe_route_group_few, (1, 1, 1), 256, e * 4, &args);
     } else {
+        be.launch(&be.k.moe_route, (t as u32, 1, 1), 256, e * 4, &route_args);
         be.launch(
             &be.k.moe_group,
             (e as u32, 1, 1),
@@ -89,26 +85,20 @@ pub(super) fn moe(be: &CudaBackend, x: &CudaTensor, w: &MoeWeights<CudaBackend>,
     launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), t * k, 0, 0, t, h, inter, Some(&grouped(1, 1)), Epilogue::STORE);
 
     let shared = w.shared.as_ref().map(|[gu, d]| super::matmul::matmul(be, &super::matmul::matmul_swiglu(be, x, gu), d));
-    let shared_gate = match (&shared, &w.shared_gate) {
-        (Some(_), Some(g)) => Some(super::matmul::matmul(be, x, g)),
-        _ => None,
-    };
-    let out = be.tensor(t, h);
     be.launch(
         &be.k.moe_combine,
         ((t * h).div_ceil(256) as u32, 1, 1),
         256,
         0,
         &[
-            Arg::Ptr(be.ptr(&out.data)),
+            Arg::Ptr(be.ptr(&acc.data)),
             Arg::Ptr(be.ptr(&y.data)),
             Arg::Ptr(be.ptr(&topk_w)),
             Arg::Ptr(shared.as_ref().map_or(0, |s| be.ptr(&s.data))),
-            Arg::Ptr(shared_gate.as_ref().map_or(0, |s| be.ptr(&s.data))),
+            Arg::Ptr(shared_gate.as_ref().filter(|_| shared.is_some()).map_or(0, |s| be.ptr(&s.data))),
             Arg::I32(t as i32),
             Arg::I32(h as i32),
             Arg::I32(k as i32),
         ],
     );
-    out
 }

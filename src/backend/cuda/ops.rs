@@ -276,9 +276,9 @@ impl Backend for CudaBackend {
         super::gdn::gated_delta_net(self, &args, cfg, eps, layout, cache, linear_layer)
     }
 
-    fn moe(&self, x: &CudaTensor, w: &MoeWeights<Self>, cfg: &MoeConfig) -> CudaTensor {
+    fn moe_add(&self, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<Self>, cfg: &MoeConfig) {
         let _span = self.span("moe");
-        super::moe::moe(self, x, w, cfg)
+        super::moe::moe_add(self, acc, x, w, cfg)
     }
 
     fn set_random_weights(&self, seed: Option<u64>) -> Result<(), BackendError> {

@@ -258,7 +258,7 @@ impl<B: Backend> DecoderLayer<B> {
         let h = b.rms_norm(x, &self.post_norm, c.rms_norm_eps);
         match &self.mlp {
             Mlp::Dense { gate_up, down } => b.matmul_add(x, &b.matmul_swiglu(&h, gate_up), down),
-            Mlp::Moe(w) => b.add_assign(x, &b.moe(&h, w, c.moe.as_ref().expect("MoE layer without MoE config"))),
+            Mlp::Moe(w) => b.moe_add(x, &h, w, c.moe.as_ref().expect("MoE layer without MoE config")),
         }
     }
 }
@@ -361,8 +361,10 @@ fn load_mlp<B: Backend>(ld: &Loader<B>, c: &ModelConfig, p: &str, moe: bool) -> 
     } else {
         None
     };
-    let shared_gate = if shared.is_some() { Some(ld.matrix(&format!("{p}mlp.shared_expert_gate.weight"), 1, h)?) } else { None };
-    Ok(Mlp::Moe(MoeWeights { router: ld.matrix(&format!("{p}mlp.gate.weight"), e, h)?, experts, shared, shared_gate }))
+    let router = format!("{p}mlp.gate.weight");
+    let shared_gate = shared.is_some();
+    let router = if shared_gate { ld.stacked(&[(&router, e), (&format!("{p}mlp.shared_expert_gate.weight"), 1)], h)? } else { ld.matrix(&router, e, h)? };
+    Ok(Mlp::Moe(MoeWeights { router, experts, shared, shared_gate }))
 }
 
 impl<B: Backend> Loader<'_, B> {
