@@ -92,12 +92,14 @@ extern "C" __global__ void moe_active(int* active, const int* counts, int E) {
     active[0] = n;
 }
 
-// moe_route, moe_group and moe_active in one block, for steps with few (token, slot) entries
-// (decode): the same routes, lists, counts and active list from one launch. Dynamic shared
-// memory: E floats (routing), then reused as E ints (counts).
-extern "C" __global__ void moe_route_group_few(int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize, int* lists, int* counts, int* active, int T) {
+// moe_group and moe_active in one block, for steps with few (token, slot) entries: the same
+// lists, counts and active list from one launch. With `route`, the block first routes the T
+// tokens itself (one launch for a decode step); otherwise moe_route has. Dynamic shared memory:
+// E floats (routing), then reused as E ints (counts).
+extern "C" __global__ void moe_group_few(int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize, int* lists, int* counts, int* active, int T, int route) {
     extern __shared__ float ex[];
-    for (int t = 0; t < T; ++t) route_token(t, topk_idx, topk_w, logits, E, k, renormalize, ex);
+    if (route)
+        for (int t = 0; t < T; ++t) route_token(t, topk_idx, topk_w, logits, E, k, renormalize, ex);
     // route_token ends on a barrier: the block's writes of topk_idx are visible to it here.
     int* cnt = (int*)ex;
     int entries = T * k, cap = T;

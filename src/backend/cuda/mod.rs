@@ -110,7 +110,7 @@ kernel_table! {
     "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core, attn_combine],
     "gdn" => [gdn_conv, gdn_conv_state, gdn_gates, gdn_recurrent, gdn_chunked, gdn_out_norm, commit_states, reset_states],
-    "moe" => [moe_route, moe_group, moe_active, moe_route_group_few, moe_combine],
+    "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine],
     "sample" => [sample_rows],
 }
 
@@ -185,7 +185,7 @@ impl CudaBackend {
         use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
         // Kernels with large dynamic shared memory may use all of it beside their static part.
         let mut max_dynamic_smem = optin;
-        for f in [&k.gdn_chunked, &k.attn_core, &k.moe_route, &k.moe_route_group_few, &k.matmul_pipelined] {
+        for f in [&k.gdn_chunked, &k.attn_core, &k.moe_route, &k.moe_group_few, &k.matmul_pipelined] {
             // SAFETY: a loaded function handle and a valid attribute.
             let fixed = unsafe { cudarc::driver::result::function::get_function_attribute(f.cu_function(), FuncAttr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) }.map_err(driver)?;
             f.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - fixed).map_err(driver)?;

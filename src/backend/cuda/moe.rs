@@ -10,6 +10,9 @@ use std::sync::Arc;
 /// Up to this many (token, slot) entries, one block builds the expert lists (fewer launches
 /// for decode steps); the lists are the same either way.
 const FEW_ENTRIES: usize = 256;
+/// Up to this many tokens, that block also routes them (one after another) instead of a
+/// block per token routing them in parallel: one launch fewer for decode steps.
+const ROUTE_IN_GROUP_MAX_TOKENS: usize = 2;
 /// Most experts per token the routing kernel keeps.
 const MAX_TOP_K: usize = 64;
 
@@ -50,10 +53,13 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
     let counts = be.alloc_i32(e);
     let active = be.alloc_i32(e + 1);
     if t * k <= FEW_ENTRIES {
-        // Routing and grouping in one block (decode steps).
+        let route_here = t <= ROUTE_IN_GROUP_MAX_TOKENS;
+        if !route_here {
+            be.launch(&be.k.moe_route, (t as u32, 1, 1), 256, e * 4, &route_args);
+        }
         let mut args = route_args.to_vec();
-        args.extend([Arg::Ptr(be.ptr(&lists)), Arg::Ptr(be.ptr(&counts)), Arg::Ptr(be.ptr(&active)), Arg::I32(t as i32)]);
-        be.launch(&be.k.moe_route_group_few, (1, 1, 1), 256, e * 4, &args);
+        args.extend([Arg::Ptr(be.ptr(&lists)), Arg::Ptr(be.ptr(&counts)), Arg::Ptr(be.ptr(&active)), Arg::I32(t as i32), Arg::I32(i32::from(route_here))]);
+        be.launch(&be.k.moe_group_few, (1, 1, 1), 256, e * 4, &args);
     } else {
         be.launch(&be.k.moe_route, (t as u32, 1, 1), 256, e * 4, &route_args);
         be.launch(
