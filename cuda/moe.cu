@@ -60,10 +60,16 @@ extern "C" __global__ void moe_route(int* topk_idx, float* topk_w, const float* 
 }
 
 // One block (256 threads) per expert: the (token, slot) entries routed to it, in entry order.
-// lists[e * cap + i] = t * k + s; counts[e] = number of entries.
-extern "C" __global__ void moe_group(int* lists, int* counts, const int* topk_idx, int entries, int cap) {
+// lists[e * cap + i] = t * slots + s; counts[e] = number of entries. With the shared expert
+// folded in (slots = k + 1), block E lists slot k of every token (cap = T tokens).
+extern "C" __global__ void moe_group(int* lists, int* counts, const int* topk_idx, int entries, int cap, int k, int slots, int E) {
     __shared__ int warp_counts[8];
     int e = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (e == E) {
+        for (int t = tid; t < cap; t += blockDim.x) lists[(long long)E * cap + t] = t * slots + k;
+        if (tid == 0) counts[E] = cap;
+        return;
+    }
     int base_out = 0;
     for (int base = 0; base < entries; base += blockDim.x) {
         int i = base + tid;
@@ -75,7 +81,7 @@ extern "C" __global__ void moe_group(int* lists, int* counts, const int* topk_id
         for (int w = 0; w < warp; ++w) before += warp_counts[w];
         int total = 0;
         for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += warp_counts[w];
-        if (hit) lists[(long long)e * cap + before + __popc(ballot & ((1u << lane) - 1u))] = i;
+        if (hit) lists[(long long)e * cap + before + __popc(ballot & ((1u << lane) - 1u))] = (i / k) * slots + i % k;
         base_out += total;
         __syncthreads();
     }
@@ -94,42 +100,48 @@ extern "C" __global__ void moe_active(int* active, const int* counts, int E) {
 
 // moe_group and moe_active in one block, for steps with few (token, slot) entries: the same
 // lists, counts and active list from one launch. With `route`, the block first routes the T
-// tokens itself (one launch for a decode step); otherwise moe_route has. Dynamic shared memory:
-// E floats (routing), then reused as E ints (counts).
-extern "C" __global__ void moe_group_few(int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize, int* lists, int* counts, int* active, int T, int route) {
+// tokens itself (one launch for a decode step); otherwise moe_route has. Entries and the shared
+// expert as in moe_group (`fold`: the shared expert is group E). Dynamic shared memory:
+// E + 1 floats (routing), then reused as ints (counts).
+extern "C" __global__ void moe_group_few(int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize, int* lists, int* counts, int* active, int T, int route,
+        int slots, int fold) {
     extern __shared__ float ex[];
     if (route)
         for (int t = 0; t < T; ++t) route_token(t, topk_idx, topk_w, logits, E, k, renormalize, ex);
     // route_token ends on a barrier: the block's writes of topk_idx are visible to it here.
     int* cnt = (int*)ex;
-    int entries = T * k, cap = T;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    int entries = T * k, cap = T, groups = E + fold;
+    for (int e = threadIdx.x; e < groups; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int i = 0; i < entries; ++i) {
             int e = topk_idx[i];
-            lists[(long long)e * cap + cnt[e]++] = i;
+            lists[(long long)e * cap + cnt[e]++] = (i / k) * slots + i % k;
         }
+        if (fold)
+            for (int t = 0; t < T; ++t) lists[(long long)E * cap + cnt[E]++] = t * slots + k;
         int n = 0;
-        for (int e = 0; e < E; ++e)
+        for (int e = 0; e < groups; ++e)
             if (cnt[e] > 0) active[1 + n++] = e;
         active[0] = n;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = cnt[e];
+    for (int e = threadIdx.x; e < groups; e += blockDim.x) counts[e] = cnt[e];
 }
 
-// acc[t] += (sum_s w[t,s] * y[t*k+s] (slots in order), then + sigmoid(shared_gate[t]) * shared[t]):
-// the MoE output added into the residual stream, as add_assign would.
-extern "C" __global__ void moe_combine(float* out, const float* y, const float* topk_w, const float* shared, const float* shared_gate, int T, int H, int k) {
+// acc[t] += (sum_s w[t,s] * y[t*slots+s] (s < k, in order), then + sigmoid(shared_gate[t]) *
+// shared[t * shared_stride]): the MoE output added into the residual stream, as add_assign
+// would. The shared expert's row is y's slot k when it ran with the experts.
+extern "C" __global__ void moe_combine(float* out, const float* y, const float* topk_w, const float* shared, const float* shared_gate, int T, int H, int k, int slots,
+        long long shared_stride) {
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)T * H) return;
     int t = (int)(idx / H), d = (int)(idx % H);
     float acc = 0.0f;
-    for (int s = 0; s < k; ++s) acc += topk_w[t * k + s] * y[((long long)t * k + s) * H + d];
+    for (int s = 0; s < k; ++s) acc += topk_w[t * k + s] * y[((long long)t * slots + s) * H + d];
     if (shared) {
         float scale = shared_gate ? 1.0f / (1.0f + expf(-shared_gate[t])) : 1.0f;
-        acc += scale * shared[idx];
+        acc += scale * shared[t * shared_stride + d];
     }
     out[idx] = out[idx] + acc;
 }

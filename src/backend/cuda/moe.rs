@@ -16,14 +16,22 @@ const ROUTE_IN_GROUP_MAX_TOKENS: usize = 2;
 /// Most experts per token the routing kernel keeps.
 const MAX_TOP_K: usize = 64;
 
-/// Device tables of expert weight pointers, built on first use and kept on the router weight
-/// (which belongs to exactly this block and lives as long as its experts).
-fn expert_tables(be: &CudaBackend, w: &MoeWeights<CudaBackend>) -> ExpertTables {
+/// Whether the shared expert runs as one more group of the grouped expert launches (group E,
+/// slot k of every token): it must have the experts' shapes. Two launches fewer per layer.
+fn shared_in_groups(w: &MoeWeights<CudaBackend>, inter: usize) -> bool {
+    w.shared.as_ref().is_some_and(|[gu, d]| (gu.rows, d.cols) == (2 * inter, inter))
+}
+
+/// Device tables of expert weight pointers (the shared expert last when it runs with them),
+/// built on first use and kept on the router weight (which belongs to exactly this block and
+/// lives as long as its experts).
+fn expert_tables(be: &CudaBackend, w: &MoeWeights<CudaBackend>, with_shared: bool) -> ExpertTables {
     w.router
         .expert_tables
         .get_or_init(|| {
             let table = |which: usize| {
-                let ptrs: Vec<u64> = w.experts.iter().flat_map(|m| [be.ptr(&m[which].hi), m[which].lo.as_ref().map_or(0, |l| be.ptr(l))]).collect();
+                let shared = w.shared.iter().filter(|_| with_shared);
+                let ptrs: Vec<u64> = w.experts.iter().chain(shared).flat_map(|m| [be.ptr(&m[which].hi), m[which].lo.as_ref().map_or(0, |l| be.ptr(l))]).collect();
                 ck(be.stream.clone_htod(&ptrs), "expert table upload")
             };
             Arc::new([table(0), table(1)])
@@ -40,40 +48,61 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
         assert!((gu.rows, gu.cols, d.rows, d.cols) == (2 * inter, h, h, inter), "moe: expert {i} has unexpected shapes");
     }
     assert_eq!((acc.rows, acc.cols), (t, h), "moe: accumulator shape");
+    let fold = shared_in_groups(w, inter);
+    // Rows per token in the expert activations: its k routed experts, then the shared one.
+    let slots = k + usize::from(fold);
+    let groups_max = e + usize::from(fold);
     // Router logits and the shared expert's gate from one matmul.
     let mut parts = super::matmul::matmul_parts(be, x, &w.router, &[e, 1][..1 + usize::from(w.shared_gate)]).into_iter();
     let logits = parts.next().expect("router logits");
     let shared_gate = parts.next();
     let topk_idx = be.alloc_i32(t * k);
     let topk_w = be.alloc_f32(t * k);
-    assert!(e * 4 <= be.max_dynamic_smem, "moe: {e} experts exceed the routing kernel's shared memory");
+    assert!(groups_max * 4 <= be.max_dynamic_smem, "moe: {e} experts exceed the routing kernel's shared memory");
     let route_args = [Arg::Ptr(be.ptr(&topk_idx)), Arg::Ptr(be.ptr(&topk_w)), Arg::Ptr(be.ptr(&logits.data)), Arg::I32(e as i32), Arg::I32(k as i32), Arg::I32(i32::from(cfg.norm_topk_prob))];
     // Each token picks an expert at most once, so an expert's list holds at most t entries.
-    let lists = be.alloc_i32(e * t);
-    let counts = be.alloc_i32(e);
-    let active = be.alloc_i32(e + 1);
+    let lists = be.alloc_i32(groups_max * t);
+    let counts = be.alloc_i32(groups_max);
+    let active = be.alloc_i32(groups_max + 1);
     if t * k <= FEW_ENTRIES {
         let route_here = t <= ROUTE_IN_GROUP_MAX_TOKENS;
         if !route_here {
             be.launch(&be.k.moe_route, (t as u32, 1, 1), 256, e * 4, &route_args);
         }
         let mut args = route_args.to_vec();
-        args.extend([Arg::Ptr(be.ptr(&lists)), Arg::Ptr(be.ptr(&counts)), Arg::Ptr(be.ptr(&active)), Arg::I32(t as i32), Arg::I32(i32::from(route_here))]);
-        be.launch(&be.k.moe_group_few, (1, 1, 1), 256, e * 4, &args);
+        args.extend([
+            Arg::Ptr(be.ptr(&lists)),
+            Arg::Ptr(be.ptr(&counts)),
+            Arg::Ptr(be.ptr(&active)),
+            Arg::I32(t as i32),
+            Arg::I32(i32::from(route_here)),
+            Arg::I32(slots as i32),
+            Arg::I32(i32::from(fold)),
+        ]);
+        be.launch(&be.k.moe_group_few, (1, 1, 1), 256, groups_max * 4, &args);
     } else {
         be.launch(&be.k.moe_route, (t as u32, 1, 1), 256, e * 4, &route_args);
         be.launch(
             &be.k.moe_group,
-            (e as u32, 1, 1),
+            (groups_max as u32, 1, 1),
             256,
             0,
-            &[Arg::Ptr(be.ptr(&lists)), Arg::Ptr(be.ptr(&counts)), Arg::Ptr(be.ptr(&topk_idx)), Arg::I32((t * k) as i32), Arg::I32(t as i32)],
+            &[
+                Arg::Ptr(be.ptr(&lists)),
+                Arg::Ptr(be.ptr(&counts)),
+                Arg::Ptr(be.ptr(&topk_idx)),
+                Arg::I32((t * k) as i32),
+                Arg::I32(t as i32),
+                Arg::I32(k as i32),
+                Arg::I32(slots as i32),
+                Arg::I32(e as i32),
+            ],
         );
-        be.launch(&be.k.moe_active, (1, 1, 1), 32, 0, &[Arg::Ptr(be.ptr(&active)), Arg::Ptr(be.ptr(&counts)), Arg::I32(e as i32)]);
+        be.launch(&be.k.moe_active, (1, 1, 1), 32, 0, &[Arg::Ptr(be.ptr(&active)), Arg::Ptr(be.ptr(&counts)), Arg::I32(groups_max as i32)]);
     }
-    let tables = expert_tables(be, w);
-    // At most t * k experts have rows: one grid slice each.
-    let groups = e.min(t * k);
+    let tables = expert_tables(be, w, fold);
+    // At most t * k experts have rows (and the shared one): one grid slice each.
+    let groups = e.min(t * k) + usize::from(fold);
     let grouped = |which: usize, a_div: usize| Grouped {
         table: be.ptr(&tables[which]),
         counts: be.ptr(&counts),
@@ -82,15 +111,21 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
         a_div,
         active: be.ptr(&active),
         groups,
-        has_lo: w.experts.iter().any(|m| m[which].lo.is_some()),
+        has_lo: w.experts.iter().chain(w.shared.iter().filter(|_| fold)).any(|m| m[which].lo.is_some()),
     };
     // Gate and up in one grouped launch, SwiGLU applied in its store.
-    let act = be.tensor(t * k, inter);
-    launch_matmul(be, be.ptr(&act.data), be.ptr(&x.data), t, 0, 0, t, 2 * inter, h, Some(&grouped(0, k)), Epilogue::SWIGLU);
-    let y = be.tensor(t * k, h);
-    launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), t * k, 0, 0, t, h, inter, Some(&grouped(1, 1)), Epilogue::STORE);
+    let act = be.tensor(t * slots, inter);
+    launch_matmul(be, be.ptr(&act.data), be.ptr(&x.data), t, 0, 0, t, 2 * inter, h, Some(&grouped(0, slots)), Epilogue::SWIGLU);
+    let y = be.tensor(t * slots, h);
+    launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), t * slots, 0, 0, t, h, inter, Some(&grouped(1, 1)), Epilogue::STORE);
 
-    let shared = w.shared.as_ref().map(|[gu, d]| super::matmul::matmul(be, &super::matmul::matmul_swiglu(be, x, gu), d));
+    // The shared expert's rows: slot k of y, or its own matmuls when its shapes differ.
+    let separate = w.shared.as_ref().filter(|_| !fold).map(|[gu, d]| super::matmul::matmul(be, &super::matmul::matmul_swiglu(be, x, gu), d));
+    let (shared, shared_stride) = match (&separate, w.shared.is_some()) {
+        (Some(s), _) => (be.ptr(&s.data), h),
+        (None, true) => (be.ptr(&y.data) + 4 * (k * h) as u64, slots * h),
+        (None, false) => (0, 0),
+    };
     be.launch(
         &be.k.moe_combine,
         ((t * h).div_ceil(256) as u32, 1, 1),
@@ -100,11 +135,13 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
             Arg::Ptr(be.ptr(&acc.data)),
             Arg::Ptr(be.ptr(&y.data)),
             Arg::Ptr(be.ptr(&topk_w)),
-            Arg::Ptr(shared.as_ref().map_or(0, |s| be.ptr(&s.data))),
-            Arg::Ptr(shared_gate.as_ref().filter(|_| shared.is_some()).map_or(0, |s| be.ptr(&s.data))),
+            Arg::Ptr(shared),
+            Arg::Ptr(shared_gate.as_ref().filter(|_| shared != 0).map_or(0, |s| be.ptr(&s.data))),
             Arg::I32(t as i32),
             Arg::I32(h as i32),
             Arg::I32(k as i32),
+            Arg::I32(slots as i32),
+            Arg::I64(shared_stride as i64),
         ],
     );
 }
