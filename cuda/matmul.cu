@@ -145,6 +145,17 @@ __device__ __forceinline__ Group group_of(const bf16_t* whi, const bf16_t* wlo, 
     return g;
 }
 
+// One m16n8 accumulator fragment of a thread: rows row (g) and row + 8 of the tile, columns
+// col and col + 1, stored by the epilogue.
+__device__ __forceinline__ void store_fragment(const Epilogue& e, float* out, const Group& grp, int N, int row, int col, const float v[4]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        int r = row + 8 * half;
+        if (r >= grp.rows) continue;
+        long long orow = grp.list ? grp.list[r] : r;
+        store_pair(e, out, orow, col, N, v[2 * half], v[2 * half + 1]);
+    }
+}
 
 // Weights are read once: bypass L1.
 __device__ __forceinline__ uint4 ldg_stream(const bf16_t* p) {
@@ -317,14 +328,7 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
                     for (int w = 0; w < KSLICES; ++w)
 #pragma unroll
                         for (int i = 0; i < 4; ++i) t[i] += red[w][mt][j][lane][i];
-                    int col = n0 + j * 8 + 2 * q;
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        int r = m0 + mt * 16 + g + 8 * half;
-                        if (r >= grp.rows) continue;
-                        long long orow = grp.list ? grp.list[r] : r;
-                        store_pair(epi, out, orow, col, N, t[2 * half], t[2 * half + 1]);
-                    }
+                    store_fragment(epi, out, grp, N, m0 + mt * 16 + g, n0 + j * 8 + 2 * q, t);
                 }
             }
         }
@@ -379,16 +383,7 @@ __device__ __forceinline__ void finish_warp_tiles(float* out, float tot[MI][4][4
 #pragma unroll
     for (int i = 0; i < MI; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            int col = col0 + j * 8 + 2 * q;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                int r = row0 + i * 16 + g + 8 * half;
-                if (r >= grp.rows) continue;
-                long long orow = grp.list ? grp.list[r] : r;
-                store_pair(epi, out, orow, col, N, tot[i][j][2 * half], tot[i][j][2 * half + 1]);
-            }
-        }
+        for (int j = 0; j < 4; ++j) store_fragment(epi, out, grp, N, row0 + i * 16 + g, col0 + j * 8 + 2 * q, tot[i][j]);
 }
 
 #define TBM 64
