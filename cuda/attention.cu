@@ -19,18 +19,18 @@ __device__ __forceinline__ int range_keys(int ctx) {
     return (ctx + ATTN_SPLITS * KEY_TILE - 1) / (ATTN_SPLITS * KEY_TILE) * KEY_TILE;
 }
 
-// Merges one range's (m, l, acc) into the running (M, L, ACC), ranges in order; products and
-// sums rounded one by one (no contraction), so every kernel that merges gets the same bits.
-// Call only for non-empty ranges (l > 0, m finite). Returns the new M; *L is updated.
-__device__ __forceinline__ float merge_scales(float M, float* L, float m, float l, float* c_old, float* c_new) {
+// Merging one range's (m, l, acc) into the running (M, L, ACC), ranges in order: the new
+// maximum and the scales of the old totals and of the range (call only for non-empty ranges:
+// l > 0, m finite), then L and each ACC element by merge_sum. Products and sums are rounded one
+// by one (no contraction), so every kernel that merges gets the same bits.
+__device__ __forceinline__ float merge_scales(float M, float m, float* c_old, float* c_new) {
     float mn = fmaxf(M, m);
     *c_old = expf(M - mn);
     *c_new = expf(m - mn);
-    *L = __fadd_rn(__fmul_rn(*L, *c_old), __fmul_rn(l, *c_new));
     return mn;
 }
-__device__ __forceinline__ float merge_acc(float ACC, float acc, float c_old, float c_new) {
-    return __fadd_rn(__fmul_rn(ACC, c_old), __fmul_rn(acc, c_new));
+__device__ __forceinline__ float merge_sum(float total, float part, float c_old, float c_new) {
+    return __fadd_rn(__fmul_rn(total, c_old), __fmul_rn(part, c_new));
 }
 
 // grid (T, nq + nkv), 128 threads; dynamic shared memory: hd floats.
@@ -212,14 +212,15 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
         int e = tid + i * blockDim.x;
         if (e >= hpb * hd) break;
         int g = e / hd;
-        float L = ltot[g], c_old, c_new;
-        merge_scales(mtot[g], &L, mrun[g], lrun[g], &c_old, &c_new);
-        tot[i] = merge_acc(tot[i], acc[i], c_old, c_new);
+        float c_old, c_new;
+        merge_scales(mtot[g], mrun[g], &c_old, &c_new);
+        tot[i] = merge_sum(tot[i], acc[i], c_old, c_new);
     }
     __syncthreads();
     if (tid < hpb) {
         float c_old, c_new;
-        mtot[tid] = merge_scales(mtot[tid], &ltot[tid], mrun[tid], lrun[tid], &c_old, &c_new);
+        mtot[tid] = merge_scales(mtot[tid], mrun[tid], &c_old, &c_new);
+        ltot[tid] = merge_sum(ltot[tid], lrun[tid], c_old, c_new);
     }
     __syncthreads();
     }
@@ -243,8 +244,9 @@ extern "C" __global__ void attn_combine(float* out, const float* gate, const flo
     for (int r = 0; r < ATTN_SPLITS && r * span < ctx; ++r) {
         const float* pm = partial + (((long long)t * nq + h) * ATTN_SPLITS + r) * (hd + 2);
         float c_old, c_new;
-        M = merge_scales(M, &L, pm[0], pm[1], &c_old, &c_new);
-        if (d < hd) ACC = merge_acc(ACC, pm[2 + d], c_old, c_new);
+        M = merge_scales(M, pm[0], &c_old, &c_new);
+        L = merge_sum(L, pm[1], c_old, c_new);
+        if (d < hd) ACC = merge_sum(ACC, pm[2 + d], c_old, c_new);
     }
     if (d < hd) {
         long long o = ((long long)t * nq + h) * hd + d;

@@ -336,17 +336,6 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
     }
 }
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-// 16 bytes global -> shared, zero-filled when !valid.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0));
-}
-
 #define SMALL_KERNEL(NAME, MT, NT, UNROLL, PRESPLIT)                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * KSLICES) NAME(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, \
             int N, int K, const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active,        \
@@ -506,6 +495,17 @@ extern "C" __global__ void split_activations(bf16_t* hi, bf16_t* lo, const float
 #define PBM 128
 #define PBN 128
 #define PSTAGES 3
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16 bytes global -> shared, zero-filled when !valid.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
 
 // Many rows, bf16 weights, K a multiple of 32: grid (ceil(N/128), ceil(rows/128), groups),
 // 256 threads as 2x4 warps of 64x32, a 3-stage cp.async pipeline over 32-wide k blocks.

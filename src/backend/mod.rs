@@ -172,6 +172,17 @@ pub struct MoeWeights<B: Backend + ?Sized> {
     pub shared_gate: bool,
 }
 
+impl<B: Backend + ?Sized> MoeWeights<B> {
+    /// Column parts of the router's output: the expert logits, then the shared gate if any.
+    pub fn router_widths(&self, num_experts: usize) -> Vec<usize> {
+        let mut widths = vec![num_experts];
+        if self.shared_gate {
+            widths.push(1);
+        }
+        widths
+    }
+}
+
 pub trait Backend: Send + Sync {
     type Tensor: Send + Sync;
     type Matrix: Send + Sync;

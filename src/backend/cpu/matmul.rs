@@ -41,11 +41,8 @@ pub struct CpuMatrix {
 impl CpuMatrix {
     /// `parts` stacked by rows; they must share the column count.
     pub fn stacked(parts: &[MatrixBytes]) -> Result<Self, String> {
-        let cols = parts.first().map_or(0, |p| p.cols);
-        if let Some(p) = parts.iter().find(|p| p.cols != cols) {
-            return Err(format!("cannot stack a {}x{} matrix under {cols} columns", p.rows, p.cols));
-        }
-        Ok(CpuMatrix { parts: parts.to_vec(), rows: parts.iter().map(|p| p.rows).sum(), cols })
+        let (rows, cols) = MatrixBytes::stacked_shape(parts)?;
+        Ok(CpuMatrix { parts: parts.to_vec(), rows, cols })
     }
 }
 

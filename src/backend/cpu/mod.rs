@@ -217,7 +217,7 @@ impl Backend for CpuBackend {
     fn moe_add(&self, acc: &mut CpuTensor, x: &CpuTensor, w: &MoeWeights<Self>, cfg: &MoeConfig) {
         let (t, h) = (x.rows, x.cols);
         let e = cfg.num_experts;
-        let mut parts = self.matmul_parts(x, &w.router, &[e, 1][..1 + usize::from(w.shared_gate)]).into_iter();
+        let mut parts = self.matmul_parts(x, &w.router, &w.router_widths(e)).into_iter();
         let logits = parts.next().expect("router logits");
         let gates = parts.next();
         // Routing per token: softmax over all experts, top-k (ties to the lower index).

@@ -53,7 +53,7 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
     let slots = k + usize::from(fold);
     let groups_max = e + usize::from(fold);
     // Router logits and the shared expert's gate from one matmul.
-    let mut parts = super::matmul::matmul_parts(be, x, &w.router, &[e, 1][..1 + usize::from(w.shared_gate)]).into_iter();
+    let mut parts = super::matmul::matmul_parts(be, x, &w.router, &w.router_widths(e)).into_iter();
     let logits = parts.next().expect("router logits");
     let shared_gate = parts.next();
     let topk_idx = be.alloc_i32(t * k);

@@ -61,11 +61,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload_stacked(&self, parts: &[MatrixBytes]) -> Result<CudaMatrix, BackendError> {
-        let cols = parts.first().map_or(0, |p| p.cols);
-        if let Some(p) = parts.iter().find(|p| p.cols != cols) {
-            return Err(BackendError::Invalid(format!("cannot stack a {}x{} matrix under {cols} columns", p.rows, p.cols)));
-        }
-        let rows = parts.iter().map(|p| p.rows).sum();
+        let (rows, cols) = MatrixBytes::stacked_shape(parts).map_err(BackendError::Invalid)?;
         let oom = |bytes: usize, e: cudarc::driver::DriverError| BackendError::OutOfMemory(format!("{} MiB of weights: {e:?}", bytes >> 20));
         let matrix = if let Some(seed) = self.random_seed() {
             self.random_matrix(rows, cols, seed)?

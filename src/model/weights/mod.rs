@@ -82,6 +82,15 @@ pub struct MatrixBytes {
 }
 
 impl MatrixBytes {
+    /// Rows and columns of `parts` stacked by rows; they must share the column count.
+    pub fn stacked_shape(parts: &[MatrixBytes]) -> Result<(usize, usize), String> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        match parts.iter().find(|p| p.cols != cols) {
+            Some(p) => Err(format!("cannot stack a {}x{} matrix under {cols} columns", p.rows, p.cols)),
+            None => Ok((parts.iter().map(|p| p.rows).sum(), cols)),
+        }
+    }
+
     pub fn row_bytes(&self) -> usize {
         self.cols * self.dtype.size_bytes()
     }
