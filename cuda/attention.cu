@@ -11,7 +11,8 @@
 #define KEY_TILE 64
 #define MAX_ELEMS_PER_THREAD 8
 #define MAX_DIMS_PER_LANE 8   // head_dim <= 256
-#define KEYS_PER_PASS 4
+#define KEYS_PER_PASS 8
+#define VALUES_IN_FLIGHT 32
 #define ATTN_SPLITS 8
 
 // Keys per range for a context of ctx keys: whole tiles, ATTN_SPLITS ranges covering ctx.
@@ -177,13 +178,14 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
             const float* s = sc + g * KEY_TILE;
             float a = acc[i] * corr[g];
             const float* vcol = v_cache + (long long)kvh * hd + d;
-            // Values loaded 8 keys at a time before use; the sum stays in key order.
-            for (int p0v = 0; p0v < np; p0v += 8) {
-                float vv[8];
+            // Values loaded VALUES_IN_FLIGHT keys at a time before use (a decode block's time is
+            // its chain of load latencies); the sum stays in key order.
+            for (int p0v = 0; p0v < np; p0v += VALUES_IN_FLIGHT) {
+                float vv[VALUES_IN_FLIGHT];
 #pragma unroll
-                for (int u = 0; u < 8; ++u) vv[u] = p0v + u < np ? vcol[slots[p0v + u] * kv_stride] : 0.0f;
+                for (int u = 0; u < VALUES_IN_FLIGHT; ++u) vv[u] = p0v + u < np ? vcol[slots[p0v + u] * kv_stride] : 0.0f;
 #pragma unroll
-                for (int u = 0; u < 8; ++u)
+                for (int u = 0; u < VALUES_IN_FLIGHT; ++u)
                     if (p0v + u < np) a += s[p0v + u] * vv[u];
             }
             acc[i] = a;

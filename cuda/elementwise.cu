@@ -12,16 +12,50 @@ extern "C" __global__ void embed_rows(float* out, const bf16_t* hi, const bf16_t
     }
 }
 
-// y = x * rsqrt(mean(x^2) + eps) * w, one block of 256 threads per row.
+// Float4s per thread the row norm keeps in registers: rows of up to 8192 floats at 256 threads.
+#define RMS_VECS 8
+
+// y = x * rsqrt(mean(x^2) + eps) * w, one block of 256 threads per row. Rows whose width is a
+// multiple of 4 (up to RMS_VECS float4s per thread) are loaded once into registers, all loads
+// issued before the first use: a row of a decode step is one block, so the kernel's time is
+// its chain of memory latencies, not its bytes.
 extern "C" __global__ void rms_norm_rows(float* out, const float* x, const float* w, int rows, int cols, float eps) {
     __shared__ float scratch[33];
     int r = blockIdx.x;
     const float* xr = x + (long long)r * cols;
+    float* yr = out + (long long)r * cols;
+    int nvec = cols >> 2;
+    if ((cols & 3) == 0 && nvec <= RMS_VECS * (int)blockDim.x && (((u64)xr | (u64)yr | (u64)w) & 15) == 0) {
+        const float4* x4 = (const float4*)xr;
+        const float4* w4 = (const float4*)w;
+        float4 v[RMS_VECS], wv[RMS_VECS];
+#pragma unroll
+        for (int i = 0; i < RMS_VECS; ++i) {
+            int c = threadIdx.x + i * blockDim.x;
+            float4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
+            v[i] = c < nvec ? x4[c] : zero;
+            wv[i] = c < nvec ? w4[c] : zero;
+        }
+        float ss = 0.0f;
+#pragma unroll
+        for (int i = 0; i < RMS_VECS; ++i) ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+        ss = block_sum(ss, scratch);
+        float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+#pragma unroll
+        for (int i = 0; i < RMS_VECS; ++i) {
+            int c = threadIdx.x + i * blockDim.x;
+            if (c < nvec) {
+                float4 y = {v[i].x * inv * wv[i].x, v[i].y * inv * wv[i].y, v[i].z * inv * wv[i].z, v[i].w * inv * wv[i].w};
+                ((float4*)yr)[c] = y;
+            }
+        }
+        return;
+    }
     float ss = 0.0f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
     ss = block_sum(ss, scratch);
     float inv = 1.0f / sqrtf(ss / (float)cols + eps);
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(long long)r * cols + c] = xr[c] * inv * w[c];
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = xr[c] * inv * w[c];
 }
 
 extern "C" __global__ void add_assign(float* x, const float* y, long long n) {

@@ -12,43 +12,30 @@ __device__ __forceinline__ float conv_window(const float* state, const float* mi
     return idx < hist ? state[(long long)idx * conv_dim + c] : mixed[(long long)(token_start + idx - hist) * conv_dim + c];
 }
 
-// Thread per (token, channel): silu(sum_j w[c][j] * window[i + j]). For generate rows it also
-// stores the window after the token (snapshot i); the canonical window is only read.
-extern "C" __global__ void gdn_conv(float* out, float* conv_snap, const float* mixed, const float* conv_state, const float* conv_w, const int* tok_row,
-        const RowInfo* rows, int T, int conv_dim, int kw) {
-    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)T * conv_dim) return;
-    int t = (int)(idx / conv_dim), c = (int)(idx % conv_dim);
-    RowInfo row = rows[tok_row[t]];
+// silu(sum_j w[c][j] * window[i + j]) of token t, channel c. For generate rows it also stores
+// the window after the token (snapshot i); the canonical window is only read.
+__device__ __forceinline__ float conv_channel(float* conv_snap, const float* mixed, const float* conv_state, const float* conv_w, const RowInfo& row, int t, int c,
+        int conv_dim, int kw) {
     int hist = kw - 1, i = t - row.token_start;
     const float* state = conv_state + (long long)row.state_slot * hist * conv_dim;
     float acc = 0.0f;
+#pragma unroll 4
     for (int j = 0; j < kw; ++j) acc += conv_w[c * kw + j] * conv_window(state, mixed, i + j, hist, row.token_start, c, conv_dim);
-    out[idx] = siluf_(acc);
     if (row.kind == 1) {
         float* snap = conv_snap + (long long)(row.snapshot_base + i) * hist * conv_dim;
+#pragma unroll 4
         for (int j = 0; j < hist; ++j) snap[(long long)j * conv_dim + c] = conv_window(state, mixed, i + 1 + j, hist, row.token_start, c, conv_dim);
     }
+    return siluf_(acc);
 }
 
-// Thread per (prefill row, channel): the row's new window. Reads finish before writes, and
-// each thread owns its channel of its row. (Generate rows' snapshots come from gdn_conv.)
-extern "C" __global__ void gdn_conv_state(float* conv_state, const float* mixed, const RowInfo* rows, const int* row_ids, int num_rows, int conv_dim, int kw) {
-    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)num_rows * conv_dim) return;
-    int r = (int)(idx / conv_dim), c = (int)(idx % conv_dim);
-    RowInfo row = rows[row_ids[r]];
-    int hist = kw - 1, n = row.num_tokens;
-    float* state = conv_state + (long long)row.state_slot * hist * conv_dim;
-    float win[MAX_HIST];
-    for (int j = 0; j < hist; ++j) win[j] = conv_window(state, mixed, n + j, hist, row.token_start, c, conv_dim);
-    for (int j = 0; j < hist; ++j) state[(long long)j * conv_dim + c] = win[j];
-}
-
-// grid (T, nk + 1), 128 threads. Blocks y < nk: l2-normalize q (times dk^-1/2) and k of key
-// head y. Block y == nk: g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b).
-extern "C" __global__ void gdn_gates(float* qn, float* kn, float* g_out, float* beta_out, const float* conv_out, const float* a, const float* b,
-        const float* neg_a, const float* dt_bias, int nk, int nv, int dk, int conv_dim) {
+// The conv, the gates and the l2-normalized q/k of a step in one launch. grid (T, nk + 1 +
+// ceil(value_dim / 128)), 128 threads. Blocks y < nk: conv of the q and k channels of key head
+// y, then q (times dk^-1/2) and k l2-normalized. Block y == nk: g = -exp(A_log) *
+// softplus(a + dt_bias) and beta = sigmoid(b). Blocks y > nk: conv of 128 value channels each.
+extern "C" __global__ void gdn_conv_gates(float* conv_out, float* conv_snap, float* qn, float* kn, float* g_out, float* beta_out, const float* mixed,
+        const float* conv_state, const float* conv_w, const float* a, const float* b, const float* neg_a, const float* dt_bias, const int* tok_row,
+        const RowInfo* rows, int nk, int nv, int dk, int conv_dim, int kw) {
     __shared__ float scratch[33];
     int t = blockIdx.x, h = blockIdx.y;
     int key_dim = nk * dk;
@@ -61,80 +48,117 @@ extern "C" __global__ void gdn_gates(float* qn, float* kn, float* g_out, float* 
         }
         return;
     }
-    const float* row = conv_out + (long long)t * conv_dim;
+    RowInfo row = rows[tok_row[t]];
+    float* out_row = conv_out + (long long)t * conv_dim;
+    if (h > nk) {
+        int c = 2 * key_dim + (h - nk - 1) * blockDim.x + threadIdx.x;
+        if (c < conv_dim) out_row[c] = conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, c, conv_dim, kw);
+        return;
+    }
     float q_scale = 1.0f / sqrtf((float)dk);
     for (int which = 0; which < 2; ++which) {
-        const float* src = row + which * key_dim + h * dk;
+        int c0 = which * key_dim + h * dk;
         float* dst = (which == 0 ? qn : kn) + (long long)t * key_dim + h * dk;
         float ss = 0.0f;
-        for (int d = threadIdx.x; d < dk; d += blockDim.x) ss += src[d] * src[d];
+        for (int d = threadIdx.x; d < dk; d += blockDim.x) {
+            float v = conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, c0 + d, conv_dim, kw);
+            out_row[c0 + d] = v;
+            ss += v * v;
+        }
         ss = block_sum(ss, scratch);
         float f = 1.0f / sqrtf(ss + 1e-6f) * (which == 0 ? q_scale : 1.0f);
-        for (int d = threadIdx.x; d < dk; d += blockDim.x) dst[d] = src[d] * f;
+        // Each thread reads back the channels it wrote.
+        for (int d = threadIdx.x; d < dk; d += blockDim.x) dst[d] = out_row[c0 + d] * f;
     }
 }
 
-// Generate rows: grid (rows listed in row_ids, nv), dv threads; thread j keeps column j of
-// the state in registers. Writes the state after every token to its snapshot slot.
+// Thread per (prefill row, channel): the row's new window. Reads finish before writes, and
+// each thread owns its channel of its row. (Generate rows' snapshots come from gdn_conv_gates.)
+extern "C" __global__ void gdn_conv_state(float* conv_state, const float* mixed, const RowInfo* rows, const int* row_ids, int num_rows, int conv_dim, int kw) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)num_rows * conv_dim) return;
+    int r = (int)(idx / conv_dim), c = (int)(idx % conv_dim);
+    RowInfo row = rows[row_ids[r]];
+    int hist = kw - 1, n = row.num_tokens;
+    float* state = conv_state + (long long)row.state_slot * hist * conv_dim;
+    float win[MAX_HIST];
+    for (int j = 0; j < hist; ++j) win[j] = conv_window(state, mixed, n + j, hist, row.token_start, c, conv_dim);
+    for (int j = 0; j < hist; ++j) state[(long long)j * conv_dim + c] = win[j];
+}
+
+#define REC_GROUPS 4   // threads per value column of the recurrent kernel
+
+// Generate rows: grid (rows listed in row_ids, nv), REC_GROUPS * dv threads. Thread (column
+// j = tid / 4, group r = tid % 4) keeps state rows i = r, r + 4, ... of column j in registers;
+// the 4 groups of a column combine their sums over i with a fixed butterfly (every lane gets
+// the same bits). Writes the state after every token to its snapshot slot. Four threads per
+// column rather than one: a decode step has only nv blocks, and each needs enough warps in
+// flight to stream its state.
 //
 // Generate tokens are normalized here (gated RMSNorm, as gdn_out_norm does for prefill
 // tokens): a token's output always comes from the same kernel, whatever else is in the step.
-extern "C" __global__ void __launch_bounds__(128) gdn_recurrent(float* out, const float* z, const float* norm_w, float eps, const float* qn,
+extern "C" __global__ void __launch_bounds__(512) gdn_recurrent(float* out, const float* z, const float* norm_w, float eps, const float* qn,
         const float* kn, const float* conv_out, const float* g, const float* beta, const float* rec, float* rec_snap, const RowInfo* rows,
         const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim) {
     __shared__ float scratch[33];
-    // k is stored twice: reading the second copy in the update loop keeps the compiler from
-    // holding all of k in registers between the two loops (which spilled the state).
-    __shared__ float ks[MAX_DK], ks2[MAX_DK], qs[MAX_DK];
+    __shared__ float ks[MAX_DK], qs[MAX_DK];
+    const int SR = MAX_DK / REC_GROUPS;
     RowInfo row = rows[row_ids[blockIdx.x]];
-    int h = blockIdx.y, j = threadIdx.x, kh = h / (nv / nk);
+    int h = blockIdx.y, kh = h / (nv / nk);
+    int j = threadIdx.x / REC_GROUPS, rg = threadIdx.x % REC_GROUPS;
+    bool col_ok = j < dv;
     int key_dim = nk * dk, head_len = dk * dv;
     long long state_len = (long long)nv * head_len;
-    float s[MAX_DK];
-    // Column j of the state, walked with a running pointer (precomputing 128 addresses
-    // would not fit in registers).
-    const float* s0 = rec + row.state_slot * state_len + (long long)h * head_len + min(j, dv - 1);
+    const float* sp = rec + row.state_slot * state_len + (long long)h * head_len;
+    float s[SR];
 #pragma unroll
-    for (int i = 0; i < MAX_DK; ++i) {
-        s[i] = (i < dk && j < dv) ? *s0 : 0.0f;
-        if (i < dk) s0 += dv;
+    for (int i = 0; i < SR; ++i) {
+        int a = rg + REC_GROUPS * i;
+        s[i] = (a < dk && col_ok) ? sp[(long long)a * dv + j] : 0.0f;
     }
     for (int n = 0; n < row.num_tokens; ++n) {
         int t = row.token_start + n;
         __syncthreads();
         for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-            ks[i] = ks2[i] = kn[(long long)t * key_dim + kh * dk + i];
+            ks[i] = kn[(long long)t * key_dim + kh * dk + i];
             qs[i] = qn[(long long)t * key_dim + kh * dk + i];
         }
         __syncthreads();
+        float decay = expf(g[(long long)t * nv + h]);
+        float vj = col_ok ? conv_out[(long long)t * conv_dim + 2 * key_dim + h * dv + j] : 0.0f;
+        float kv = 0.0f;
+#pragma unroll
+        for (int i = 0; i < SR; ++i) {
+            int a = rg + REC_GROUPS * i;
+            if (a < dk) {
+                s[i] *= decay;
+                kv += s[i] * ks[a];
+            }
+        }
+        kv += __shfl_xor_sync(FULL_MASK, kv, 1);
+        kv += __shfl_xor_sync(FULL_MASK, kv, 2);
+        float u = beta[(long long)t * nv + h] * (vj - kv);
         float o = 0.0f;
-        if (j < dv) {
-            float decay = expf(g[(long long)t * nv + h]);
-            float kv = 0.0f;
 #pragma unroll
-            for (int i = 0; i < MAX_DK; ++i)
-                if (i < dk) {
-                    s[i] *= decay;
-                    kv += s[i] * ks[i];
-                }
-            float vj = conv_out[(long long)t * conv_dim + 2 * key_dim + h * dv + j];
-            float u = beta[(long long)t * nv + h] * (vj - kv);
-#pragma unroll
-            for (int i = 0; i < MAX_DK; ++i)
-                if (i < dk) {
-                    s[i] += ks2[i] * u;
-                    o += s[i] * qs[i];
-                }
+        for (int i = 0; i < SR; ++i) {
+            int a = rg + REC_GROUPS * i;
+            if (a < dk) {
+                s[i] += ks[a] * u;
+                o += s[i] * qs[a];
+            }
+        }
+        o += __shfl_xor_sync(FULL_MASK, o, 1);
+        o += __shfl_xor_sync(FULL_MASK, o, 2);
+        if (col_ok) {
             float* snap = rec_snap + (long long)(row.snapshot_base + n) * state_len + (long long)h * head_len + j;
 #pragma unroll
-            for (int i = 0; i < MAX_DK; ++i)
-                if (i < dk) {
-                    *snap = s[i];
-                    snap += dv;
-                }
+            for (int i = 0; i < SR; ++i) {
+                int a = rg + REC_GROUPS * i;
+                if (a < dk) snap[(long long)a * dv] = s[i];
+            }
         }
-        float ss = block_sum(j < dv ? o * o : 0.0f, scratch);
-        if (j < dv) {
+        float ss = block_sum(col_ok && rg == 0 ? o * o : 0.0f, scratch);
+        if (col_ok && rg == 0) {
             long long e = (long long)t * nv * dv + h * dv + j;
             out[e] = o * (1.0f / sqrtf(ss / (float)dv + eps)) * norm_w[j] * siluf_(z[e]);
         }

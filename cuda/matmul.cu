@@ -278,15 +278,24 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
                         else small_kblock<NT>(c[mt], xr0[mt], xr1[mt], two[mt], (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
                     }
             }
-            for (; kb < kb1; ++kb) {
-                uint4 bh[NT];
+            // The last k blocks of the slice (fewer than SMALL_UNROLL): their loads issued together
+            // too. A short slice (the experts' K = 512 down projections) is only this.
+            if (kb < kb1) {
+                int left = kb1 - kb;
+                uint4 bh[SMALL_UNROLL][NT];
 #pragma unroll
-                for (int j = 0; j < NT; ++j) bh[j] = ldg_stream(wh[j] + kb * 32);
+                for (int u = 0; u < SMALL_UNROLL; ++u)
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if (!live[mt]) continue;
-                    if constexpr (PRESPLIT) small_kblock_split<NT>(c[mt], xh0[mt], xh1[mt], lo_off, two[mt], kb * 32 + q * 8, bh, zero);
-                    else small_kblock<NT>(c[mt], xr0[mt], xr1[mt], two[mt], kb * 32 + q * 8, K, true, bh, zero, false);
+                    for (int j = 0; j < NT; ++j) bh[u][j] = u < left ? ldg_stream(wh[j] + (kb + u) * 32) : zero[j];
+#pragma unroll
+                for (int u = 0; u < SMALL_UNROLL; ++u) {
+                    if (u >= left) break;
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        if (!live[mt]) continue;
+                        if constexpr (PRESPLIT) small_kblock_split<NT>(c[mt], xh0[mt], xh1[mt], lo_off, two[mt], (kb + u) * 32 + q * 8, bh[u], zero);
+                        else small_kblock<NT>(c[mt], xr0[mt], xr1[mt], two[mt], (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
+                    }
                 }
             }
         } else {

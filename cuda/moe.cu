@@ -1,28 +1,32 @@
 // Mixture-of-experts routing and combination. Expert matmuls run through the grouped mode of
 // the matmul kernels, with per-expert row lists built here in token order.
 
-// Routing of token t by one block of 256 threads: softmax over all experts, top-k by repeated
-// argmax (ties to the lower index), optional renormalization. `ex`: E floats of shared memory.
+// Routing of token t by one warp: softmax over all experts, top-k by repeated argmax (ties to
+// the lower index), optional renormalization. `ex`: E floats of shared memory for this warp.
+// A warp, not a block: the k argmax rounds need no block barriers, and a block of 8 warps
+// routes 8 tokens at once. Every lane ends the butterflies with the same (value, index).
 __device__ __forceinline__ void route_token(int t, int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize, float* ex) {
-    __shared__ float scratch[33];
-    __shared__ float best_v[8];
-    __shared__ int best_i[8];
-    __shared__ float chosen[64];
-    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int lane = threadIdx.x & 31;
     const float* l = logits + (long long)t * E;
     float m = NEG_INF;
-    for (int e = tid; e < E; e += blockDim.x) m = fmaxf(m, l[e]);
-    m = block_max(m, scratch);
+    for (int e = lane; e < E; e += 32) m = fmaxf(m, l[e]);
+    m = warp_max(m);
     float sum = 0.0f;
-    for (int e = tid; e < E; e += blockDim.x) {
-        ex[e] = expf(l[e] - m);
-        sum += ex[e];
+    for (int e = lane; e < E; e += 32) {
+        float v = expf(l[e] - m);
+        ex[e] = v;
+        sum += v;
     }
-    sum = block_sum(sum, scratch);
+    sum = warp_sum(sum);
+    __syncwarp();
+    // Lane s % 32 keeps slot s (k <= 64: two registers).
+    float mine_w[2] = {0.0f, 0.0f};
+    int mine_i[2] = {0, 0};
+    float total = 0.0f;
     for (int s = 0; s < k; ++s) {
         float bv = NEG_INF;
         int bi = 0x7fffffff;
-        for (int e = tid; e < E; e += blockDim.x) {
+        for (int e = lane; e < E; e += 32) {
             float v = ex[e];
             if (v > bv || (v == bv && e < bi)) { bv = v; bi = e; }
         }
@@ -32,31 +36,29 @@ __device__ __forceinline__ void route_token(int t, int* topk_idx, float* topk_w,
             int oi = __shfl_xor_sync(FULL_MASK, bi, o);
             if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
         }
-        if (lane == 0) { best_v[warp] = bv; best_i[warp] = bi; }
-        __syncthreads();
-        if (tid == 0) {
-            float v = best_v[0];
-            int i = best_i[0];
-            for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
-                if (best_v[w] > v || (best_v[w] == v && best_i[w] < i)) { v = best_v[w]; i = best_i[w]; }
-            topk_idx[t * k + s] = i;
-            chosen[s] = v / sum;
-            ex[i] = NEG_INF;
+        float chosen = bv / sum;
+        total += chosen;
+        if ((s & 31) == lane) {
+            if (s < 32) { mine_w[0] = chosen; mine_i[0] = bi; } else { mine_w[1] = chosen; mine_i[1] = bi; }
         }
-        __syncthreads();
+        if ((bi & 31) == lane) ex[bi] = NEG_INF;  // the lane that reads ex[bi] clears it
+        __syncwarp();
     }
-    if (tid == 0) {
-        float total = 0.0f;
-        for (int s = 0; s < k; ++s) total += chosen[s];
-        for (int s = 0; s < k; ++s) topk_w[t * k + s] = renormalize ? chosen[s] / total : chosen[s];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int s = lane + 32 * h;
+        if (s < k) {
+            topk_idx[t * k + s] = mine_i[h];
+            topk_w[t * k + s] = renormalize ? mine_w[h] / total : mine_w[h];
+        }
     }
-    __syncthreads();
 }
 
-// One block (256 threads) per token. Dynamic shared memory: E floats.
-extern "C" __global__ void moe_route(int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize) {
+// A warp per token, 8 tokens per block of 256 threads. Dynamic shared memory: 8 * E floats.
+extern "C" __global__ void moe_route(int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize) {
     extern __shared__ float ex[];
-    route_token(blockIdx.x, topk_idx, topk_w, logits, E, k, renormalize, ex);
+    int warp = threadIdx.x >> 5, t = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (t < T) route_token(t, topk_idx, topk_w, logits, E, k, renormalize, ex + (long long)warp * E);
 }
 
 // One block (256 threads) per expert: the (token, slot) entries routed to it, in entry order.
@@ -98,35 +100,56 @@ extern "C" __global__ void moe_active(int* active, const int* counts, int E) {
     active[0] = n;
 }
 
-// moe_group and moe_active in one block, for steps with few (token, slot) entries: the same
-// lists, counts and active list from one launch. With `route`, the block first routes the T
-// tokens itself (one launch for a decode step); otherwise moe_route has. Entries and the shared
-// expert as in moe_group (`fold`: the shared expert is group E). Dynamic shared memory:
-// E + 1 floats (routing), then reused as ints (counts).
+// moe_group and moe_active in one block of 256 threads, for steps with few (token, slot)
+// entries: the same lists, counts and active list from one launch. With `route`, the block's
+// warps first route the T <= 8 tokens themselves (one launch for a decode step); otherwise
+// moe_route has. Entries and the shared expert as in moe_group (`fold`: the shared expert is
+// group E). Dynamic shared memory: max(8 * E floats, entries + groups ints).
 extern "C" __global__ void moe_group_few(int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize, int* lists, int* counts, int* active, int T, int route,
         int slots, int fold) {
     extern __shared__ float ex[];
+    __shared__ int warp_counts[8];
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     if (route)
-        for (int t = 0; t < T; ++t) route_token(t, topk_idx, topk_w, logits, E, k, renormalize, ex);
-    // route_token ends on a barrier: the block's writes of topk_idx are visible to it here.
-    int* cnt = (int*)ex;
-    int entries = T * k, cap = T, groups = E + fold;
-    for (int e = threadIdx.x; e < groups; e += blockDim.x) cnt[e] = 0;
+        for (int t = warp; t < T; t += nwarps) route_token(t, topk_idx, topk_w, logits, E, k, renormalize, ex + (long long)warp * E);
+    // The block's global writes of topk_idx are visible to it after the barrier.
     __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < entries; ++i) {
-            int e = topk_idx[i];
-            lists[(long long)e * cap + cnt[e]++] = (i / k) * slots + i % k;
+    int entries = T * k, cap = T, groups = E + fold;
+    int* entry_expert = (int*)ex;
+    int* cnt = entry_expert + entries;
+    for (int i = tid; i < entries; i += blockDim.x) entry_expert[i] = topk_idx[i];
+    __syncthreads();
+    // A thread per group lists its entries in entry order.
+    for (int e = tid; e < groups; e += blockDim.x) {
+        int c = 0;
+        if (e < E) {
+            for (int i = 0; i < entries; ++i)
+                if (entry_expert[i] == e) lists[(long long)e * cap + c++] = (i / k) * slots + i % k;
+        } else {
+            for (int t = 0; t < T; ++t) lists[(long long)E * cap + c++] = t * slots + k;
         }
-        if (fold)
-            for (int t = 0; t < T; ++t) lists[(long long)E * cap + cnt[E]++] = t * slots + k;
-        int n = 0;
-        for (int e = 0; e < groups; ++e)
-            if (cnt[e] > 0) active[1 + n++] = e;
-        active[0] = n;
+        cnt[e] = c;
+        counts[e] = c;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < groups; e += blockDim.x) counts[e] = cnt[e];
+    // The groups with entries, in group order (ballot compaction).
+    int base_out = 0;
+    for (int base = 0; base < groups; base += blockDim.x) {
+        int e = base + tid;
+        bool hit = e < groups && cnt[e] > 0;
+        u32 ballot = __ballot_sync(FULL_MASK, hit);
+        if (lane == 0) warp_counts[warp] = __popc(ballot);
+        __syncthreads();
+        int before = base_out, total = 0;
+        for (int w = 0; w < nwarps; ++w) {
+            if (w < warp) before += warp_counts[w];
+            total += warp_counts[w];
+        }
+        if (hit) active[1 + before + __popc(ballot & ((1u << lane) - 1u))] = e;
+        base_out += total;
+        __syncthreads();
+    }
+    if (tid == 0) active[0] = base_out;
 }
 
 // acc[t] += (sum_s w[t,s] * y[t*slots+s] (s < k, in order), then + sigmoid(shared_gate[t]) *
@@ -138,6 +161,8 @@ extern "C" __global__ void moe_combine(float* out, const float* y, const float* 
     if (idx >= (long long)T * H) return;
     int t = (int)(idx / H), d = (int)(idx % H);
     float acc = 0.0f;
+    // Unrolled so that the k loads are in flight together; the sum stays in slot order.
+#pragma unroll 8
     for (int s = 0; s < k; ++s) acc += topk_w[t * k + s] * y[((long long)t * slots + s) * H + d];
     if (shared) {
         float scale = shared_gate ? 1.0f / (1.0f + expf(-shared_gate[t])) : 1.0f;

@@ -21,10 +21,13 @@ struct Options {
     /// Generate rows per decode step (row 0 follows the prompt; the others start empty).
     decode_rows: usize,
     prefill: Vec<usize>,
+    /// `--profile-step N`: bracket decode step N with cuProfilerStart/Stop, so that
+    /// `ncu --profile-from-start off` or `nsys -c cudaProfilerApi` records that step only.
+    profile_step: Option<usize>,
 }
 
 fn parse_args() -> Result<Options, String> {
-    let mut o = Options { matmul_only: None, presets: vec!["qwen3.5-9b".into(), "qwen3.5-35b-a3b".into()], prompt: 512, decode: 64, decode_rows: 1, prefill: vec![512, 4096] };
+    let mut o = Options { matmul_only: None, presets: vec!["qwen3.5-9b".into(), "qwen3.5-35b-a3b".into()], prompt: 512, decode: 64, decode_rows: 1, prefill: vec![512, 4096], profile_step: None };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or(format!("{a} needs a value"));
@@ -41,6 +44,7 @@ fn parse_args() -> Result<Options, String> {
             "--decode" => o.decode = value()?.parse().map_err(|e| format!("--decode: {e}"))?,
             "--decode-rows" => o.decode_rows = value()?.parse::<usize>().map_err(|e| format!("--decode-rows: {e}"))?.max(1),
             "--prefill" => o.prefill = value()?.split(',').map(|s| s.parse().map_err(|e| format!("--prefill: {e}"))).collect::<Result<_, _>>()?,
+            "--profile-step" => o.profile_step = Some(value()?.parse().map_err(|e| format!("--profile-step: {e}"))?),
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -201,11 +205,19 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
         let step_ids: Vec<u32> = std::iter::once(next).chain(ids(nrows - 1, i as u32)).collect();
         let logit_rows: Vec<u32> = (0..nrows as u32).collect();
         let commits: Vec<kestrel::backend::StateCommit> = (0..nrows).map(|r| kestrel::backend::StateCommit { slot: r, snapshot: r }).collect();
+        let profiled = o.profile_step == Some(i);
+        if profiled {
+            gpu.synchronize();
+            cudarc::driver::profiler_start().map_err(|e| format!("cuProfilerStart: {e:?}"))?;
+        }
         let t = Instant::now();
         let out = model.forward(gpu, &step_ids, &layout, &logit_rows, &mut cache);
         gpu.commit_states(&mut cache, &commits);
         enqueue_times.push(t.elapsed().as_secs_f64());
         next = argmax(&gpu.to_host(&out.logits)[..vocab as usize]);
+        if profiled {
+            cudarc::driver::profiler_stop().map_err(|e| format!("cuProfilerStop: {e:?}"))?;
+        }
         step_times.push(t.elapsed().as_secs_f64());
     }
     profiles.insert("decode_per_token".into(), profile_json(&gpu.profile_report(), o.decode));

@@ -44,6 +44,24 @@ fn matmul_matches_cpu_and_rows_are_independent() {
     }
 }
 
+/// Memory the pool kept from freed activations is not counted against the next cache: a
+/// second engine in the same process (a bench sweep) gets the room the first one had.
+#[test]
+fn freed_activations_do_not_shrink_the_cache_budget() {
+    let Some(gpu) = gpu() else { return };
+    let before = gpu.cache_budget(0.9, 0).unwrap();
+    let gib = 1 << 30;
+    {
+        // 2 GiB of activations, computed and freed.
+        let x = gpu.from_host(&vec![1.0f32; 1024], 1, 1024);
+        let big: Vec<_> = (0..4).map(|_| gpu.gather_rows(&x, &vec![0u32; gib / 8 / 1024])).collect();
+        gpu.synchronize();
+        drop(big);
+    }
+    let after = gpu.cache_budget(0.9, 0).unwrap();
+    assert!(after + gib / 4 >= before, "cache budget fell from {before} to {after} bytes after freeing activations");
+}
+
 #[test]
 fn fused_projections_equal_the_separate_ops_bitwise() {
     let Some(gpu) = gpu() else { return };

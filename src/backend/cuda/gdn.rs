@@ -9,6 +9,8 @@ use crate::model::config::LinearAttnConfig;
 const CHUNK: usize = crate::backend::DELTA_RULE_CHUNK;
 /// Value columns per block of the chunked kernel (CHUNK_COLS in cuda/gdn.cu).
 const CHUNK_COLS: usize = 32;
+/// Threads per block of gdn_conv_gates: the value channels it convolves per block.
+const CONV_GATES_THREADS: usize = 128;
 
 pub(super) struct GdnArgs<'a> {
     pub mixed: &'a CudaTensor,
@@ -44,24 +46,39 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
     let (conv_state, conv_snap) = (be.ptr(&cache.conv[layer]), be.ptr(&cache.conv_snap[layer]));
     let (rec, rec_snap) = (be.ptr(&cache.rec[layer]), be.ptr(&cache.rec_snap[layer]));
 
-    // 1. Conv + SiLU (reads the stored windows; writes generate rows' window snapshots), then
-    //    the canonical windows of prefill rows are advanced.
+    // 1. Conv + SiLU (reads the stored windows; writes generate rows' window snapshots), the
+    //    normalized q/k and the gates, in one launch; then the canonical windows of prefill
+    //    rows are advanced.
     let conv_out = be.tensor(t, conv_dim);
-    let n = t * conv_dim;
+    let qn = be.tensor(t, key_dim);
+    let kn = be.tensor(t, key_dim);
+    let g = be.tensor(t, nv);
+    let beta = be.tensor(t, nv);
+    let value_blocks = value_dim.div_ceil(CONV_GATES_THREADS);
     be.launch(
-        &be.k.gdn_conv,
-        (n.div_ceil(256) as u32, 1, 1),
-        256,
+        &be.k.gdn_conv_gates,
+        (t as u32, (nk + 1 + value_blocks) as u32, 1),
+        CONV_GATES_THREADS as u32,
         0,
         &[
             Arg::Ptr(be.ptr(&conv_out.data)),
             Arg::Ptr(conv_snap),
+            Arg::Ptr(be.ptr(&qn.data)),
+            Arg::Ptr(be.ptr(&kn.data)),
+            Arg::Ptr(be.ptr(&g.data)),
+            Arg::Ptr(be.ptr(&beta.data)),
             Arg::Ptr(be.ptr(&x.mixed.data)),
             Arg::Ptr(conv_state),
             Arg::Ptr(be.ptr(&x.conv_weight.data)),
+            Arg::Ptr(be.ptr(&x.a.data)),
+            Arg::Ptr(be.ptr(&x.b.data)),
+            Arg::Ptr(be.ptr(&x.neg_a.data)),
+            Arg::Ptr(be.ptr(&x.dt_bias.data)),
             Arg::Ptr(at(dl.tok_row_off)),
             Arg::Ptr(base),
-            Arg::I32(t as i32),
+            Arg::I32(nk as i32),
+            Arg::I32(nv as i32),
+            Arg::I32(dk as i32),
             Arg::I32(conv_dim as i32),
             Arg::I32(kw as i32),
         ],
@@ -77,40 +94,15 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
         );
     }
 
-    // 2. Normalized q/k and the gates.
-    let qn = be.tensor(t, key_dim);
-    let kn = be.tensor(t, key_dim);
-    let g = be.tensor(t, nv);
-    let beta = be.tensor(t, nv);
-    be.launch(
-        &be.k.gdn_gates,
-        (t as u32, (nk + 1) as u32, 1),
-        128,
-        0,
-        &[
-            Arg::Ptr(be.ptr(&qn.data)),
-            Arg::Ptr(be.ptr(&kn.data)),
-            Arg::Ptr(be.ptr(&g.data)),
-            Arg::Ptr(be.ptr(&beta.data)),
-            Arg::Ptr(be.ptr(&conv_out.data)),
-            Arg::Ptr(be.ptr(&x.a.data)),
-            Arg::Ptr(be.ptr(&x.b.data)),
-            Arg::Ptr(be.ptr(&x.neg_a.data)),
-            Arg::Ptr(be.ptr(&x.dt_bias.data)),
-            Arg::I32(nk as i32),
-            Arg::I32(nv as i32),
-            Arg::I32(dk as i32),
-            Arg::I32(conv_dim as i32),
-        ],
-    );
-
     // 3. Delta rule and gated RMSNorm: generate rows recurrent (normalized in the same
     //    kernel), prefill rows chunked and then normalized.
     let out = be.tensor(t, value_dim);
     let (qn_p, kn_p, conv_p, g_p, beta_p) = (be.ptr(&qn.data), be.ptr(&kn.data), be.ptr(&conv_out.data), be.ptr(&g.data), be.ptr(&beta.data));
     let tail = |row_ids: u64| [Arg::Ptr(base), Arg::Ptr(row_ids), Arg::I32(nk as i32), Arg::I32(nv as i32), Arg::I32(dk as i32), Arg::I32(dv as i32), Arg::I32(conv_dim as i32)];
     if dl.num_generate > 0 {
-        let threads = dv.div_ceil(32) as u32 * 32;
+        // REC_GROUPS (4) threads per value column, at most 512 (the kernel's launch bound).
+        assert!(dv <= 128 && dk <= 128, "gated_delta_net: head dims dk {dk} / dv {dv} above 128");
+        let threads = (4 * dv).div_ceil(32) as u32 * 32;
         let mut args = vec![
             Arg::Ptr(be.ptr(&out.data)),
             Arg::Ptr(be.ptr(&x.z.data)),

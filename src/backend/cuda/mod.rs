@@ -109,7 +109,7 @@ kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth],
     "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core, attn_combine],
-    "gdn" => [gdn_conv, gdn_conv_state, gdn_gates, gdn_recurrent, gdn_chunked, gdn_out_norm, commit_states, reset_states],
+    "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_chunked, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine],
     "sample" => [sample_rows],
 }
@@ -157,6 +157,22 @@ fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<(), DriverError> {
     unsafe {
         sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()?;
         sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast()).result()?;
+    }
+    Ok(())
+}
+
+/// Hands the default memory pool's unused memory back to the driver. The pool keeps what was
+/// freed (see keep_pool_memory), so before sizing a cache from the driver's free memory the
+/// activations of earlier work (an engine dropped in the same process, as a bench sweep does)
+/// must be returned, or they count as used and the next cache finds no room.
+fn trim_pool_memory(ctx: &Arc<CudaContext>) -> Result<(), DriverError> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread()?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: a valid device handle and out pointer; trimming only releases unused memory.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()?;
+        sys::cuMemPoolTrimTo(pool, 0).result()?;
     }
     Ok(())
 }
@@ -236,6 +252,9 @@ impl CudaBackend {
         if !(utilization > 0.0 && utilization <= 1.0) {
             return Err(BackendError::Invalid(format!("--gpu-memory-utilization must be in (0, 1], got {utilization}")));
         }
+        // Freed activations return to the pool only once the stream has passed their frees.
+        self.synchronize();
+        trim_pool_memory(&self.ctx).map_err(|e| BackendError::Device(format!("{e:?}")))?;
         let (free, total) = self.memory_info().map_err(|e| BackendError::Device(format!("{e:?}")))?;
         let allowed = (total as f64 * f64::from(utilization)) as usize;
         let used = total.saturating_sub(free);

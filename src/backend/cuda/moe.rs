@@ -10,9 +10,11 @@ use std::sync::Arc;
 /// Up to this many (token, slot) entries, one block builds the expert lists (fewer launches
 /// for decode steps); the lists are the same either way.
 const FEW_ENTRIES: usize = 256;
-/// Up to this many tokens, that block also routes them (one after another) instead of a
-/// block per token routing them in parallel: one launch fewer for decode steps.
-const ROUTE_IN_GROUP_MAX_TOKENS: usize = 2;
+/// Up to this many tokens (a warp each), that block also routes them instead of a separate
+/// routing launch: one launch fewer for decode steps.
+const ROUTE_IN_GROUP_MAX_TOKENS: usize = 8;
+/// Tokens the routing kernel routes per block of 256 threads (a warp each).
+const ROUTE_WARPS: usize = 8;
 /// Most experts per token the routing kernel keeps.
 const MAX_TOP_K: usize = 64;
 
@@ -58,8 +60,20 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
     let shared_gate = parts.next();
     let topk_idx = be.alloc_i32(t * k);
     let topk_w = be.alloc_f32(t * k);
-    assert!(groups_max * 4 <= be.max_dynamic_smem, "moe: {e} experts exceed the routing kernel's shared memory");
-    let route_args = [Arg::Ptr(be.ptr(&topk_idx)), Arg::Ptr(be.ptr(&topk_w)), Arg::Ptr(be.ptr(&logits.data)), Arg::I32(e as i32), Arg::I32(k as i32), Arg::I32(i32::from(cfg.norm_topk_prob))];
+    let route_smem = ROUTE_WARPS * e * 4;
+    assert!(route_smem <= be.max_dynamic_smem, "moe: {e} experts exceed the routing kernel's shared memory");
+    let route = || {
+        let args = [
+            Arg::Ptr(be.ptr(&topk_idx)),
+            Arg::Ptr(be.ptr(&topk_w)),
+            Arg::Ptr(be.ptr(&logits.data)),
+            Arg::I32(t as i32),
+            Arg::I32(e as i32),
+            Arg::I32(k as i32),
+            Arg::I32(i32::from(cfg.norm_topk_prob)),
+        ];
+        be.launch(&be.k.moe_route, (t.div_ceil(ROUTE_WARPS) as u32, 1, 1), 256, route_smem, &args);
+    };
     // Each token picks an expert at most once, so an expert's list holds at most t entries.
     let lists = be.alloc_i32(groups_max * t);
     let counts = be.alloc_i32(groups_max);
@@ -67,10 +81,15 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
     if t * k <= FEW_ENTRIES {
         let route_here = t <= ROUTE_IN_GROUP_MAX_TOKENS;
         if !route_here {
-            be.launch(&be.k.moe_route, (t as u32, 1, 1), 256, e * 4, &route_args);
+            route();
         }
-        let mut args = route_args.to_vec();
-        args.extend([
+        let args = [
+            Arg::Ptr(be.ptr(&topk_idx)),
+            Arg::Ptr(be.ptr(&topk_w)),
+            Arg::Ptr(be.ptr(&logits.data)),
+            Arg::I32(e as i32),
+            Arg::I32(k as i32),
+            Arg::I32(i32::from(cfg.norm_topk_prob)),
             Arg::Ptr(be.ptr(&lists)),
             Arg::Ptr(be.ptr(&counts)),
             Arg::Ptr(be.ptr(&active)),
@@ -78,10 +97,11 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
             Arg::I32(i32::from(route_here)),
             Arg::I32(slots as i32),
             Arg::I32(i32::from(fold)),
-        ]);
-        be.launch(&be.k.moe_group_few, (1, 1, 1), 256, groups_max * 4, &args);
+        ];
+        let smem = route_smem.max((t * k + groups_max) * 4);
+        be.launch(&be.k.moe_group_few, (1, 1, 1), 256, smem, &args);
     } else {
-        be.launch(&be.k.moe_route, (t as u32, 1, 1), 256, e * 4, &route_args);
+        route();
         be.launch(
             &be.k.moe_group,
             (groups_max as u32, 1, 1),
