@@ -105,7 +105,7 @@ extern "C" __global__ void moe_active(int* active, const int* counts, int E) {
 // warps first route the T <= 8 tokens themselves (one launch for a decode step); otherwise
 // moe_route has. Entries and the shared expert as in moe_group (`fold`: the shared expert is
 // group E). Dynamic shared memory: max(8 * E floats, entries + groups ints).
-extern "C" __global__ void moe_group_few(int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize, int* lists, int* counts, int* active, int T, int route,
+extern "C" __global__ void moe_group_few(int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists, int* counts, int* active, int route,
         int slots, int fold) {
     extern __shared__ float ex[];
     __shared__ int warp_counts[8];

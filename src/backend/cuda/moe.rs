@@ -62,18 +62,17 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
     let topk_w = be.alloc_f32(t * k);
     let route_smem = ROUTE_WARPS * e * 4;
     assert!(route_smem <= be.max_dynamic_smem, "moe: {e} experts exceed the routing kernel's shared memory");
-    let route = || {
-        let args = [
-            Arg::Ptr(be.ptr(&topk_idx)),
-            Arg::Ptr(be.ptr(&topk_w)),
-            Arg::Ptr(be.ptr(&logits.data)),
-            Arg::I32(t as i32),
-            Arg::I32(e as i32),
-            Arg::I32(k as i32),
-            Arg::I32(i32::from(cfg.norm_topk_prob)),
-        ];
-        be.launch(&be.k.moe_route, (t.div_ceil(ROUTE_WARPS) as u32, 1, 1), 256, route_smem, &args);
-    };
+    // moe_route's arguments, which moe_group_few also starts with.
+    let route_args = [
+        Arg::Ptr(be.ptr(&topk_idx)),
+        Arg::Ptr(be.ptr(&topk_w)),
+        Arg::Ptr(be.ptr(&logits.data)),
+        Arg::I32(t as i32),
+        Arg::I32(e as i32),
+        Arg::I32(k as i32),
+        Arg::I32(i32::from(cfg.norm_topk_prob)),
+    ];
+    let route = || be.launch(&be.k.moe_route, (t.div_ceil(ROUTE_WARPS) as u32, 1, 1), 256, route_smem, &route_args);
     // Each token picks an expert at most once, so an expert's list holds at most t entries.
     let lists = be.alloc_i32(groups_max * t);
     let counts = be.alloc_i32(groups_max);
@@ -83,21 +82,15 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
         if !route_here {
             route();
         }
-        let args = [
-            Arg::Ptr(be.ptr(&topk_idx)),
-            Arg::Ptr(be.ptr(&topk_w)),
-            Arg::Ptr(be.ptr(&logits.data)),
-            Arg::I32(e as i32),
-            Arg::I32(k as i32),
-            Arg::I32(i32::from(cfg.norm_topk_prob)),
+        let mut args = route_args.to_vec();
+        args.extend([
             Arg::Ptr(be.ptr(&lists)),
             Arg::Ptr(be.ptr(&counts)),
             Arg::Ptr(be.ptr(&active)),
-            Arg::I32(t as i32),
             Arg::I32(i32::from(route_here)),
             Arg::I32(slots as i32),
             Arg::I32(i32::from(fold)),
-        ];
+        ]);
         let smem = route_smem.max((t * k + groups_max) * 4);
         be.launch(&be.k.moe_group_few, (1, 1, 1), 256, smem, &args);
     } else {
