@@ -94,7 +94,7 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
         );
     }
 
-    // 3. Delta rule and gated RMSNorm: generate rows recurrent (normalized in the same
+    // 2. Delta rule and gated RMSNorm: generate rows recurrent (normalized in the same
     //    kernel), prefill rows chunked and then normalized.
     let out = be.tensor(t, value_dim);
     let (qn_p, kn_p, conv_p, g_p, beta_p) = (be.ptr(&qn.data), be.ptr(&kn.data), be.ptr(&conv_out.data), be.ptr(&g.data), be.ptr(&beta.data));
