@@ -88,6 +88,14 @@ extern "C" __global__ void gdn_conv_state(float* conv_state, const float* mixed,
 
 #define REC_GROUPS 4   // threads per value column of the recurrent kernel
 
+// Sum over the 4 consecutive lanes that hold one value column's state rows (the recurrent and
+// chunked kernels' row groups): a fixed butterfly, every lane of the 4 gets the same bits.
+__device__ __forceinline__ float row_group_sum(float v) {
+    v += __shfl_xor_sync(FULL_MASK, v, 1);
+    v += __shfl_xor_sync(FULL_MASK, v, 2);
+    return v;
+}
+
 // Generate rows: grid (rows listed in row_ids, nv), REC_GROUPS * dv threads. Thread (column
 // j = tid / 4, group r = tid % 4) keeps state rows i = r, r + 4, ... of column j in registers;
 // the 4 groups of a column combine their sums over i with a fixed butterfly (every lane gets
@@ -135,8 +143,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent(float* out, cons
                 kv += s[i] * ks[a];
             }
         }
-        kv += __shfl_xor_sync(FULL_MASK, kv, 1);
-        kv += __shfl_xor_sync(FULL_MASK, kv, 2);
+        kv = row_group_sum(kv);
         float u = beta[(long long)t * nv + h] * (vj - kv);
         float o = 0.0f;
 #pragma unroll
@@ -147,8 +154,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent(float* out, cons
                 o += s[i] * qs[a];
             }
         }
-        o += __shfl_xor_sync(FULL_MASK, o, 1);
-        o += __shfl_xor_sync(FULL_MASK, o, 2);
+        o = row_group_sum(o);
         if (col_ok) {
             float* snap = rec_snap + (long long)(row.snapshot_base + n) * state_len + (long long)h * head_len + j;
 #pragma unroll
@@ -267,8 +273,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const
                 int a = rg + ROW_GROUPS * i;
                 if (a < dk) part += ws[l * ld + a] * s[i];
             }
-            part += __shfl_xor_sync(FULL_MASK, part, 1);
-            part += __shfl_xor_sync(FULL_MASK, part, 2);
+            part = row_group_sum(part);
             __syncwarp();
             if (rg == 0) us[l * CHUNK_COLS + cc] -= part;
             __syncwarp();
@@ -283,8 +288,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const
                 int a = rg + ROW_GROUPS * i;
                 if (a < dk) part += (qs[l * ld + a] * el) * s[i];
             }
-            part += __shfl_xor_sync(FULL_MASK, part, 1);
-            part += __shfl_xor_sync(FULL_MASK, part, 2);
+            part = row_group_sum(part);
             if (rg == 0 && col_ok) {
                 float o = part;
                 for (int m = 0; m <= l; ++m) o += pm[l * CHUNK + m] * us[m * CHUNK_COLS + cc];

@@ -8,7 +8,7 @@ use kestrel::backend::cpu::{CpuBackend, CpuCache};
 use kestrel::backend::cuda::CudaBackend;
 use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowKind, RowLayout, StateCommit};
 use kestrel::model::config::{LinearAttnConfig, MoeConfig};
-use kestrel::model::weights::Dtype;
+use kestrel::model::weights::{Dtype, MatrixBytes};
 
 fn seed() -> u64 {
     // Fresh inputs each run; the seed is printed so a failure can be replayed.
@@ -364,6 +364,13 @@ fn gated_delta_net_matches_cpu() {
     }
 }
 
+/// MoE weights on backend `b` as the model loads them: the router (with the shared expert's
+/// gate row under it), each expert's gate over up, then down.
+fn moe_weights<B: Backend>(b: &B, routers: &[MatrixBytes], experts: &[[MatrixBytes; 3]], shared: Option<&[MatrixBytes; 3]>) -> MoeWeights<B> {
+    let expert = |[gate, up, down]: &[MatrixBytes; 3]| [b.upload_stacked(&[gate.clone(), up.clone()]).unwrap(), b.upload_matrix(down).unwrap()];
+    MoeWeights { router: b.upload_stacked(routers).unwrap(), experts: experts.iter().map(expert).collect(), shared: shared.map(expert), shared_gate: shared.is_some() }
+}
+
 #[test]
 fn moe_matches_cpu_and_tokens_are_independent() {
     let Some(gpu) = gpu() else { return };
@@ -378,20 +385,8 @@ fn moe_matches_cpu_and_tokens_are_independent() {
 
         // The shared expert's gate row stacked under the router, as the model loads it.
         let routers: Vec<_> = if shared > 0 { vec![router.clone(), m(&mut rng, 1, h)] } else { vec![router.clone()] };
-        let up = |x: &kestrel::model::weights::MatrixBytes| gpu.upload_matrix(x).unwrap();
-        let gw = MoeWeights::<CudaBackend> {
-            router: gpu.upload_stacked(&routers).unwrap(),
-            experts: experts.iter().map(|[a, b, c]| [gpu.upload_stacked(&[a.clone(), b.clone()]).unwrap(), up(c)]).collect(),
-            shared: shared_w.as_ref().map(|[a, b, c]| [gpu.upload_stacked(&[a.clone(), b.clone()]).unwrap(), up(c)]),
-            shared_gate: shared > 0,
-        };
-        let host = |x: &kestrel::model::weights::MatrixBytes| cpu.upload_matrix(x).unwrap();
-        let cw = MoeWeights::<CpuBackend> {
-            router: cpu.upload_stacked(&routers).unwrap(),
-            experts: experts.iter().map(|[a, b, c]| [cpu.upload_stacked(&[a.clone(), b.clone()]).unwrap(), host(c)]).collect(),
-            shared: shared_w.as_ref().map(|[a, b, c]| [cpu.upload_stacked(&[a.clone(), b.clone()]).unwrap(), host(c)]),
-            shared_gate: shared > 0,
-        };
+        let gw = moe_weights(&gpu, &routers, &experts, shared_w.as_ref());
+        let cw = moe_weights(&cpu, &routers, &experts, shared_w.as_ref());
         let max_t = 150;
         // Router logits spread enough that the top-k choice has no near-ties; the MoE output is
         // added into a residual stream.
