@@ -38,6 +38,7 @@ __device__ __forceinline__ float merge_sum(float total, float part, float c_old,
 extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cache, float* v_cache, const float* qg, const float* k, const float* v,
         const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows,
         const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, float eps) {
+    wait_for_inputs();
     extern __shared__ float normed[];
     __shared__ float scratch[33];
     int t = blockIdx.x, h = blockIdx.y;
@@ -89,6 +90,7 @@ extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cac
 extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const float* q, const float* gate, const float* k_cache, const float* v_cache,
         const int* tok_row, const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd, int block_size,
         int heads_per_block, float scale, float* partial) {
+    wait_for_inputs();
     extern __shared__ float sm[];
     __shared__ long long slots[KEY_TILE];
     int hpb = heads_per_block;
@@ -240,6 +242,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
 // grid (T, nq), hd threads (rounded up to a warp): merges the ranges attn_core wrote to
 // `partial`, in range order, exactly as attn_core merges them in one block.
 extern "C" __global__ void attn_combine(float* out, const float* gate, const float* partial, const int* positions, int nq, int hd) {
+    wait_for_inputs();
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     int ctx = positions[t] + 1, span = range_keys(ctx);
     float M = NEG_INF, L = 0.0f, ACC = 0.0f;

@@ -24,6 +24,20 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return r;
 }
 
+// Programmatic dependent launch (sm_90 and later). Kernels are launched allowed to start before
+// the previous kernel in the stream has finished, which hides the launch latency and the
+// previous kernel's tail. Every kernel calls this before its first read of anything an earlier
+// kernel wrote and before its first global write (the previous kernel may still be reading the
+// memory it writes); only reads of weights may come before it. Once this kernel's inputs are
+// ready, the next kernel may launch and wait in turn. Without the launch attribute both
+// instructions do nothing.
+__device__ __forceinline__ void wait_for_inputs() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x / (1.0f + expf(-x)); }
 

@@ -2,6 +2,7 @@
 // own row, with fixed block sizes and reduction orders.
 
 extern "C" __global__ void embed_rows(float* out, const bf16_t* hi, const bf16_t* lo, const int* ids, int rows, int cols) {
+    wait_for_inputs();
     int r = blockIdx.x;
     if (r >= rows) return;
     long long src = (long long)ids[r] * cols;
@@ -20,6 +21,7 @@ extern "C" __global__ void embed_rows(float* out, const bf16_t* hi, const bf16_t
 // issued before the first use: a row of a decode step is one block, so the kernel's time is
 // its chain of memory latencies, not its bytes.
 extern "C" __global__ void rms_norm_rows(float* out, const float* x, const float* w, int rows, int cols, float eps) {
+    wait_for_inputs();
     __shared__ float scratch[33];
     int r = blockIdx.x;
     const float* xr = x + (long long)r * cols;
@@ -59,16 +61,19 @@ extern "C" __global__ void rms_norm_rows(float* out, const float* x, const float
 }
 
 extern "C" __global__ void add_assign(float* x, const float* y, long long n) {
+    wait_for_inputs();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
 
 extern "C" __global__ void silu_mul(float* out, const float* gate, const float* up, long long n) {
+    wait_for_inputs();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = siluf_(gate[i]) * up[i];
 }
 
 extern "C" __global__ void gather_cols(float* out, const float* x, const int* cols, int rows, int in_cols, int out_cols) {
+    wait_for_inputs();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * out_cols) return;
     int r = (int)(i / out_cols), c = (int)(i % out_cols);
@@ -76,6 +81,7 @@ extern "C" __global__ void gather_cols(float* out, const float* x, const int* co
 }
 
 extern "C" __global__ void gather_rows(float* out, const float* x, const int* rows, int n_rows, int cols) {
+    wait_for_inputs();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n_rows * cols) return;
     int r = (int)(i / cols), c = (int)(i % cols);
@@ -83,6 +89,7 @@ extern "C" __global__ void gather_rows(float* out, const float* x, const int* ro
 }
 
 extern "C" __global__ void concat_cols(float* out, const float* a, const float* b, int rows, int ca, int cb) {
+    wait_for_inputs();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int w = ca + cb;
     if (i >= (long long)rows * w) return;
@@ -93,6 +100,7 @@ extern "C" __global__ void concat_cols(float* out, const float* a, const float* 
 // Uniform values in [-scale, scale) from a hash of (seed, index): random weights made on the
 // device, for benchmarks at real sizes without a file.
 extern "C" __global__ void fill_random_bf16(bf16_t* out, long long n, u64 seed, float scale) {
+    wait_for_inputs();
     long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         u64 z = seed + (u64)i * 0x9E3779B97F4A7C15ull;
@@ -106,6 +114,7 @@ extern "C" __global__ void fill_random_bf16(bf16_t* out, long long n, u64 seed, 
 
 // out = in, 16 bytes per thread: measures the copy bandwidth the roofline is computed from.
 extern "C" __global__ void copy_bandwidth(uint4* out, const uint4* in, long long n) {
+    wait_for_inputs();
     long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = in[i];
 }

@@ -36,6 +36,7 @@ __device__ __forceinline__ float conv_channel(float* conv_snap, const float* mix
 extern "C" __global__ void gdn_conv_gates(float* conv_out, float* conv_snap, float* qn, float* kn, float* g_out, float* beta_out, const float* mixed,
         const float* conv_state, const float* conv_w, const float* a, const float* b, const float* neg_a, const float* dt_bias, const int* tok_row,
         const RowInfo* rows, int nk, int nv, int dk, int conv_dim, int kw) {
+    wait_for_inputs();
     __shared__ float scratch[33];
     int t = blockIdx.x, h = blockIdx.y;
     int key_dim = nk * dk;
@@ -75,6 +76,7 @@ extern "C" __global__ void gdn_conv_gates(float* conv_out, float* conv_snap, flo
 // Thread per (prefill row, channel): the row's new window. Reads finish before writes, and
 // each thread owns its channel of its row. (Generate rows' snapshots come from gdn_conv_gates.)
 extern "C" __global__ void gdn_conv_state(float* conv_state, const float* mixed, const RowInfo* rows, const int* row_ids, int num_rows, int conv_dim, int kw) {
+    wait_for_inputs();
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)num_rows * conv_dim) return;
     int r = (int)(idx / conv_dim), c = (int)(idx % conv_dim);
@@ -108,6 +110,7 @@ __device__ __forceinline__ float row_group_sum(float v) {
 extern "C" __global__ void __launch_bounds__(512) gdn_recurrent(float* out, const float* z, const float* norm_w, float eps, const float* qn,
         const float* kn, const float* conv_out, const float* g, const float* beta, const float* rec, float* rec_snap, const RowInfo* rows,
         const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim) {
+    wait_for_inputs();
     __shared__ float scratch[33];
     __shared__ float ks[MAX_DK], qs[MAX_DK];
     const int SR = MAX_DK / REC_GROUPS;
@@ -183,6 +186,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent(float* out, cons
 // and W are padded by one float: the pair loop reads rows of 32 different keys at once.
 extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const float* qn, const float* kn, const float* conv_out, const float* g,
         const float* beta, float* rec, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim) {
+    wait_for_inputs();
     extern __shared__ float sm[];
     const int ld = dk + 1;
     float* ks = sm;                       // [CHUNK][ld]
@@ -324,6 +328,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const
 // for tokens of prefill rows (gdn_recurrent normalizes generate tokens).
 extern "C" __global__ void gdn_out_norm(float* out, const float* core, const float* z, const float* w, const int* tok_row, const RowInfo* rows, int nv, int dv,
         float eps) {
+    wait_for_inputs();
     __shared__ float scratch[33];
     if (rows[tok_row[blockIdx.x]].kind != 0) return;
     long long base = ((long long)blockIdx.x * nv + blockIdx.y) * dv;
@@ -355,6 +360,7 @@ __device__ __forceinline__ void zero_floats(float* dst, long long n) {
 // pairs[2i] = canonical slot, pairs[2i + 1] = snapshot slot.
 extern "C" __global__ void commit_states(const u64* conv_layers, const u64* rec_layers, const u64* conv_snap_layers, const u64* rec_snap_layers,
         const int* pairs, long long conv_len, long long rec_len) {
+    wait_for_inputs();
     int p = blockIdx.x, layer = blockIdx.y, chunk = blockIdx.z;
     long long slot = pairs[2 * p], snap = pairs[2 * p + 1];
     long long per = (rec_len / STATE_CHUNKS + 3) & ~3LL;
@@ -364,6 +370,7 @@ extern "C" __global__ void commit_states(const u64* conv_layers, const u64* rec_
 }
 
 extern "C" __global__ void reset_states(const u64* conv_layers, const u64* rec_layers, const int* slots, long long conv_len, long long rec_len) {
+    wait_for_inputs();
     int p = blockIdx.x, layer = blockIdx.y, chunk = blockIdx.z;
     long long slot = slots[p];
     long long per = (rec_len / STATE_CHUNKS + 3) & ~3LL;

@@ -345,10 +345,29 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
     }
 }
 
+// Before a small-row kernel waits for its activations, one thread of each block starts pulling
+// the weight rows of its first column block into L2 (plain launches: a grouped launch learns
+// its weights from the routing it waits for), so the stream of weights starts while the
+// previous kernel finishes.
+__device__ __forceinline__ void prefetch_first_column_block(const bf16_t* w, int N, int K, int cols, const Epilogue& e) {
+#if __CUDA_ARCH__ >= 900
+    int n0 = blockIdx.x * cols;
+    if (threadIdx.x != 0 || blockIdx.y != 0 || (K % 32) != 0 || n0 >= N) return;
+    int n1 = min(n0 + cols, N);
+    // Weight rows [r0, r1) as bytes; SwiGLU columns map to gate rows and the same up rows.
+    int r0 = e.mode == EPI_SWIGLU ? n0 >> 1 : n0, r1 = e.mode == EPI_SWIGLU ? (n1 + 1) >> 1 : n1;
+    unsigned bytes = (unsigned)(r1 - r0) * (unsigned)K * 2u;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w + (long long)r0 * K), "r"(bytes) : "memory");
+    if (e.mode == EPI_SWIGLU) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w + (long long)(r0 + (N >> 1)) * K), "r"(bytes) : "memory");
+#endif
+}
+
 #define SMALL_KERNEL(NAME, MT, NT, UNROLL, PRESPLIT)                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * KSLICES) NAME(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, \
             int N, int K, const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active,        \
             long long lo_off, Epilogue epi) {                                                                                            \
+        if (!group_w && !wlo) prefetch_first_column_block(whi, N, K, 8 * NT, epi);                                                      \
+        wait_for_inputs();                                                                                                              \
         matmul_small_body<MT, NT, UNROLL, PRESPLIT>(out, x, whi, wlo, rows, N, K, group_w, counts, lists, list_stride, a_div, active, lo_off, epi); \
     }
 // Up to 16 rows, f32 activations split in the k loop. Four k blocks of loads in flight per warp
@@ -391,6 +410,7 @@ __device__ __forceinline__ void finish_warp_tiles(float* out, float tot[MI][4][4
 // Shared tiles hold one 32-wide k block as bf16 (activations already split into hi/lo).
 extern "C" __global__ void __launch_bounds__(128) matmul_tiled(float* out, const float* x, const bf16_t* whi_, const bf16_t* wlo_, int rows, int N, int K,
         const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active, Epilogue epi) {
+    wait_for_inputs();
     __shared__ __align__(16) bf16_t s_ahi[2][TBM][32];
     __shared__ __align__(16) bf16_t s_alo[2][TBM][32];
     __shared__ __align__(16) bf16_t s_whi[2][TBN][32];
@@ -491,6 +511,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_tiled(float* out, const
 // Activations split once for the pipelined kernel: hi = bf16(x), lo = bf16(x - hi), exactly
 // the values the other kernels form in registers. Thread per 8 values (n8 = T*K/8).
 extern "C" __global__ void split_activations(bf16_t* hi, bf16_t* lo, const float* x, long long n8) {
+    wait_for_inputs();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n8) return;
     float4 a = *(const float4*)(x + 8 * i), b = *(const float4*)(x + 8 * i + 4);
@@ -521,6 +542,7 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 // Same per-element mma sequence and slice sums as the kernels above.
 extern "C" __global__ void __launch_bounds__(256, 1) matmul_pipelined(float* out, const bf16_t* xhi, const bf16_t* xlo, const bf16_t* whi_, int rows, int N, int K,
         const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active, Epilogue epi) {
+    wait_for_inputs();
     extern __shared__ __align__(16) unsigned char psm[];
     bf16_t (*s_ahi)[PBM][32] = (bf16_t (*)[PBM][32])psm;
     bf16_t (*s_alo)[PBM][32] = (bf16_t (*)[PBM][32])(psm + PSTAGES * PBM * 64);

@@ -56,6 +56,7 @@ __device__ __forceinline__ void route_token(int t, int* topk_idx, float* topk_w,
 
 // A warp per token, 8 tokens per block of 256 threads. Dynamic shared memory: 8 * E floats.
 extern "C" __global__ void moe_route(int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize) {
+    wait_for_inputs();
     extern __shared__ float ex[];
     int warp = threadIdx.x >> 5, t = blockIdx.x * (blockDim.x >> 5) + warp;
     if (t < T) route_token(t, topk_idx, topk_w, logits, E, k, renormalize, ex + (long long)warp * E);
@@ -65,6 +66,7 @@ extern "C" __global__ void moe_route(int* topk_idx, float* topk_w, const float* 
 // lists[e * cap + i] = t * slots + s; counts[e] = number of entries. With the shared expert
 // folded in (slots = k + 1), block E lists slot k of every token (cap = T tokens).
 extern "C" __global__ void moe_group(int* lists, int* counts, const int* topk_idx, int entries, int cap, int k, int slots, int E) {
+    wait_for_inputs();
     __shared__ int warp_counts[8];
     int e = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (e == E) {
@@ -93,6 +95,7 @@ extern "C" __global__ void moe_group(int* lists, int* counts, const int* topk_id
 // active = [number of experts with rows, those experts in order]: grouped matmuls launch one
 // grid slice per active expert instead of one per expert.
 extern "C" __global__ void moe_active(int* active, const int* counts, int E) {
+    wait_for_inputs();
     if (threadIdx.x != 0) return;
     int n = 0;
     for (int e = 0; e < E; ++e)
@@ -107,6 +110,7 @@ extern "C" __global__ void moe_active(int* active, const int* counts, int E) {
 // group E). Dynamic shared memory: max(8 * E floats, entries + groups ints).
 extern "C" __global__ void moe_group_few(int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists, int* counts, int* active, int route,
         int slots, int fold) {
+    wait_for_inputs();
     extern __shared__ float ex[];
     __shared__ int warp_counts[8];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
@@ -157,6 +161,7 @@ extern "C" __global__ void moe_group_few(int* topk_idx, float* topk_w, const flo
 // would. The shared expert's row is y's slot k when it ran with the experts.
 extern "C" __global__ void moe_combine(float* out, const float* y, const float* topk_w, const float* shared, const float* shared_gate, int T, int H, int k, int slots,
         long long shared_stride) {
+    wait_for_inputs();
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)T * H) return;
     int t = (int)(idx / H), d = (int)(idx % H);

@@ -25,6 +25,7 @@ __device__ __forceinline__ bool beats(double s, int t, double best_s, int best_t
 // out[r] = token drawn from logits[rows[r]], with keys[r] = position key (splitmix64_step(
 // splitmix64_step(seed) ^ position)) and inv_temps[r] = 1 / temperature (0 for greedy).
 extern "C" __global__ void sample_rows(int* out, const float* logits, const int* rows, const u64* keys, const double* inv_temps, int vocab) {
+    wait_for_inputs();
     __shared__ double best_scores[SAMPLE_THREADS];
     __shared__ int best_tokens[SAMPLE_THREADS];
     int r = blockIdx.x;

@@ -189,6 +189,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
     // the host's launches, not the GPU, set the pace.
     let mut enqueue_times = Vec::with_capacity(o.decode);
     gpu.profile_report();
+    let mut launches = Vec::with_capacity(o.decode);
     for i in 0..o.decode {
         let rows = (0..nrows)
             .map(|r| RowLayout {
@@ -210,10 +211,11 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
             gpu.synchronize();
             cudarc::driver::profiler_start().map_err(|e| format!("cuProfilerStart: {e:?}"))?;
         }
-        let t = Instant::now();
+        let (t, launched) = (Instant::now(), gpu.launch_count());
         let out = model.forward(gpu, &step_ids, &layout, &logit_rows, &mut cache);
         gpu.commit_states(&mut cache, &commits);
         enqueue_times.push(t.elapsed().as_secs_f64());
+        launches.push(gpu.launch_count() - launched);
         next = argmax(&gpu.to_host(&out.logits)[..vocab as usize]);
         if profiled {
             cudarc::driver::profiler_stop().map_err(|e| format!("cuProfilerStop: {e:?}"))?;
@@ -239,6 +241,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
             "tokens_per_s": nrows as f64 / mean,
             "roofline_ms_per_token": roofline_s * 1e3,
             "fraction_of_roofline": roofline_s / mean,
+            "kernel_launches_per_step": launches.last().copied().unwrap_or(0),
             "host_enqueue_ms_per_token": enqueue_times[enqueue_times.len().min(4)..].iter().sum::<f64>() / steady.len().max(1) as f64 * 1e3,
         },
         "prefill": prefill,

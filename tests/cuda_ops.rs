@@ -44,6 +44,29 @@ fn matmul_matches_cpu_and_rows_are_independent() {
     }
 }
 
+/// Kernels launch before the previous kernel ends (programmatic dependent launch) and wait for
+/// their inputs themselves. In a long chain each launch reads what the one before wrote and
+/// writes what it read, over several waves of blocks: any kernel that ran ahead would break
+/// the exact sums.
+#[test]
+fn chained_launches_see_each_others_results() {
+    let Some(gpu) = gpu() else { return };
+    let n = 1 << 22;
+    let one = gpu.from_host(&vec![1.0f32; n], 1, n);
+    let mut a = gpu.from_host(&vec![0.0f32; n], 1, n);
+    let mut b = gpu.from_host(&vec![0.0f32; n], 1, n);
+    let steps = 1000;
+    for _ in 0..steps {
+        gpu.add_assign(&mut a, &one);
+        gpu.add_assign(&mut b, &a);
+    }
+    // a = steps, b = 1 + 2 + ... + steps (exact in f32).
+    let want_b = (steps * (steps + 1) / 2) as f32;
+    let (a, b) = (gpu.to_host(&a), gpu.to_host(&b));
+    assert!(a.iter().all(|&v| v == steps as f32), "a chained add read a stale input");
+    assert!(b.iter().all(|&v| v == want_b), "a chained add read a stale input: {:?} (want {want_b})", b.iter().find(|&&v| v != want_b));
+}
+
 /// Memory the pool kept from freed activations is not counted against the next cache: a
 /// second engine in the same process (a bench sweep) gets the room the first one had.
 #[test]

@@ -135,3 +135,41 @@ pub fn cached_cubin(module: &str, body: &str, arch: &str) -> Result<Vec<u8>, Ker
     }
     Ok(cubin)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::SOURCES;
+
+    /// The body of every `__global__` function in `src` (from its opening brace), by name.
+    fn kernel_bodies(src: &str) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        let mut rest = src;
+        while let Some(at) = rest.find("__global__") {
+            let after = &rest[at..];
+            let open = after.find('{').expect("a kernel has a body");
+            let name = after[..after.find('(').expect("a kernel has parameters")].split_whitespace().last().unwrap_or("").to_string();
+            // Macro-defined kernels continue their lines with backslashes.
+            let body: String = after[open + 1..].chars().filter(|&c| c != '\\').collect();
+            out.push((name, body));
+            rest = &after[open..];
+        }
+        out
+    }
+
+    /// Kernels launch before the previous kernel ends (programmatic dependent launch), so each
+    /// must wait for its inputs before anything else; only a weight prefetch may come first.
+    #[test]
+    fn every_kernel_waits_for_its_inputs_first() {
+        let mut kernels = 0;
+        for (module, src) in SOURCES {
+            for (name, body) in kernel_bodies(src) {
+                kernels += 1;
+                let first: Vec<&str> = body.split(';').map(str::trim).take(2).collect();
+                let waits_first = first.first() == Some(&"wait_for_inputs()");
+                let prefetch_then_wait = first.first().is_some_and(|s| s.starts_with("if (!group_w && !wlo) prefetch_first_column_block(")) && first.get(1) == Some(&"wait_for_inputs()");
+                assert!(waits_first || prefetch_then_wait, "{module}.cu: kernel {name} does not start with wait_for_inputs(): {:?}", first);
+            }
+        }
+        assert!(kernels >= 29, "found only {kernels} kernels");
+    }
+}

@@ -26,7 +26,7 @@ mod tensor;
 pub use cache::CudaCache;
 pub use tensor::{CudaMatrix, CudaTensor, CudaVector};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError};
 use kernels::KernelError;
 use layout::DeviceLayout;
 use std::collections::HashMap;
@@ -142,7 +142,15 @@ pub struct CudaBackend {
     pub(super) small_matmul_slots: [usize; matmul::SMALL_VARIANTS.len()],
     pub(super) sm_count: usize,
     profiler: profile::Profiler,
+    /// Whether kernels launch with programmatic dependent launch (sm_90 and later): each may
+    /// start while the previous one finishes and waits for its inputs itself (wait_for_inputs
+    /// in cuda/common.cuh). `KESTREL_CUDA_PDL=0` turns it off.
+    dependent_launch: bool,
+    launches: AtomicUsize,
 }
+
+/// Most arguments a kernel of cuda/*.cu takes.
+const MAX_KERNEL_ARGS: usize = 32;
 
 /// Activations are allocated from the device's default memory pool (`cuMemAllocAsync`). Its
 /// release threshold defaults to zero, which hands every freed byte back to the driver at each
@@ -232,6 +240,8 @@ impl CudaBackend {
             profiler: profile::Profiler::from_env(),
             small_matmul_slots,
             sm_count,
+            dependent_launch: major >= 9 && std::env::var("KESTREL_CUDA_PDL").map_or(true, |v| v != "0"),
+            launches: AtomicUsize::new(0),
         })
     }
 
@@ -285,23 +295,51 @@ impl CudaBackend {
     }
 
     pub(super) fn launch(&self, f: &CudaFunction, grid: (u32, u32, u32), block: u32, smem: usize, args: &[Arg]) {
+        use cudarc::driver::sys;
+        use std::ffi::c_void;
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::Ptr(v) | Arg::U64(v) => b.arg(v),
-                Arg::I32(v) => b.arg(v),
-                Arg::F32(v) => b.arg(v),
-                Arg::I64(v) => b.arg(v),
-                Arg::Epilogue(v) => b.arg(v),
+        assert!(args.len() <= MAX_KERNEL_ARGS, "{} kernel arguments (at most {MAX_KERNEL_ARGS})", args.len());
+        // cuLaunchKernelEx takes a pointer to each argument's value.
+        let mut params = [std::ptr::null_mut::<c_void>(); MAX_KERNEL_ARGS];
+        for (p, a) in params.iter_mut().zip(args) {
+            *p = match a {
+                Arg::Ptr(v) | Arg::U64(v) => (v as *const u64).cast_mut().cast(),
+                Arg::I32(v) => (v as *const i32).cast_mut().cast(),
+                Arg::F32(v) => (v as *const f32).cast_mut().cast(),
+                Arg::I64(v) => (v as *const i64).cast_mut().cast(),
+                Arg::Epilogue(v) => (v as *const matmul::Epilogue).cast_mut().cast(),
             };
         }
-        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem as u32 };
+        // SAFETY: an all-zero launch attribute is a valid (empty) value of the C union.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem as u32,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.dependent_launch),
+        };
+        ck(self.ctx.bind_to_thread(), "bind context");
+        self.launches.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the argument lists match the kernel signatures in cuda/*.cu; every pointer is a
-        // live allocation of the size the kernel indexes (checked by the op wrappers).
-        ck(unsafe { b.launch(cfg) }, "kernel launch");
+        // live allocation of the size the kernel indexes (checked by the op wrappers); `params`
+        // points into `args`, which outlives the call. Every kernel waits for its inputs
+        // (wait_for_inputs) before reading them, as the dependent-launch attribute requires.
+        ck(unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result(), "kernel launch");
+    }
+
+    /// Kernel launches queued so far (a benchmark divides by steps).
+    pub fn launch_count(&self) -> usize {
+        self.launches.load(Ordering::Relaxed)
     }
 
     /// Uninitialized f32 buffer (at least one element, so every pointer is valid).
