@@ -24,6 +24,18 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return r;
 }
 
+#ifdef KESTREL_TRACE
+// Start-time trace (KESTREL_CUDA_TRACE=1, profile.rs): the host points this at a buffer of
+// [count, capacity, then per kernel (resident ns, inputs-ready ns)].
+__device__ u64* kestrel_trace;
+
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#endif
+
 // Programmatic dependent launch (sm_90 and later). Kernels are launched allowed to start before
 // the previous kernel in the stream has finished, which hides the launch latency and the
 // previous kernel's tail. Every kernel calls this before its first read of anything an earlier
@@ -32,8 +44,24 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 // ready, the next kernel may launch and wait in turn. Without the launch attribute both
 // instructions do nothing.
 __device__ __forceinline__ void wait_for_inputs() {
+#ifdef KESTREL_TRACE
+    u64 resident = global_ns();
+#endif
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#ifdef KESTREL_TRACE
+    // The first block of each kernel records when it became resident and when its inputs were
+    // ready; kernels pass this point in launch order, so entry i is the i-th launch.
+    if (kestrel_trace && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+        u64 i = atomicAdd(kestrel_trace, 1ull);
+        if (i < kestrel_trace[1]) {
+            kestrel_trace[2 + 2 * i] = resident;
+            kestrel_trace[3 + 2 * i] = global_ns();
+        }
+    }
+#endif
+#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }

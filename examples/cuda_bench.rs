@@ -80,6 +80,37 @@ fn profile_json(report: &[(&'static str, f64, usize)], divide: usize) -> serde_j
     serde_json::Value::Object(report.iter().map(|(name, ms, n)| (name.to_string(), serde_json::json!({"ms": ms / d, "calls": *n as f64 / d}))).collect())
 }
 
+/// The last decode step's kernel start trace (`KESTREL_CUDA_TRACE=1`): per kernel and grid,
+/// the time from its inputs being ready to the next kernel's (its share of the step when
+/// kernels overlap), and how long before that it was resident; largest share first.
+fn trace_summary(kernels: &[kestrel::backend::cuda::TracedKernel]) -> serde_json::Value {
+    if kernels.len() < 2 {
+        return serde_json::Value::Null;
+    }
+    let mut by_kernel: Vec<(String, f64, f64, usize)> = Vec::new();
+    for w in kernels.windows(2) {
+        let (k, next) = (&w[0], &w[1]);
+        let key = format!("{} {:?}", k.name, k.grid);
+        let share = next.ready_ns.saturating_sub(k.ready_ns) as f64 / 1e3;
+        let early = k.ready_ns.saturating_sub(k.resident_ns) as f64 / 1e3;
+        match by_kernel.iter_mut().find(|e| e.0 == key) {
+            Some(e) => {
+                e.1 += share;
+                e.2 += early;
+                e.3 += 1;
+            }
+            None => by_kernel.push((key, share, early, 1)),
+        }
+    }
+    by_kernel.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let span = (kernels[kernels.len() - 1].ready_ns - kernels[0].ready_ns) as f64 / 1e3;
+    serde_json::json!({
+        "kernels": kernels.len(),
+        "first_to_last_start_us": span,
+        "by_kernel": by_kernel.iter().map(|(k, us, early, n)| serde_json::json!({"kernel": k, "us": us, "calls": n, "resident_early_us": early / *n as f64})).collect::<Vec<_>>(),
+    })
+}
+
 /// Median seconds of `f` over `reps` runs after one warm-up.
 fn time_median(gpu: &CudaBackend, reps: usize, mut f: impl FnMut()) -> f64 {
     f();
@@ -190,6 +221,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
     let mut enqueue_times = Vec::with_capacity(o.decode);
     gpu.profile_report();
     let mut launches = Vec::with_capacity(o.decode);
+    let mut trace = serde_json::Value::Null;
     for i in 0..o.decode {
         let rows = (0..nrows)
             .map(|r| RowLayout {
@@ -211,6 +243,10 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
             gpu.synchronize();
             cudarc::driver::profiler_start().map_err(|e| format!("cuProfilerStart: {e:?}"))?;
         }
+        let traced = i + 1 == o.decode;
+        if traced {
+            gpu.take_trace();
+        }
         let (t, launched) = (Instant::now(), gpu.launch_count());
         let out = model.forward(gpu, &step_ids, &layout, &logit_rows, &mut cache);
         gpu.commit_states(&mut cache, &commits);
@@ -221,6 +257,9 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
             cudarc::driver::profiler_stop().map_err(|e| format!("cuProfilerStop: {e:?}"))?;
         }
         step_times.push(t.elapsed().as_secs_f64());
+        if traced {
+            trace = trace_summary(&gpu.take_trace());
+        }
     }
     profiles.insert("decode_per_token".into(), profile_json(&gpu.profile_report(), o.decode));
     // The first steps include one-time costs (memory pool growth); report the steady state.
@@ -246,6 +285,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
         },
         "prefill": prefill,
         "device_ms_by_op": profiles,
+        "last_step_trace": trace,
         "matmul_kernels": matmul_microbench(gpu, &c),
     }))
 }

@@ -39,10 +39,12 @@ fn every_kernel_source_compiles_with_nvrtc() {
     let (major, minor) = kernels::nvrtc_version().expect("NVRTC version");
     eprintln!("NVRTC {major}.{minor}");
     let mut failures = Vec::new();
-    for arch in ARCHES {
+    // Every architecture plain, and Hopper with start-time tracing (KESTREL_CUDA_TRACE=1).
+    let builds = ARCHES.iter().map(|&a| (a, false)).chain([("sm_90", true)]);
+    for (arch, trace) in builds {
         for (module, body) in kernels::SOURCES {
-            match kernels::compile_cubin(module, body, arch) {
-                Ok(cubin) => assert!(!cubin.is_empty(), "{module}.cu for {arch}: empty CUBIN"),
+            match kernels::compile_cubin(module, body, arch, trace) {
+                Ok(cubin) => assert!(!cubin.is_empty(), "{module}.cu for {arch} (trace {trace}): empty CUBIN"),
                 Err(e) => failures.push(e.to_string()),
             }
         }

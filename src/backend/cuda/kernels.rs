@@ -38,10 +38,15 @@ pub fn module_source(body: &str) -> String {
     format!("{COMMON_SOURCE}\n{body}")
 }
 
-fn options(arch: &str) -> Vec<String> {
+fn options(arch: &str, trace: bool) -> Vec<String> {
     // Precise division, square root and denormals (NVRTC's defaults): results stay close to
     // the f32 CPU reference.
-    vec![format!("--gpu-architecture={arch}"), "-std=c++17".to_string(), "--fmad=true".to_string()]
+    let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".to_string(), "--fmad=true".to_string()];
+    if trace {
+        // Kernels record their start times (profile.rs, KESTREL_CUDA_TRACE=1).
+        o.push("-DKESTREL_TRACE".to_string());
+    }
+    o
 }
 
 /// NVRTC's version, e.g. (13, 0).
@@ -58,8 +63,8 @@ pub fn nvrtc_present() -> bool {
     unsafe { nvrtc_sys::is_culib_present() }
 }
 
-/// Compiles one module to a CUBIN for `arch` (e.g. "sm_90").
-pub fn compile_cubin(module: &str, body: &str, arch: &str) -> Result<Vec<u8>, KernelError> {
+/// Compiles one module to a CUBIN for `arch` (e.g. "sm_90"), with start-time tracing if `trace`.
+pub fn compile_cubin(module: &str, body: &str, arch: &str, trace: bool) -> Result<Vec<u8>, KernelError> {
     if !nvrtc_present() {
         return Err(KernelError::NoNvrtc);
     }
@@ -68,7 +73,7 @@ pub fn compile_cubin(module: &str, body: &str, arch: &str) -> Result<Vec<u8>, Ke
     let name = CString::new(format!("{module}.cu")).map_err(|_| err("bad module name".into()))?;
     let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| err(format!("{e:?}")))?;
     // SAFETY: `prog` was just created and is destroyed exactly once below.
-    let result = unsafe { nvrtc::compile_program(prog, &options(arch)) };
+    let result = unsafe { nvrtc::compile_program(prog, &options(arch, trace)) };
     let out = match result {
         Err(e) => {
             // SAFETY: valid program handle.
@@ -109,10 +114,10 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 
 /// The CUBIN of one module: from the disk cache when the source, options, architecture and
 /// NVRTC version match, else compiled and stored (a cache that cannot be written is skipped).
-pub fn cached_cubin(module: &str, body: &str, arch: &str) -> Result<Vec<u8>, KernelError> {
+pub fn cached_cubin(module: &str, body: &str, arch: &str, trace: bool) -> Result<Vec<u8>, KernelError> {
     let (major, minor) = nvrtc_version()?;
     let version = format!("{major}.{minor}");
-    let opts = options(arch).join(" ");
+    let opts = options(arch, trace).join(" ");
     let key = fnv1a(&[COMMON_SOURCE.as_bytes(), body.as_bytes(), opts.as_bytes(), version.as_bytes()]);
     let path = cache_dir().map(|d| d.join(format!("{module}-{arch}-{key:016x}.cubin")));
     if let Some(p) = &path {
@@ -122,7 +127,7 @@ pub fn cached_cubin(module: &str, body: &str, arch: &str) -> Result<Vec<u8>, Ker
             }
         }
     }
-    let cubin = compile_cubin(module, body, arch)?;
+    let cubin = compile_cubin(module, body, arch, trace)?;
     if let Some(p) = &path {
         if let Some(dir) = p.parent() {
             let _ = std::fs::create_dir_all(dir);

@@ -24,6 +24,7 @@ mod step_inputs;
 mod tensor;
 
 pub use cache::CudaCache;
+pub use profile::TracedKernel;
 pub use tensor::{CudaMatrix, CudaTensor, CudaVector};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError};
@@ -90,16 +91,21 @@ macro_rules! kernel_table {
         pub(super) struct Kernels { $($(pub $name: CudaFunction,)*)* }
 
         impl Kernels {
-            fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<(Self, Vec<Arc<CudaModule>>), CudaInitError> {
+            fn load(ctx: &Arc<CudaContext>, arch: &str, trace: bool) -> Result<(Self, Vec<Arc<CudaModule>>), CudaInitError> {
                 let mut modules = Vec::new();
                 $(
                     let body = kernels::SOURCES.iter().find(|s| s.0 == $module).map(|s| s.1).unwrap_or("");
-                    let cubin = kernels::cached_cubin($module, body, arch)?;
+                    let cubin = kernels::cached_cubin($module, body, arch, trace)?;
                     let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(|e| CudaInitError::Driver(format!("loading {}.cu: {e:?}", $module)))?;
                     $(let $name = module.load_function(stringify!($name)).map_err(|e| CudaInitError::Driver(format!("kernel {}: {e:?}", stringify!($name))))?;)*
                     modules.push(module);
                 )*
                 Ok((Kernels { $($($name,)*)* }, modules))
+            }
+
+            /// Each kernel's driver handle and name (for the start-time trace).
+            fn names(&self) -> Vec<(usize, &'static str)> {
+                vec![$($((self.$name.cu_function() as usize, stringify!($name)),)*)*]
             }
         }
     };
@@ -147,6 +153,8 @@ pub struct CudaBackend {
     /// in cuda/common.cuh). `KESTREL_CUDA_PDL=0` turns it off.
     dependent_launch: bool,
     launches: AtomicUsize,
+    /// Kernel start times (`KESTREL_CUDA_TRACE=1`, profile.rs).
+    tracer: Option<profile::Tracer>,
 }
 
 /// Most arguments a kernel of cuda/*.cu takes.
@@ -204,7 +212,8 @@ impl CudaBackend {
             return Err(CudaInitError::Unsupported { name, major, minor });
         }
         let arch = kernels::arch_name(major, minor);
-        let (k, modules) = Kernels::load(&ctx, &arch)?;
+        let trace = std::env::var("KESTREL_CUDA_TRACE").is_ok_and(|v| v == "1");
+        let (k, modules) = Kernels::load(&ctx, &arch, trace)?;
         let optin = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)?;
         use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
         // Kernels with large dynamic shared memory may use all of it beside their static part.
@@ -222,6 +231,7 @@ impl CudaBackend {
             *slots = sm_count * f.occupancy_max_active_blocks_per_multiprocessor(matmul::SMALL_THREADS, 0, None).map_err(driver)?.max(1) as usize;
         }
         let stream = ctx.new_stream().map_err(driver)?;
+        let tracer = if trace { Some(profile::Tracer::new(&stream, &modules, k.names()).map_err(driver)?) } else { None };
         Ok(CudaBackend {
             ctx,
             stream,
@@ -242,6 +252,7 @@ impl CudaBackend {
             sm_count,
             dependent_launch: major >= 9 && std::env::var("KESTREL_CUDA_PDL").map_or(true, |v| v != "0"),
             launches: AtomicUsize::new(0),
+            tracer,
         })
     }
 
@@ -330,6 +341,9 @@ impl CudaBackend {
         };
         ck(self.ctx.bind_to_thread(), "bind context");
         self.launches.fetch_add(1, Ordering::Relaxed);
+        if let Some(t) = &self.tracer {
+            t.launched(f, grid);
+        }
         // SAFETY: the argument lists match the kernel signatures in cuda/*.cu; every pointer is a
         // live allocation of the size the kernel indexes (checked by the op wrappers); `params`
         // points into `args`, which outlives the call. Every kernel waits for its inputs
