@@ -13,7 +13,7 @@
 #define MAX_DIMS_PER_LANE 8   // head_dim <= 256
 #define KEYS_PER_PASS 8
 #define VALUES_IN_FLIGHT 32
-#define ATTN_SPLITS 8
+#define ATTN_SPLITS 32
 
 // Keys per range for a context of ctx keys: whole tiles, ATTN_SPLITS ranges covering ctx.
 __device__ __forceinline__ int range_keys(int ctx) {
@@ -104,14 +104,15 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
     int t = blockIdx.x, h0 = blockIdx.y * hpb;
     int group = nq / nkv, kvh = h0 / group;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = blockDim.x >> 5;
+    int ctx = positions[t] + 1;
+    int span = range_keys(ctx);
+    bool split = gridDim.z > 1;
+    if (split && (int)blockIdx.z * span >= ctx) return;  // an empty range: attn_combine skips it
     for (int e = tid; e < hpb * hd; e += blockDim.x) qs[e] = q[(long long)t * nq * hd + (long long)h0 * hd + e];
     if (tid < hpb) { mtot[tid] = NEG_INF; ltot[tid] = 0.0f; }
     RowInfo row = rows[tok_row[t]];
     const int* table = block_tables + row.block_table_offset;
-    int ctx = positions[t] + 1;
     int kv_stride = nkv * hd;
-    int span = range_keys(ctx);
-    bool split = gridDim.z > 1;
     float tot[MAX_ELEMS_PER_THREAD];
 #pragma unroll
     for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) tot[i] = 0.0f;
@@ -156,20 +157,22 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
             }
         }
         __syncthreads();
-        // Online softmax, one thread per head, keys in order.
-        if (tid < hpb) {
-            float* s = sc + tid * KEY_TILE;
-            float mt = mrun[tid];
-            for (int p = 0; p < np; ++p) mt = fmaxf(mt, s[p]);
-            float c = expf(mrun[tid] - mt);
-            float sum = 0.0f;
-            for (int p = 0; p < np; ++p) {
-                s[p] = expf(s[p] - mt);
-                sum += s[p];
+        // Online softmax, one warp per head: lane j takes keys j and j + 32 of the tile, the
+        // tile's maximum and sum by butterflies (a fixed order, like every reduction here).
+        for (int g = warp; g < hpb; g += nwarps) {
+            float* s = sc + g * KEY_TILE;
+            float s0 = lane < np ? s[lane] : NEG_INF, s1 = lane + 32 < np ? s[lane + 32] : NEG_INF;
+            float mt = warp_max(fmaxf(mrun[g], fmaxf(s0, s1)));
+            float e0 = lane < np ? expf(s0 - mt) : 0.0f, e1 = lane + 32 < np ? expf(s1 - mt) : 0.0f;
+            if (lane < np) s[lane] = e0;
+            if (lane + 32 < np) s[lane + 32] = e1;
+            float sum = warp_sum(e0 + e1);
+            if (lane == 0) {
+                float c = expf(mrun[g] - mt);
+                lrun[g] = lrun[g] * c + sum;
+                mrun[g] = mt;
+                corr[g] = c;
             }
-            lrun[tid] = lrun[tid] * c + sum;
-            mrun[tid] = mt;
-            corr[tid] = c;
         }
         __syncthreads();
 #pragma unroll
@@ -246,12 +249,23 @@ extern "C" __global__ void attn_combine(float* out, const float* gate, const flo
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     int ctx = positions[t] + 1, span = range_keys(ctx);
     float M = NEG_INF, L = 0.0f, ACC = 0.0f;
-    for (int r = 0; r < ATTN_SPLITS && r * span < ctx; ++r) {
+    // Every range's partial loaded before the first merge (the kernel's time is its loads).
+    float pm0[ATTN_SPLITS], pm1[ATTN_SPLITS], pa[ATTN_SPLITS];
+#pragma unroll
+    for (int r = 0; r < ATTN_SPLITS; ++r) {
         const float* pm = partial + (((long long)t * nq + h) * ATTN_SPLITS + r) * (hd + 2);
+        bool live = r * span < ctx;
+        pm0[r] = live ? pm[0] : 0.0f;
+        pm1[r] = live ? pm[1] : 0.0f;
+        pa[r] = live && d < hd ? pm[2 + d] : 0.0f;
+    }
+#pragma unroll
+    for (int r = 0; r < ATTN_SPLITS; ++r) {
+        if (r * span >= ctx) break;
         float c_old, c_new;
-        M = merge_scales(M, pm[0], &c_old, &c_new);
-        L = merge_sum(L, pm[1], c_old, c_new);
-        if (d < hd) ACC = merge_sum(ACC, pm[2 + d], c_old, c_new);
+        M = merge_scales(M, pm0[r], &c_old, &c_new);
+        L = merge_sum(L, pm1[r], c_old, c_new);
+        if (d < hd) ACC = merge_sum(ACC, pa[r], c_old, c_new);
     }
     if (d < hd) {
         long long o = ((long long)t * nq + h) * hd + d;

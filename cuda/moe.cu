@@ -1,24 +1,34 @@
 // Mixture-of-experts routing and combination. Expert matmuls run through the grouped mode of
 // the matmul kernels, with per-expert row lists built here in token order.
 
+// Most experts routing supports: each lane keeps E / 32 probabilities in registers.
+#define ROUTE_MAX_PER_LANE 16
+
 // Routing of token t by one warp: softmax over all experts, top-k by repeated argmax (ties to
-// the lower index), optional renormalization. `ex`: E floats of shared memory for this warp.
-// A warp, not a block: the k argmax rounds need no block barriers, and a block of 8 warps
-// routes 8 tokens at once. Every lane ends the butterflies with the same (value, index).
-__device__ __forceinline__ void route_token(int t, int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize, float* ex) {
+// the lower index), optional renormalization. Lane j holds experts j, j + 32, ... in registers,
+// so an argmax round reads no memory. A warp, not a block: the k argmax rounds need no block
+// barriers, and a block of 8 warps routes 8 tokens at once. Every lane ends the butterflies
+// with the same (value, index).
+__device__ __forceinline__ void route_token(int t, int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize) {
     int lane = threadIdx.x & 31;
     const float* l = logits + (long long)t * E;
+    // Probabilities of this lane's experts; NEG_INF marks a chosen or missing one.
+    float p[ROUTE_MAX_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) p[i] = lane + 32 * i < E ? l[lane + 32 * i] : NEG_INF;
     float m = NEG_INF;
-    for (int e = lane; e < E; e += 32) m = fmaxf(m, l[e]);
+#pragma unroll
+    for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) m = fmaxf(m, p[i]);
     m = warp_max(m);
     float sum = 0.0f;
-    for (int e = lane; e < E; e += 32) {
-        float v = expf(l[e] - m);
-        ex[e] = v;
-        sum += v;
+#pragma unroll
+    for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) {
+        if (lane + 32 * i < E) {
+            p[i] = expf(p[i] - m);
+            sum += p[i];
+        }
     }
     sum = warp_sum(sum);
-    __syncwarp();
     // Lane s % 32 keeps slot s (k <= 64: two registers).
     float mine_w[2] = {0.0f, 0.0f};
     int mine_i[2] = {0, 0};
@@ -26,9 +36,10 @@ __device__ __forceinline__ void route_token(int t, int* topk_idx, float* topk_w,
     for (int s = 0; s < k; ++s) {
         float bv = NEG_INF;
         int bi = 0x7fffffff;
-        for (int e = lane; e < E; e += 32) {
-            float v = ex[e];
-            if (v > bv || (v == bv && e < bi)) { bv = v; bi = e; }
+#pragma unroll
+        for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) {
+            int e = lane + 32 * i;
+            if (p[i] > bv || (p[i] == bv && e < bi)) { bv = p[i]; bi = e; }
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
@@ -41,8 +52,9 @@ __device__ __forceinline__ void route_token(int t, int* topk_idx, float* topk_w,
         if ((s & 31) == lane) {
             if (s < 32) { mine_w[0] = chosen; mine_i[0] = bi; } else { mine_w[1] = chosen; mine_i[1] = bi; }
         }
-        if ((bi & 31) == lane) ex[bi] = NEG_INF;  // the lane that reads ex[bi] clears it
-        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i)
+            if (lane + 32 * i == bi) p[i] = NEG_INF;
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -54,12 +66,11 @@ __device__ __forceinline__ void route_token(int t, int* topk_idx, float* topk_w,
     }
 }
 
-// A warp per token, 8 tokens per block of 256 threads. Dynamic shared memory: 8 * E floats.
+// A warp per token, 8 tokens per block of 256 threads.
 extern "C" __global__ void moe_route(int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize) {
     wait_for_inputs();
-    extern __shared__ float ex[];
     int warp = threadIdx.x >> 5, t = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (t < T) route_token(t, topk_idx, topk_w, logits, E, k, renormalize, ex + (long long)warp * E);
+    if (t < T) route_token(t, topk_idx, topk_w, logits, E, k, renormalize);
 }
 
 // One block (256 threads) per expert: the (token, slot) entries routed to it, in entry order.
@@ -107,7 +118,7 @@ extern "C" __global__ void moe_active(int* active, const int* counts, int E) {
 // entries: the same lists, counts and active list from one launch. With `route`, the block's
 // warps first route the T <= 8 tokens themselves (one launch for a decode step); otherwise
 // moe_route has. Entries and the shared expert as in moe_group (`fold`: the shared expert is
-// group E). Dynamic shared memory: max(8 * E floats, entries + groups ints).
+// group E). Dynamic shared memory: entries + groups ints.
 extern "C" __global__ void moe_group_few(int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists, int* counts, int* active, int route,
         int slots, int fold) {
     wait_for_inputs();
@@ -115,7 +126,7 @@ extern "C" __global__ void moe_group_few(int* topk_idx, float* topk_w, const flo
     __shared__ int warp_counts[8];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     if (route)
-        for (int t = warp; t < T; t += nwarps) route_token(t, topk_idx, topk_w, logits, E, k, renormalize, ex + (long long)warp * E);
+        for (int t = warp; t < T; t += nwarps) route_token(t, topk_idx, topk_w, logits, E, k, renormalize);
     // The block's global writes of topk_idx are visible to it after the barrier.
     __syncthreads();
     int entries = T * k, cap = T, groups = E + fold;

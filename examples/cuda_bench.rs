@@ -222,6 +222,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
     gpu.profile_report();
     let mut launches = Vec::with_capacity(o.decode);
     let mut trace = serde_json::Value::Null;
+    let greedy_rows: Vec<kestrel::backend::RowSampling> = (0..nrows).map(|r| kestrel::backend::RowSampling { params: kestrel::engine::sampler::SamplingParams::greedy(), position: r as u64 }).collect();
     for i in 0..o.decode {
         let rows = (0..nrows)
             .map(|r| RowLayout {
@@ -252,7 +253,8 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
         gpu.commit_states(&mut cache, &commits);
         enqueue_times.push(t.elapsed().as_secs_f64());
         launches.push(gpu.launch_count() - launched);
-        next = argmax(&gpu.to_host(&out.logits)[..vocab as usize]);
+        // Sampled on the device, as the engine does: only the token comes back.
+        next = gpu.sample_rows(&out.logits, &greedy_rows)[0];
         if profiled {
             cudarc::driver::profiler_stop().map_err(|e| format!("cuProfilerStop: {e:?}"))?;
         }

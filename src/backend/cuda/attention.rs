@@ -15,7 +15,7 @@ const MAX_BLOCK_ELEMS: usize = 2048;
 /// head) arithmetic is identical either way.
 const GROUPED_HEADS_MIN_TOKENS: usize = 64;
 /// Context ranges per query (ATTN_SPLITS in cuda/attention.cu).
-const ATTN_SPLITS: usize = 8;
+const ATTN_SPLITS: usize = 32;
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gated_attention(

@@ -218,7 +218,7 @@ impl CudaBackend {
         use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
         // Kernels with large dynamic shared memory may use all of it beside their static part.
         let mut max_dynamic_smem = optin;
-        for f in [&k.gdn_chunked, &k.attn_core, &k.moe_route, &k.moe_group_few, &k.matmul_pipelined] {
+        for f in [&k.gdn_chunked, &k.attn_core, &k.moe_group_few, &k.matmul_pipelined] {
             // SAFETY: a loaded function handle and a valid attribute.
             let fixed = unsafe { cudarc::driver::result::function::get_function_attribute(f.cu_function(), FuncAttr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) }.map_err(driver)?;
             f.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - fixed).map_err(driver)?;

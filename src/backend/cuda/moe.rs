@@ -17,6 +17,8 @@ const ROUTE_IN_GROUP_MAX_TOKENS: usize = 8;
 const ROUTE_WARPS: usize = 8;
 /// Most experts per token the routing kernel keeps.
 const MAX_TOP_K: usize = 64;
+/// Most experts the routing kernel handles (ROUTE_MAX_PER_LANE = 16 per lane of a warp).
+const MAX_EXPERTS: usize = 512;
 
 /// Whether the shared expert runs as one more group of the grouped expert launches (group E,
 /// slot k of every token): it must have the experts' shapes. Two launches fewer per layer.
@@ -60,8 +62,7 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
     let shared_gate = parts.next();
     let topk_idx = be.alloc_i32(t * k);
     let topk_w = be.alloc_f32(t * k);
-    let route_smem = ROUTE_WARPS * e * 4;
-    assert!(route_smem <= be.max_dynamic_smem, "moe: {e} experts exceed the routing kernel's shared memory");
+    assert!(e <= MAX_EXPERTS, "moe: {e} experts (routing supports at most {MAX_EXPERTS})");
     // moe_route's arguments, which moe_group_few also starts with.
     let route_args = [
         Arg::Ptr(be.ptr(&topk_idx)),
@@ -72,7 +73,7 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
         Arg::I32(k as i32),
         Arg::I32(i32::from(cfg.norm_topk_prob)),
     ];
-    let route = || be.launch(&be.k.moe_route, (t.div_ceil(ROUTE_WARPS) as u32, 1, 1), 256, route_smem, &route_args);
+    let route = || be.launch(&be.k.moe_route, (t.div_ceil(ROUTE_WARPS) as u32, 1, 1), 256, 0, &route_args);
     // Each token picks an expert at most once, so an expert's list holds at most t entries.
     let lists = be.alloc_i32(groups_max * t);
     let counts = be.alloc_i32(groups_max);
@@ -91,7 +92,7 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
             Arg::I32(slots as i32),
             Arg::I32(i32::from(fold)),
         ]);
-        let smem = route_smem.max((t * k + groups_max) * 4);
+        let smem = (t * k + groups_max) * 4;
         be.launch(&be.k.moe_group_few, (1, 1, 1), 256, smem, &args);
     } else {
         route();
