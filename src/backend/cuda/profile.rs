@@ -109,6 +109,8 @@ impl Tracer {
 impl CudaBackend {
     /// The kernels traced since the last call, in launch order, and a fresh trace (empty unless
     /// `KESTREL_CUDA_TRACE=1`; launches past the capacity are dropped). Waits for the stream.
+    /// Names come from the host's launches, so trace eager steps: a graph replay records start
+    /// times that no launch names.
     pub fn take_trace(&self) -> Vec<TracedKernel> {
         let Some(t) = &self.tracer else { return Vec::new() };
         self.synchronize();
