@@ -231,7 +231,6 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
     }
     __syncthreads();
     }
-    if (split) return;  // an empty range: attn_combine skips it
 #pragma unroll
     for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) {
         int e = tid + i * blockDim.x;

@@ -266,34 +266,17 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
 #pragma unroll
             for (int j = 0; j < NT; ++j) wh[j] = grp.whi + weight_row(epi, min(n0 + j * 8 + g, N - 1), N) * K + q * 8;
             const uint4 zero[NT] = {};
-            int kb = kb0;
-            for (; kb + SMALL_UNROLL <= kb1; kb += SMALL_UNROLL) {
+            // `count` (at most SMALL_UNROLL) k blocks from kb: their loads issued together, then
+            // their mmas in k order. Full rounds pass SMALL_UNROLL, so their predicates fold away.
+            auto stream_kblocks = [&](int kb, int count) {
                 uint4 bh[SMALL_UNROLL][NT];
 #pragma unroll
                 for (int u = 0; u < SMALL_UNROLL; ++u)
 #pragma unroll
-                    for (int j = 0; j < NT; ++j) bh[u][j] = ldg_stream(wh[j] + (kb + u) * 32);
-#pragma unroll
-                for (int u = 0; u < SMALL_UNROLL; ++u)
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        if (!live[mt]) continue;
-                        if constexpr (PRESPLIT) small_kblock_split<NT>(c[mt], xh0[mt], xh1[mt], lo_off, two[mt], (kb + u) * 32 + q * 8, bh[u], zero);
-                        else small_kblock<NT>(c[mt], xr0[mt], xr1[mt], two[mt], (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
-                    }
-            }
-            // The last k blocks of the slice (fewer than SMALL_UNROLL): their loads issued together
-            // too. A short slice (the experts' K = 512 down projections) is only this.
-            if (kb < kb1) {
-                int left = kb1 - kb;
-                uint4 bh[SMALL_UNROLL][NT];
-#pragma unroll
-                for (int u = 0; u < SMALL_UNROLL; ++u)
-#pragma unroll
-                    for (int j = 0; j < NT; ++j) bh[u][j] = u < left ? ldg_stream(wh[j] + (kb + u) * 32) : zero[j];
+                    for (int j = 0; j < NT; ++j) bh[u][j] = u < count ? ldg_stream(wh[j] + (kb + u) * 32) : zero[j];
 #pragma unroll
                 for (int u = 0; u < SMALL_UNROLL; ++u) {
-                    if (u >= left) break;
+                    if (u >= count) break;
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         if (!live[mt]) continue;
@@ -301,7 +284,12 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
                         else small_kblock<NT>(c[mt], xr0[mt], xr1[mt], two[mt], (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
                     }
                 }
-            }
+            };
+            int kb = kb0;
+            for (; kb + SMALL_UNROLL <= kb1; kb += SMALL_UNROLL) stream_kblocks(kb, SMALL_UNROLL);
+            // The last (fewer than SMALL_UNROLL) k blocks of the slice; a short slice (the
+            // experts' K = 512 down projections) is only this.
+            if (kb < kb1) stream_kblocks(kb, kb1 - kb);
         } else {
             const bf16_t* wh[NT];
             const bf16_t* wl[NT];

@@ -220,7 +220,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
     // the host's launches, not the GPU, set the pace.
     let mut enqueue_times = Vec::with_capacity(o.decode);
     gpu.profile_report();
-    let mut launches = Vec::with_capacity(o.decode);
+    let mut launches_per_step = 0;
     let mut trace = serde_json::Value::Null;
     let greedy_rows: Vec<kestrel::backend::RowSampling> = (0..nrows).map(|r| kestrel::backend::RowSampling { params: kestrel::engine::sampler::SamplingParams::greedy(), position: r as u64 }).collect();
     for i in 0..o.decode {
@@ -252,7 +252,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
         let out = model.forward(gpu, &step_ids, &layout, &logit_rows, &mut cache);
         gpu.commit_states(&mut cache, &commits);
         enqueue_times.push(t.elapsed().as_secs_f64());
-        launches.push(gpu.launch_count() - launched);
+        launches_per_step = gpu.launch_count() - launched;
         // Sampled on the device, as the engine does: only the token comes back.
         next = gpu.sample_rows(&out.logits, &greedy_rows)[0];
         if profiled {
@@ -282,7 +282,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
             "tokens_per_s": nrows as f64 / mean,
             "roofline_ms_per_token": roofline_s * 1e3,
             "fraction_of_roofline": roofline_s / mean,
-            "kernel_launches_per_step": launches.last().copied().unwrap_or(0),
+            "kernel_launches_per_step": launches_per_step,
             "host_enqueue_ms_per_token": enqueue_times[enqueue_times.len().min(4)..].iter().sum::<f64>() / steady.len().max(1) as f64 * 1e3,
         },
         "prefill": prefill,

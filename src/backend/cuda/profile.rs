@@ -116,7 +116,9 @@ impl CudaBackend {
         self.synchronize();
         let names = std::mem::take(&mut *t.launched.lock().unwrap_or_else(|p| p.into_inner()));
         let mut buffer = t.buffer.lock().unwrap_or_else(|p| p.into_inner());
-        let Ok(words) = self.stream.clone_dtoh(&*buffer) else { return Vec::new() };
+        // The header and the entries of the launches made since the last call.
+        let used = 2 + 2 * names.len().min(TRACE_CAPACITY);
+        let Ok(words) = self.stream.clone_dtoh(&buffer.slice(0..used)) else { return Vec::new() };
         let count = (words[0] as usize).min(TRACE_CAPACITY).min(names.len());
         let out = (0..count).map(|i| TracedKernel { name: names[i].0, grid: names[i].1, resident_ns: words[2 + 2 * i], ready_ns: words[3 + 2 * i] }).collect();
         // Only the count needs resetting: entries are overwritten before they are read again.
