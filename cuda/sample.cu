@@ -19,34 +19,92 @@ __device__ __forceinline__ bool beats(double s, int t, double best_s, int best_t
     return s > best_s || (s == best_s && t < best_t);
 }
 
-#define SAMPLE_THREADS 512
+#define SAMPLE_THREADS 256
 #define NEG_INF_F64 __longlong_as_double(0xfff0000000000000LL)
+
+// The block's best (score, token) into slot 0 of the shared arrays (a tree in fixed order;
+// the winner is the same in any order, since `beats` is a strict total order on tokens).
+__device__ __forceinline__ void best_of_block(double* scores, int* tokens) {
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) {
+            int o = threadIdx.x + stride;
+            if (beats(scores[o], tokens[o], scores[threadIdx.x], tokens[threadIdx.x])) {
+                scores[threadIdx.x] = scores[o];
+                tokens[threadIdx.x] = tokens[o];
+            }
+        }
+        __syncthreads();
+    }
+}
 
 // out[r] = token drawn from logits[rows[r]], with keys[r] = position key (splitmix64_step(
 // splitmix64_step(seed) ^ position)) and inv_temps[r] = 1 / temperature (0 for greedy).
-extern "C" __global__ void sample_rows(int* out, const float* logits, const int* rows, const u64* keys, const double* inv_temps, int vocab) {
+// Grid (splits, rows): a row's vocabulary is cut into gridDim.x ranges, a block each (one block
+// walking a 248K vocabulary took about 0.2 ms, most of a small model's decode step). Each
+// block leaves its range's best in part_s/part_t; the last block of the row to finish (counted
+// in done[r], zero before the launch) picks the best of them.
+extern "C" __global__ void sample_rows(int* out, const float* logits, const int* rows, const u64* keys, const double* inv_temps, int vocab, double* part_s, int* part_t,
+        unsigned* done) {
     wait_for_inputs();
     __shared__ double best_scores[SAMPLE_THREADS];
     __shared__ int best_tokens[SAMPLE_THREADS];
-    int r = blockIdx.x;
+    __shared__ bool last;
+    int r = blockIdx.y, splits = gridDim.x;
     const float* row = logits + (long long)rows[r] * vocab;
     double inv_t = inv_temps[r];
     u64 key = keys[r];
     bool greedy = inv_t == 0.0;
     double best_s = NEG_INF_F64;
     int best_t = 0x7fffffff;
-    for (int t = threadIdx.x; t < vocab; t += blockDim.x) {
-        float l = row[t];
-        bool masked = l != l || l == NEG_INF;  // NaN or -inf
-        double s;
-        if (greedy) {
-            s = masked ? NEG_INF_F64 : (double)l;
-        } else {
-            if (masked) continue;
-            u64 h = splitmix64_step(key ^ (u64)(u32)t);
-            double u = ((double)(h >> 12) + 0.5) * (1.0 / 4503599627370496.0);
-            s = (double)l * inv_t + (-log(-log(u)));
+    int chunk = (vocab + splits - 1) / splits, t0 = blockIdx.x * chunk, t1 = min(t0 + chunk, vocab);
+    // Four loads in flight per thread before the scores.
+    for (int base = t0 + threadIdx.x; base < t1; base += 4 * blockDim.x) {
+        float l[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int t = base + j * blockDim.x;
+            l[j] = t < t1 ? row[t] : NEG_INF;
         }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int t = base + j * blockDim.x;
+            bool masked = l[j] != l[j] || l[j] == NEG_INF;  // NaN or -inf
+            if (t >= t1 || (masked && !greedy)) continue;
+            double s;
+            if (greedy) {
+                s = masked ? NEG_INF_F64 : (double)l[j];
+            } else {
+                u64 h = splitmix64_step(key ^ (u64)(u32)t);
+                double u = ((double)(h >> 12) + 0.5) * (1.0 / 4503599627370496.0);
+                s = (double)l[j] * inv_t + (-log(-log(u)));
+            }
+            if (beats(s, t, best_s, best_t)) {
+                best_s = s;
+                best_t = t;
+            }
+        }
+    }
+    best_scores[threadIdx.x] = best_s;
+    best_tokens[threadIdx.x] = best_t;
+    best_of_block(best_scores, best_tokens);
+    if (threadIdx.x == 0) {
+        part_s[r * splits + blockIdx.x] = best_scores[0];
+        part_t[r * splits + blockIdx.x] = best_tokens[0];
+        // The partial is visible to every block before this block is counted.
+        __threadfence();
+        last = atomicAdd(&done[r], 1u) == (unsigned)splits - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    volatile double* ps = part_s;
+    volatile int* pt = part_t;
+    best_s = NEG_INF_F64;
+    best_t = 0x7fffffff;
+    for (int i = threadIdx.x; i < splits; i += blockDim.x) {
+        double s = ps[r * splits + i];
+        int t = pt[r * splits + i];
         if (beats(s, t, best_s, best_t)) {
             best_s = s;
             best_t = t;
@@ -54,17 +112,7 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
     }
     best_scores[threadIdx.x] = best_s;
     best_tokens[threadIdx.x] = best_t;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (threadIdx.x < stride) {
-            int o = threadIdx.x + stride;
-            if (beats(best_scores[o], best_tokens[o], best_scores[threadIdx.x], best_tokens[threadIdx.x])) {
-                best_scores[threadIdx.x] = best_scores[o];
-                best_tokens[threadIdx.x] = best_tokens[o];
-            }
-        }
-        __syncthreads();
-    }
+    best_of_block(best_scores, best_tokens);
     // Every token masked: token 0, as the host sampler answers.
     if (threadIdx.x == 0) out[r] = best_tokens[0] == 0x7fffffff ? 0 : best_tokens[0];
 }

@@ -6,8 +6,11 @@ use super::{ck, Arg, CudaBackend, CudaTensor};
 use crate::backend::RowSampling;
 use crate::engine::sampler::{position_key, sample_at_position};
 
-/// Threads per row: SAMPLE_THREADS in cuda/sample.cu.
-const SAMPLE_THREADS: u32 = 512;
+/// Threads per block: SAMPLE_THREADS in cuda/sample.cu.
+const SAMPLE_THREADS: u32 = 256;
+/// Vocabulary tokens per block, at most: a row's vocabulary is split across blocks (about 128
+/// for a 248K vocabulary), each thread scoring about 8 tokens.
+const TOKENS_PER_BLOCK: usize = 2048;
 
 pub(super) fn sample_rows(be: &CudaBackend, logits: &CudaTensor, rows: &[RowSampling]) -> Vec<u32> {
     assert_eq!(logits.rows, rows.len(), "sample_rows: {} logits rows, {} sampling specs", logits.rows, rows.len());
@@ -34,12 +37,27 @@ pub(super) fn sample_rows(be: &CudaBackend, logits: &CudaTensor, rows: &[RowSamp
         let d_keys = ck(be.stream.clone_htod(&keys), "sampling keys copy");
         let d_inv = ck(be.stream.clone_htod(&inverse_temperatures), "sampling temperatures copy");
         let out = be.alloc_i32(n);
+        let splits = vocab.div_ceil(TOKENS_PER_BLOCK).max(1);
+        // SAFETY: each block writes its partial before the last block of its row reads them.
+        let part_scores = ck(unsafe { be.stream.alloc::<f64>(n * splits) }, "alloc");
+        let part_tokens = be.alloc_i32(n * splits);
+        let done = ck(be.stream.alloc_zeros::<u32>(n), "alloc");
         be.launch(
             &be.k.sample_rows,
-            (n as u32, 1, 1),
+            (splits as u32, n as u32, 1),
             SAMPLE_THREADS,
             0,
-            &[Arg::Ptr(be.ptr(&out)), Arg::Ptr(be.ptr(&logits.data)), Arg::Ptr(be.ptr(&d_rows)), Arg::Ptr(be.ptr(&d_keys)), Arg::Ptr(be.ptr(&d_inv)), Arg::I32(vocab as i32)],
+            &[
+                Arg::Ptr(be.ptr(&out)),
+                Arg::Ptr(be.ptr(&logits.data)),
+                Arg::Ptr(be.ptr(&d_rows)),
+                Arg::Ptr(be.ptr(&d_keys)),
+                Arg::Ptr(be.ptr(&d_inv)),
+                Arg::I32(vocab as i32),
+                Arg::Ptr(be.ptr(&part_scores)),
+                Arg::Ptr(be.ptr(&part_tokens)),
+                Arg::Ptr(be.ptr(&done)),
+            ],
         );
         let drawn = ck(be.stream.clone_dtoh(&out), "sampled tokens copy");
         for (&row, &token) in device_rows.iter().zip(&drawn) {
