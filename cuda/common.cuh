@@ -99,6 +99,36 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return scratch[32];
 }
 
+// Float4s per thread the row norm keeps in registers: rows of up to 8192 floats at 256 threads.
+#define RMS_VECS 8
+
+// Whether a row norm takes the register path: width a multiple of 4, at most RMS_VECS float4s
+// per thread, 16-byte aligned row, output and weight.
+__device__ __forceinline__ bool rms_row_in_registers(const float* xr, const float* yr, const float* w, int cols) {
+    return (cols & 3) == 0 && (cols >> 2) <= RMS_VECS * (int)blockDim.x && (((u64)xr | (u64)yr | (u64)w) & 15) == 0;
+}
+
+// The register path of the row norm (rms_norm_rows, and kernels that end by normalizing the
+// rows they wrote): v[i] / wv[i] hold float4 threadIdx.x + i * blockDim.x of the row and the
+// weight (zeros past the row's end); writes yr = v * rsqrt(mean(v^2) + eps) * wv. Every
+// caller gets the same bits for the same row.
+__device__ __forceinline__ void rms_norm_row_registers(float* yr, const float4 v[RMS_VECS], const float4 wv[RMS_VECS], int cols, float eps, float* scratch) {
+    int nvec = cols >> 2;
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RMS_VECS; ++i) ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+#pragma unroll
+    for (int i = 0; i < RMS_VECS; ++i) {
+        int c = threadIdx.x + i * blockDim.x;
+        if (c < nvec) {
+            float4 y = {v[i].x * inv * wv[i].x, v[i].y * inv * wv[i].y, v[i].z * inv * wv[i].z, v[i].w * inv * wv[i].w};
+            ((float4*)yr)[c] = y;
+        }
+    }
+}
+
 __device__ __forceinline__ float block_max(float v, float* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
     v = warp_max(v);

@@ -13,9 +13,6 @@ extern "C" __global__ void embed_rows(float* out, const bf16_t* hi, const bf16_t
     }
 }
 
-// Float4s per thread the row norm keeps in registers: rows of up to 8192 floats at 256 threads.
-#define RMS_VECS 8
-
 // y = x * rsqrt(mean(x^2) + eps) * w, one block of 256 threads per row. Rows whose width is a
 // multiple of 4 (up to RMS_VECS float4s per thread) are loaded once into registers, all loads
 // issued before the first use: a row of a decode step is one block, so the kernel's time is
@@ -27,7 +24,7 @@ extern "C" __global__ void rms_norm_rows(float* out, const float* x, const float
     const float* xr = x + (long long)r * cols;
     float* yr = out + (long long)r * cols;
     int nvec = cols >> 2;
-    if ((cols & 3) == 0 && nvec <= RMS_VECS * (int)blockDim.x && (((u64)xr | (u64)yr | (u64)w) & 15) == 0) {
+    if (rms_row_in_registers(xr, yr, w, cols)) {
         const float4* x4 = (const float4*)xr;
         const float4* w4 = (const float4*)w;
         float4 v[RMS_VECS], wv[RMS_VECS];
@@ -38,19 +35,7 @@ extern "C" __global__ void rms_norm_rows(float* out, const float* x, const float
             v[i] = c < nvec ? x4[c] : zero;
             wv[i] = c < nvec ? w4[c] : zero;
         }
-        float ss = 0.0f;
-#pragma unroll
-        for (int i = 0; i < RMS_VECS; ++i) ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
-        ss = block_sum(ss, scratch);
-        float inv = 1.0f / sqrtf(ss / (float)cols + eps);
-#pragma unroll
-        for (int i = 0; i < RMS_VECS; ++i) {
-            int c = threadIdx.x + i * blockDim.x;
-            if (c < nvec) {
-                float4 y = {v[i].x * inv * wv[i].x, v[i].y * inv * wv[i].y, v[i].z * inv * wv[i].z, v[i].w * inv * wv[i].w};
-                ((float4*)yr)[c] = y;
-            }
-        }
+        rms_norm_row_registers(yr, v, wv, cols, eps, scratch);
         return;
     }
     float ss = 0.0f;

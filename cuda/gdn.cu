@@ -127,16 +127,22 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent(float* out, cons
         int a = rg + REC_GROUPS * i;
         s[i] = (a < dk && col_ok) ? sp[(long long)a * dv + j] : 0.0f;
     }
+    float nw = col_ok && rg == 0 ? norm_w[j] : 0.0f;
     for (int n = 0; n < row.num_tokens; ++n) {
         int t = row.token_start + n;
+        // The token's scalars are loaded before the barrier, so that their loads are in flight
+        // together with k's and q's instead of one after another.
+        float gt = g[(long long)t * nv + h], bt = beta[(long long)t * nv + h];
+        float vj = col_ok ? conv_out[(long long)t * conv_dim + 2 * key_dim + h * dv + j] : 0.0f;
+        long long e = (long long)t * nv * dv + h * dv + j;
+        float zt = col_ok && rg == 0 ? z[e] : 0.0f;
         __syncthreads();
         for (int i = threadIdx.x; i < dk; i += blockDim.x) {
             ks[i] = kn[(long long)t * key_dim + kh * dk + i];
             qs[i] = qn[(long long)t * key_dim + kh * dk + i];
         }
         __syncthreads();
-        float decay = expf(g[(long long)t * nv + h]);
-        float vj = col_ok ? conv_out[(long long)t * conv_dim + 2 * key_dim + h * dv + j] : 0.0f;
+        float decay = expf(gt);
         float kv = 0.0f;
 #pragma unroll
         for (int i = 0; i < SR; ++i) {
@@ -147,7 +153,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent(float* out, cons
             }
         }
         kv = row_group_sum(kv);
-        float u = beta[(long long)t * nv + h] * (vj - kv);
+        float u = bt * (vj - kv);
         float o = 0.0f;
 #pragma unroll
         for (int i = 0; i < SR; ++i) {
@@ -167,10 +173,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent(float* out, cons
             }
         }
         float ss = block_sum(col_ok && rg == 0 ? o * o : 0.0f, scratch);
-        if (col_ok && rg == 0) {
-            long long e = (long long)t * nv * dv + h * dv + j;
-            out[e] = o * (1.0f / sqrtf(ss / (float)dv + eps)) * norm_w[j] * siluf_(z[e]);
-        }
+        if (col_ok && rg == 0) out[e] = o * (1.0f / sqrtf(ss / (float)dv + eps)) * nw * siluf_(zt);
     }
 }
 

@@ -167,22 +167,81 @@ extern "C" __global__ void moe_group_few(int* topk_idx, float* topk_w, const flo
     if (tid == 0) active[0] = base_out;
 }
 
-// acc[t] += (sum_s w[t,s] * y[t*slots+s] (s < k, in order), then + sigmoid(shared_gate[t]) *
-// shared[t * shared_stride]): the MoE output added into the residual stream, as add_assign
-// would. The shared expert's row is y's slot k when it ran with the experts.
+// The MoE output for (token t, column d): sum_s w[t,s] * y[t*slots+s, d] (s < k, in order),
+// then + scale * shared[t * shared_stride + d] with scale = sigmoid(shared_gate[t]) (1 without
+// a gate). Both combine kernels use it, so they give the same bits.
+__device__ __forceinline__ float moe_output(const float* y, const float* topk_w, const float* shared, float scale, int t, int d, int H, int k, int slots, long long shared_stride) {
+    float acc = 0.0f;
+    // Unrolled so that the k loads are in flight together; the sum stays in slot order.
+#pragma unroll 8
+    for (int s = 0; s < k; ++s) acc += topk_w[t * k + s] * y[((long long)t * slots + s) * H + d];
+    if (shared) acc += scale * shared[t * shared_stride + d];
+    return acc;
+}
+
+__device__ __forceinline__ float shared_scale(const float* shared_gate, int t) {
+    return shared_gate ? 1.0f / (1.0f + expf(-shared_gate[t])) : 1.0f;
+}
+
+// acc[t] += the MoE output (moe_output): added into the residual stream, as add_assign would.
+// The shared expert's row is y's slot k when it ran with the experts.
 extern "C" __global__ void moe_combine(float* out, const float* y, const float* topk_w, const float* shared, const float* shared_gate, int T, int H, int k, int slots,
         long long shared_stride) {
     wait_for_inputs();
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)T * H) return;
     int t = (int)(idx / H), d = (int)(idx % H);
-    float acc = 0.0f;
-    // Unrolled so that the k loads are in flight together; the sum stays in slot order.
+    float scale = shared ? shared_scale(shared_gate, t) : 1.0f;
+    out[idx] = out[idx] + moe_output(y, topk_w, shared, scale, t, d, H, k, slots, shared_stride);
+}
+
+// moe_combine for whole rows, then the RMSNorm of each updated row by `w` into `normed` (the
+// next layer's input, bitwise what rms_norm_rows gives on the updated row): one block of 256
+// threads per token, one launch fewer per layer. Four columns per thread, with float4 loads
+// all issued before the sums; each column's sum is moe_output's expression (the GPU tests
+// check the bits against moe_combine). The host takes this path only where the row norm takes
+// its register path (rms_row_in_registers).
+extern "C" __global__ void moe_combine_norm(float* out, float* normed, const float* w, float eps, const float* y, const float* topk_w, const float* shared,
+        const float* shared_gate, int H, int k, int slots, long long shared_stride) {
+    wait_for_inputs();
+    __shared__ float scratch[33];
+    int t = blockIdx.x, nvec = H >> 2;
+    float scale = shared ? shared_scale(shared_gate, t) : 1.0f;
+    float4* row = (float4*)(out + (long long)t * H);
+    float4 v[RMS_VECS], wv[RMS_VECS];
+#pragma unroll
+    for (int i = 0; i < RMS_VECS; ++i) {
+        int c = threadIdx.x + i * blockDim.x;
+        float4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
+        v[i] = zero;
+        wv[i] = zero;
+        if (c < nvec) {
+            float4 acc = zero;
 #pragma unroll 8
-    for (int s = 0; s < k; ++s) acc += topk_w[t * k + s] * y[((long long)t * slots + s) * H + d];
-    if (shared) {
-        float scale = shared_gate ? 1.0f / (1.0f + expf(-shared_gate[t])) : 1.0f;
-        acc += scale * shared[t * shared_stride + d];
+            for (int s = 0; s < k; ++s) {
+                float ws = topk_w[t * k + s];
+                float4 yv = ((const float4*)(y + ((long long)t * slots + s) * H))[c];
+                acc.x += ws * yv.x;
+                acc.y += ws * yv.y;
+                acc.z += ws * yv.z;
+                acc.w += ws * yv.w;
+            }
+            if (shared) {
+                float4 sv = ((const float4*)(shared + t * shared_stride))[c];
+                acc.x += scale * sv.x;
+                acc.y += scale * sv.y;
+                acc.z += scale * sv.z;
+                acc.w += scale * sv.w;
+            }
+            float4 r = row[c];
+            r.x = r.x + acc.x;
+            r.y = r.y + acc.y;
+            r.z = r.z + acc.z;
+            r.w = r.w + acc.w;
+            row[c] = r;
+            v[i] = r;
+            wv[i] = ((const float4*)w)[c];
+        }
     }
-    out[idx] = out[idx] + acc;
+    rms_norm_row_registers(normed + (long long)t * H, v, wv, H, eps, scratch);
 }

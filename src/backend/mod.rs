@@ -291,6 +291,14 @@ pub trait Backend: Send + Sync {
     /// of the MoE output would give).
     fn moe_add(&self, acc: &mut Self::Tensor, x: &Self::Tensor, w: &MoeWeights<Self>, cfg: &MoeConfig);
 
+    /// [`Backend::moe_add`], then the RMSNorm of the updated residual stream by `norm` (the next
+    /// layer's input norm): bitwise `rms_norm(acc)` after `moe_add`. A device backend does both
+    /// in the MoE's last pass over the rows.
+    fn moe_add_norm(&self, acc: &mut Self::Tensor, x: &Self::Tensor, w: &MoeWeights<Self>, cfg: &MoeConfig, norm: &Self::Vector, eps: f32) -> Self::Tensor {
+        self.moe_add(acc, x, w, cfg);
+        self.rms_norm(acc, norm, eps)
+    }
+
     /// One token per row of `logits` (`[N, vocab]`), drawn by position-keyed sampling
     /// ([`sample_at_position`]) with `rows[i]` for row `i`. A device backend draws on the device
     /// so that only the tokens come back; this default copies the logits to the host.

@@ -116,7 +116,7 @@ kernel_table! {
     "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core, attn_combine],
     "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_chunked, gdn_out_norm, commit_states, reset_states],
-    "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine],
+    "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
     "sample" => [sample_rows],
 }
 

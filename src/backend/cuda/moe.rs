@@ -2,7 +2,7 @@
 //! expert matmuls (one launch per projection for all experts), and the weighted sum.
 
 use super::matmul::{launch_matmul, Epilogue, Grouped};
-use super::{ck, Arg, CudaBackend, CudaTensor, ExpertTables};
+use super::{ck, Arg, CudaBackend, CudaTensor, CudaVector, ExpertTables};
 use crate::backend::MoeWeights;
 use crate::model::config::MoeConfig;
 use std::sync::Arc;
@@ -44,6 +44,25 @@ fn expert_tables(be: &CudaBackend, w: &MoeWeights<CudaBackend>, with_shared: boo
 }
 
 pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig) {
+    moe_add_then(be, acc, x, w, cfg, None);
+}
+
+/// `moe_add`, then the RMSNorm of the updated residual stream by `norm`, in the combine pass
+/// where the row norm's register path applies (one launch fewer per layer).
+pub(super) fn moe_add_norm(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig, norm: &CudaVector, eps: f32) -> CudaTensor {
+    match moe_add_then(be, acc, x, w, cfg, Some((norm, eps))) {
+        Some(normed) => normed,
+        None => crate::backend::Backend::rms_norm(be, acc, norm, eps),
+    }
+}
+
+/// Most float4s per thread of the row norm's register path (RMS_VECS in cuda/common.cuh), at
+/// 256 threads per row.
+const NORM_MAX_COLS: usize = 8 * 256 * 4;
+
+/// The MoE into `acc`; with `norm`, also the normalized rows when the combine pass could make
+/// them (None otherwise: the caller normalizes).
+fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig, norm: Option<(&CudaVector, f32)>) -> Option<CudaTensor> {
     let (t, h) = (x.rows, x.cols);
     let (e, k, inter) = (cfg.num_experts, cfg.top_k, cfg.expert_intermediate);
     assert_eq!(w.experts.len(), e, "moe: {} experts loaded, config says {e}", w.experts.len());
@@ -140,6 +159,33 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
         (None, true) => (be.ptr(&y.data) + 4 * (k * h) as u64, slots * h),
         (None, false) => (0, 0),
     };
+    let gate = shared_gate.as_ref().filter(|_| shared != 0).map_or(0, |s| be.ptr(&s.data));
+    // The kernel's register path needs 16-byte aligned rows and weight (rms_row_in_registers).
+    let norm = norm.filter(|(n, _)| n.len == h && h.is_multiple_of(4) && h <= NORM_MAX_COLS && be.ptr(&n.data).is_multiple_of(16));
+    if let Some((n, eps)) = norm {
+        let normed = be.tensor(t, h);
+        be.launch(
+            &be.k.moe_combine_norm,
+            (t as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(be.ptr(&acc.data)),
+                Arg::Ptr(be.ptr(&normed.data)),
+                Arg::Ptr(be.ptr(&n.data)),
+                Arg::F32(eps),
+                Arg::Ptr(be.ptr(&y.data)),
+                Arg::Ptr(be.ptr(&topk_w)),
+                Arg::Ptr(shared),
+                Arg::Ptr(gate),
+                Arg::I32(h as i32),
+                Arg::I32(k as i32),
+                Arg::I32(slots as i32),
+                Arg::I64(shared_stride as i64),
+            ],
+        );
+        return Some(normed);
+    }
     be.launch(
         &be.k.moe_combine,
         ((t * h).div_ceil(256) as u32, 1, 1),
@@ -150,7 +196,7 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
             Arg::Ptr(be.ptr(&y.data)),
             Arg::Ptr(be.ptr(&topk_w)),
             Arg::Ptr(shared),
-            Arg::Ptr(shared_gate.as_ref().filter(|_| shared != 0).map_or(0, |s| be.ptr(&s.data))),
+            Arg::Ptr(gate),
             Arg::I32(t as i32),
             Arg::I32(h as i32),
             Arg::I32(k as i32),
@@ -158,4 +204,5 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
             Arg::I64(shared_stride as i64),
         ],
     );
+    None
 }

@@ -277,6 +277,11 @@ impl Backend for CudaBackend {
         super::moe::moe_add(self, acc, x, w, cfg)
     }
 
+    fn moe_add_norm(&self, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<Self>, cfg: &MoeConfig, norm: &CudaVector, eps: f32) -> CudaTensor {
+        let _span = self.span("moe");
+        super::moe::moe_add_norm(self, acc, x, w, cfg, norm, eps)
+    }
+
     fn set_random_weights(&self, seed: Option<u64>) -> Result<(), BackendError> {
         *self.random_weights.lock().unwrap_or_else(|p| p.into_inner()) = seed;
         Ok(())

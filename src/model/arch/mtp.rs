@@ -51,8 +51,8 @@ impl<B: Backend> Mtp<B> {
         let e = b.rms_norm(&b.embed(&model.embed, tokens), &self.norm_embedding, eps);
         let hn = b.rms_norm(hidden, &self.norm_hidden, eps);
         let mut x = b.matmul(&b.concat_cols(&e, &hn), &self.fc);
-        self.layer.forward(model, b, &mut x, layout, cache);
-        let hidden = b.rms_norm(&x, &self.final_norm, eps);
+        let h = b.rms_norm(&x, &self.layer.input_norm, eps);
+        let hidden = self.layer.forward(model, b, &mut x, &h, &self.final_norm, layout, cache);
         let logits = b.matmul(&b.gather_rows(&hidden, logit_rows), model.lm_head());
         MtpOutput { logits, hidden }
     }

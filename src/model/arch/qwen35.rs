@@ -109,7 +109,7 @@ enum Mlp<B: Backend> {
 }
 
 pub(crate) struct DecoderLayer<B: Backend> {
-    input_norm: B::Vector,
+    pub(crate) input_norm: B::Vector,
     post_norm: B::Vector,
     mixer: Mixer<B>,
     mlp: Mlp<B>,
@@ -207,11 +207,18 @@ impl<B: Backend> Qwen35<B> {
     /// Runs the step's tokens through the model; logits only for `logit_rows` (token indices).
     pub fn forward(&self, b: &B, ids: &[u32], layout: &BatchLayout, logit_rows: &[u32], cache: &mut B::Cache) -> ForwardOutput<B> {
         assert_eq!(ids.len(), layout.num_tokens(), "ids and layout disagree on the token count");
+        let eps = self.config.rms_norm_eps;
         let mut x = b.embed(&self.embed, ids);
-        for layer in &self.layers {
-            layer.forward(self, b, &mut x, layout, cache);
+        // Each layer hands the next its normalized input (the last one the final norm's).
+        let mut h = match self.layers.first() {
+            Some(first) => b.rms_norm(&x, &first.input_norm, eps),
+            None => b.rms_norm(&x, &self.final_norm, eps),
+        };
+        for (i, layer) in self.layers.iter().enumerate() {
+            let next_norm = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
+            h = layer.forward(self, b, &mut x, &h, next_norm, layout, cache);
         }
-        let hidden = b.rms_norm(&x, &self.final_norm, self.config.rms_norm_eps);
+        let hidden = h;
         let logits = b.matmul(&b.gather_rows(&hidden, logit_rows), self.lm_head());
         ForwardOutput { hidden, logits }
     }
@@ -229,21 +236,23 @@ impl<B: Backend> DecoderLayer<B> {
         })
     }
 
-    pub(crate) fn forward(&self, m: &Qwen35<B>, b: &B, x: &mut B::Tensor, layout: &BatchLayout, cache: &mut B::Cache) {
+    /// The layer on the residual stream `x`, whose normalization by this layer's input norm is
+    /// `h`; returns the updated stream normalized by `next_norm`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward(&self, m: &Qwen35<B>, b: &B, x: &mut B::Tensor, h: &B::Tensor, next_norm: &B::Vector, layout: &BatchLayout, cache: &mut B::Cache) -> B::Tensor {
         let c = &m.config;
-        let h = b.rms_norm(x, &self.input_norm, c.rms_norm_eps);
         // The output projections add into the residual stream in their store.
         match &self.mixer {
             Mixer::Linear(g) => {
                 let (mixed, z, bb, a) = match &g.proj {
                     GdnProjection::Stacked { qkvzba, widths } => {
-                        let mut p = b.matmul_parts(&h, qkvzba, widths).into_iter();
+                        let mut p = b.matmul_parts(h, qkvzba, widths).into_iter();
                         let mut next = || p.next().expect("four projection parts");
                         (next(), next(), next(), next())
                     }
                     GdnProjection::Packed { qkvz, ba, mixed_cols, z_cols, b_cols, a_cols } => {
-                        let p = b.matmul(&h, qkvz);
-                        let q = b.matmul(&h, ba);
+                        let p = b.matmul(h, qkvz);
+                        let q = b.matmul(h, ba);
                         (b.gather_cols(&p, mixed_cols), b.gather_cols(&p, z_cols), b.gather_cols(&q, b_cols), b.gather_cols(&q, a_cols))
                     }
                 };
@@ -251,14 +260,17 @@ impl<B: Backend> DecoderLayer<B> {
                 b.matmul_add(x, &o, &g.out_proj);
             }
             Mixer::Full(att) => {
-                let o = att.attend(m, b, &h, layout, cache);
+                let o = att.attend(m, b, h, layout, cache);
                 b.matmul_add(x, &o, &att.o_proj);
             }
         }
         let h = b.rms_norm(x, &self.post_norm, c.rms_norm_eps);
         match &self.mlp {
-            Mlp::Dense { gate_up, down } => b.matmul_add(x, &b.matmul_swiglu(&h, gate_up), down),
-            Mlp::Moe(w) => b.moe_add(x, &h, w, c.moe.as_ref().expect("MoE layer without MoE config")),
+            Mlp::Dense { gate_up, down } => {
+                b.matmul_add(x, &b.matmul_swiglu(&h, gate_up), down);
+                b.rms_norm(x, next_norm, c.rms_norm_eps)
+            }
+            Mlp::Moe(w) => b.moe_add_norm(x, &h, w, c.moe.as_ref().expect("MoE layer without MoE config"), next_norm, c.rms_norm_eps),
         }
     }
 }
