@@ -368,6 +368,9 @@ __device__ __forceinline__ void prefetch_first_column_block(const bf16_t* w, int
 // 82.7 -> 76.6 us, 4096x12288 50.9 -> 43.2 us against nt4/u4 and nt2/u8).
 SMALL_KERNEL(matmul_small_nt1, 1, 1, 4, false)
 SMALL_KERNEL(matmul_small_nt2, 1, 2, 4, false)
+// A K of at most 16 k blocks (two per warp): four n tiles, so that a block's one round of
+// loads per column block is four times as large.
+SMALL_KERNEL(matmul_small_nt4, 1, 4, 2, false)
 // Up to 32 rows, activations split ahead. With two n tiles, two k blocks in flight leave
 // registers for two resident blocks per SM (32 rows on the H100: 4096x4096 35.3 -> 24.7 us,
 // 4096x12288 85.0 -> 67.9 us against eight k blocks at one block per SM).
