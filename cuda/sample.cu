@@ -43,7 +43,7 @@ __device__ __forceinline__ void best_of_block(double* scores, int* tokens) {
 // Grid (splits, rows): a row's vocabulary is cut into gridDim.x ranges, a block each (one block
 // walking a 248K vocabulary took about 0.2 ms, most of a small model's decode step). Each
 // block leaves its range's best in part_s/part_t; the last block of the row to finish (counted
-// in done[r], zero before the launch) picks the best of them.
+// in done[r], zero before the launch) picks the best of them and sets done[r] back to zero.
 extern "C" __global__ void sample_rows(int* out, const float* logits, const int* rows, const u64* keys, const double* inv_temps, int vocab, double* part_s, int* part_t,
         unsigned* done) {
     wait_for_inputs();
@@ -88,6 +88,11 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
     best_scores[threadIdx.x] = best_s;
     best_tokens[threadIdx.x] = best_t;
     best_of_block(best_scores, best_tokens);
+    // Every token masked: token 0, as the host sampler answers.
+    if (splits == 1) {
+        if (threadIdx.x == 0) out[r] = best_tokens[0] == 0x7fffffff ? 0 : best_tokens[0];
+        return;
+    }
     if (threadIdx.x == 0) {
         part_s[r * splits + blockIdx.x] = best_scores[0];
         part_t[r * splits + blockIdx.x] = best_tokens[0];
@@ -113,6 +118,8 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
     best_scores[threadIdx.x] = best_s;
     best_tokens[threadIdx.x] = best_t;
     best_of_block(best_scores, best_tokens);
-    // Every token masked: token 0, as the host sampler answers.
-    if (threadIdx.x == 0) out[r] = best_tokens[0] == 0x7fffffff ? 0 : best_tokens[0];
+    if (threadIdx.x == 0) {
+        out[r] = best_tokens[0] == 0x7fffffff ? 0 : best_tokens[0];
+        done[r] = 0u;
+    }
 }

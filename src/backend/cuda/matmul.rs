@@ -38,19 +38,20 @@ const SHORT_K: usize = 512;
 const GROUP_MIN_COL_BLOCKS: usize = 8;
 
 /// Index into [`SMALL_VARIANTS`] for `rows <= SMALL_MAX_ROWS` rows, `n` output columns and `k`
-/// inputs.
-fn small_variant(rows: usize, n: usize, k: usize) -> usize {
+/// inputs, in a grouped (per-expert) launch or not.
+fn small_variant(rows: usize, n: usize, k: usize, grouped: bool) -> usize {
     let mt = rows.div_ceil(16).next_power_of_two().min(4);
     // Enough warps to keep the memory system busy: narrower column blocks for small N. (Four n
     // tiles per block measured no faster than two at any width, 4096 to 248320 columns.) Past
     // one m tile the one-n-tile kernels keep 16 or 8 k blocks in flight in about 250 registers,
     // one block per SM, and two n tiles win from 1024 columns (H100, 32 rows: 2048 x 4096 36.6 ->
     // 28.1 us; 35B-A3B's grouped expert matmuls 65 -> 32 ms per step).
-    // A K of at most 16 k blocks leaves each warp one or two k blocks per column block, so a
-    // block's weight loads are few and its column blocks many: four n tiles per block load
-    // four times the bytes per round trip.
+    // In a grouped launch, a K of at most 16 k blocks leaves each warp one or two k blocks per
+    // column block and each block many column blocks of its expert: four n tiles per block load
+    // four times the bytes per round trip. (Plain launches keep narrow blocks: a small model's
+    // K = 256 matmuls lost 15% of the default model's decode speed with four.)
     let nt = match mt {
-        1 if k <= SHORT_K => 4,
+        1 if grouped && k <= SHORT_K => 4,
         1 if n <= 2048 => 1,
         1 => 2,
         _ if n < 1024 => 1,
@@ -137,7 +138,7 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
     // kernel takes (bf16 weights, whole 32-wide k blocks); other weights past 16 rows go tiled.
     let small = rows <= 16 || (rows <= SMALL_MAX_ROWS && bf16_blocks && !wide);
     if small {
-        let index = small_variant(rows, n, k);
+        let index = small_variant(rows, n, k, grouped.is_some());
         let v = &SMALL_VARIANTS[index];
         // Activations split into bf16 halves once for all column blocks (multi-tile kernels).
         let split = (v.mt > 1).then(|| split_activations(be, x, x_rows * k));
@@ -230,20 +231,20 @@ mod tests {
     fn small_variants_cover_their_rows_with_one_pass_over_the_weights() {
         for rows in 1..=SMALL_MAX_ROWS {
             for n in [1, 8, 257, 1023, 1024, 2048, 2049, 8192, 8193, 248_320] {
-                for k in [32, 512, 544, 4096] {
-                    let v = &SMALL_VARIANTS[small_variant(rows, n, k)];
+                for (k, grouped) in [(32, false), (32, true), (512, true), (544, true), (4096, false)] {
+                    let v = &SMALL_VARIANTS[small_variant(rows, n, k, grouped)];
                     assert_eq!(rows.div_ceil(16 * v.mt), 1, "rows {rows}: one block row streams the weights once");
                     assert!(16 * v.mt < 2 * rows.max(16), "rows {rows}: at most twice the m tiles needed");
                     // Narrow outputs keep one n tile (enough column blocks to fill the GPU); a
                     // short K at one m tile takes four.
-                    let widest = if v.mt == 1 && k <= SHORT_K {
+                    let widest = if v.mt == 1 && grouped && k <= SHORT_K {
                         4
                     } else if n < 1024 || (v.mt == 1 && n <= 2048) {
                         1
                     } else {
                         2
                     };
-                    assert_eq!(v.nt, widest, "rows {rows}, {n} columns, {k} inputs");
+                    assert_eq!(v.nt, widest, "rows {rows}, {n} columns, {k} inputs, grouped {grouped}");
                 }
             }
         }

@@ -143,6 +143,7 @@ pub struct CudaBackend {
     graphs: Mutex<graphs::Graphs>,
     capturing: AtomicBool,
     rope_tables: Mutex<HashMap<RopeKey, Arc<CudaSlice<f32>>>>,
+    sampling_scratch: Mutex<Option<sample::SamplingScratch>>,
     pub(super) max_dynamic_smem: usize,
     /// Resident blocks of each small-row matmul variant (matmul::SMALL_VARIANTS) across the GPU.
     pub(super) small_matmul_slots: [usize; matmul::SMALL_VARIANTS.len()],
@@ -246,6 +247,7 @@ impl CudaBackend {
             graphs: Mutex::new(Default::default()),
             capturing: AtomicBool::new(false),
             rope_tables: Mutex::new(HashMap::new()),
+            sampling_scratch: Mutex::new(None),
             max_dynamic_smem: max_dynamic_smem.max(0) as usize,
             profiler: profile::Profiler::from_env(),
             small_matmul_slots,
