@@ -201,11 +201,13 @@ extern "C" __global__ void moe_combine(float* out, const float* y, const float* 
 // all issued before the sums; each column's sum is moe_output's expression (the GPU tests
 // check the bits against moe_combine). The host takes this path only where the row norm takes
 // its register path (rms_row_in_registers).
-extern "C" __global__ void moe_combine_norm(float* out, float* normed, const float* w, float eps, const float* y, const float* topk_w, const float* shared,
-        const float* shared_gate, int H, int k, int slots, long long shared_stride) {
+// Arguments: moe_combine's, then the norm's output, weight and epsilon.
+extern "C" __global__ void moe_combine_norm(float* out, const float* y, const float* topk_w, const float* shared, const float* shared_gate, int T, int H, int k, int slots,
+        long long shared_stride, float* normed, const float* w, float eps) {
     wait_for_inputs();
     __shared__ float scratch[33];
     int t = blockIdx.x, nvec = H >> 2;
+    if (t >= T) return;
     float scale = shared ? shared_scale(shared_gate, t) : 1.0f;
     float4* row = (float4*)(out + (long long)t * H);
     float4 v[RMS_VECS], wv[RMS_VECS];

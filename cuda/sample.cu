@@ -22,9 +22,20 @@ __device__ __forceinline__ bool beats(double s, int t, double best_s, int best_t
 #define SAMPLE_THREADS 256
 #define NEG_INF_F64 __longlong_as_double(0xfff0000000000000LL)
 
-// The block's best (score, token) into slot 0 of the shared arrays (a tree in fixed order;
-// the winner is the same in any order, since `beats` is a strict total order on tokens).
-__device__ __forceinline__ void best_of_block(double* scores, int* tokens) {
+// Keeps (s, t) as the thread's best if it beats it.
+__device__ __forceinline__ void keep_best(double s, int t, double& best_s, int& best_t) {
+    if (beats(s, t, best_s, best_t)) {
+        best_s = s;
+        best_t = t;
+    }
+}
+
+// The block's best of the threads' (score, token) into slot 0 of the shared arrays (a tree in
+// fixed order; the winner is the same in any order, since `beats` is a strict total order on
+// tokens).
+__device__ __forceinline__ void best_of_block(double best_s, int best_t, double* scores, int* tokens) {
+    scores[threadIdx.x] = best_s;
+    tokens[threadIdx.x] = best_t;
     __syncthreads();
     for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
         if (threadIdx.x < stride) {
@@ -79,15 +90,10 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
                 double u = ((double)(h >> 12) + 0.5) * (1.0 / 4503599627370496.0);
                 s = (double)l[j] * inv_t + (-log(-log(u)));
             }
-            if (beats(s, t, best_s, best_t)) {
-                best_s = s;
-                best_t = t;
-            }
+            keep_best(s, t, best_s, best_t);
         }
     }
-    best_scores[threadIdx.x] = best_s;
-    best_tokens[threadIdx.x] = best_t;
-    best_of_block(best_scores, best_tokens);
+    best_of_block(best_s, best_t, best_scores, best_tokens);
     // Every token masked: token 0, as the host sampler answers.
     if (splits == 1) {
         if (threadIdx.x == 0) out[r] = best_tokens[0] == 0x7fffffff ? 0 : best_tokens[0];
@@ -107,17 +113,8 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
     volatile int* pt = part_t;
     best_s = NEG_INF_F64;
     best_t = 0x7fffffff;
-    for (int i = threadIdx.x; i < splits; i += blockDim.x) {
-        double s = ps[r * splits + i];
-        int t = pt[r * splits + i];
-        if (beats(s, t, best_s, best_t)) {
-            best_s = s;
-            best_t = t;
-        }
-    }
-    best_scores[threadIdx.x] = best_s;
-    best_tokens[threadIdx.x] = best_t;
-    best_of_block(best_scores, best_tokens);
+    for (int i = threadIdx.x; i < splits; i += blockDim.x) keep_best(ps[r * splits + i], pt[r * splits + i], best_s, best_t);
+    best_of_block(best_s, best_t, best_scores, best_tokens);
     if (threadIdx.x == 0) {
         out[r] = best_tokens[0] == 0x7fffffff ? 0 : best_tokens[0];
         done[r] = 0u;

@@ -160,49 +160,26 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
         (None, false) => (0, 0),
     };
     let gate = shared_gate.as_ref().filter(|_| shared != 0).map_or(0, |s| be.ptr(&s.data));
+    let mut args = vec![
+        Arg::Ptr(be.ptr(&acc.data)),
+        Arg::Ptr(be.ptr(&y.data)),
+        Arg::Ptr(be.ptr(&topk_w)),
+        Arg::Ptr(shared),
+        Arg::Ptr(gate),
+        Arg::I32(t as i32),
+        Arg::I32(h as i32),
+        Arg::I32(k as i32),
+        Arg::I32(slots as i32),
+        Arg::I64(shared_stride as i64),
+    ];
     // The kernel's register path needs 16-byte aligned rows and weight (rms_row_in_registers).
     let norm = norm.filter(|(n, _)| n.len == h && h.is_multiple_of(4) && h <= NORM_MAX_COLS && be.ptr(&n.data).is_multiple_of(16));
     if let Some((n, eps)) = norm {
         let normed = be.tensor(t, h);
-        be.launch(
-            &be.k.moe_combine_norm,
-            (t as u32, 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(be.ptr(&acc.data)),
-                Arg::Ptr(be.ptr(&normed.data)),
-                Arg::Ptr(be.ptr(&n.data)),
-                Arg::F32(eps),
-                Arg::Ptr(be.ptr(&y.data)),
-                Arg::Ptr(be.ptr(&topk_w)),
-                Arg::Ptr(shared),
-                Arg::Ptr(gate),
-                Arg::I32(h as i32),
-                Arg::I32(k as i32),
-                Arg::I32(slots as i32),
-                Arg::I64(shared_stride as i64),
-            ],
-        );
+        args.extend([Arg::Ptr(be.ptr(&normed.data)), Arg::Ptr(be.ptr(&n.data)), Arg::F32(eps)]);
+        be.launch(&be.k.moe_combine_norm, (t as u32, 1, 1), 256, 0, &args);
         return Some(normed);
     }
-    be.launch(
-        &be.k.moe_combine,
-        ((t * h).div_ceil(256) as u32, 1, 1),
-        256,
-        0,
-        &[
-            Arg::Ptr(be.ptr(&acc.data)),
-            Arg::Ptr(be.ptr(&y.data)),
-            Arg::Ptr(be.ptr(&topk_w)),
-            Arg::Ptr(shared),
-            Arg::Ptr(gate),
-            Arg::I32(t as i32),
-            Arg::I32(h as i32),
-            Arg::I32(k as i32),
-            Arg::I32(slots as i32),
-            Arg::I64(shared_stride as i64),
-        ],
-    );
+    be.launch(&be.k.moe_combine, ((t * h).div_ceil(256) as u32, 1, 1), 256, 0, &args);
     None
 }

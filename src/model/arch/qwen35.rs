@@ -218,9 +218,8 @@ impl<B: Backend> Qwen35<B> {
             let next_norm = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
             h = layer.forward(self, b, &mut x, &h, next_norm, layout, cache);
         }
-        let hidden = h;
-        let logits = b.matmul(&b.gather_rows(&hidden, logit_rows), self.lm_head());
-        ForwardOutput { hidden, logits }
+        let logits = b.matmul(&b.gather_rows(&h, logit_rows), self.lm_head());
+        ForwardOutput { hidden: h, logits }
     }
 }
 
