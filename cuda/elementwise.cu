@@ -103,3 +103,22 @@ extern "C" __global__ void copy_bandwidth(uint4* out, const uint4* in, long long
     long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = in[i];
 }
+
+// Reads `in` (16 bytes per thread, four loads in flight) and folds the words into a value that
+// is stored only if it equals `never`, so the loads cannot be dropped: the read bandwidth a
+// decode step's weight stream could reach, for the roofline.
+extern "C" __global__ void read_bandwidth(u32* out, const uint4* in, long long n, u32 never) {
+    wait_for_inputs();
+    long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    u32 acc = 0;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        uint4 a = in[i], b = in[i + stride], c = in[i + 2 * stride], d = in[i + 3 * stride];
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+    }
+    for (; i < n; i += stride) {
+        uint4 a = in[i];
+        acc ^= a.x ^ a.y ^ a.z ^ a.w;
+    }
+    if (acc == never) out[0] = acc;
+}

@@ -158,7 +158,7 @@ __device__ __forceinline__ void store_fragment(const Epilogue& e, float* out, co
 }
 
 // Weights are read once per step: bypass L1, and in L2 make them the first lines to go, so
-// that activations and the weights prefetch_first_column_block pulls ahead stay (on the H100,
+// that activations and the weights prefetch_column_blocks pulls ahead stay (on the H100,
 // 35B-A3B's decode step took 4.89 ms with both against 5.08 ms with neither).
 __device__ __forceinline__ uint4 ldg_stream(const bf16_t* p) {
     uint4 v;
@@ -337,14 +337,27 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
     }
 }
 
-// Before a small-row kernel waits for its activations, one thread of each block starts pulling
-// the weight rows of its first column block into L2 (plain launches: a grouped launch learns
-// its weights from the routing it waits for), so the stream of weights starts while the
-// previous kernel finishes.
-__device__ __forceinline__ void prefetch_first_column_block(const bf16_t* w, int N, int K, int cols, const Epilogue& e) {
+// Bytes of weights a plain small-row launch may pull into L2 before it waits for its
+// activations. At 0 each block pulls its first column block only (the measured setting); a
+// larger budget (an experiment: KESTREL_CUDA_DEFINES="PREFETCH_BUDGET=16777216") lets blocks
+// pull further column blocks of their grid-stride loop while the kernels before them finish.
+#ifndef PREFETCH_BUDGET
+#define PREFETCH_BUDGET 0
+#endif
+
+// Before a small-row kernel waits for its activations, its blocks start pulling their weight
+// rows into L2 (plain launches: a grouped launch learns its weights from the routing it waits
+// for), so the stream of weights starts while the previous kernel finishes. Thread i of a
+// block prefetches the block's i-th column block, for as many rounds as PREFETCH_BUDGET allows
+// (at least one).
+__device__ __forceinline__ void prefetch_column_blocks(const bf16_t* w, int N, int K, int cols, const Epilogue& e) {
 #if __CUDA_ARCH__ >= 900
-    int n0 = blockIdx.x * cols;
-    if (threadIdx.x != 0 || blockIdx.y != 0 || (K % 32) != 0 || n0 >= N) return;
+    if (blockIdx.y != 0 || (K % 32) != 0) return;
+    long long launch_round = (long long)gridDim.x * cols * K * 2;
+    int rounds = (int)max(1LL, (long long)PREFETCH_BUDGET / launch_round);
+    if ((int)threadIdx.x >= rounds) return;
+    int n0 = (blockIdx.x + threadIdx.x * gridDim.x) * cols;
+    if (n0 >= N) return;
     int n1 = min(n0 + cols, N);
     // Weight rows [r0, r1) as bytes; SwiGLU columns map to gate rows and the same up rows.
     int r0 = e.mode == EPI_SWIGLU ? n0 >> 1 : n0, r1 = e.mode == EPI_SWIGLU ? (n1 + 1) >> 1 : n1;
@@ -358,7 +371,7 @@ __device__ __forceinline__ void prefetch_first_column_block(const bf16_t* w, int
     extern "C" __global__ void __launch_bounds__(32 * KSLICES) NAME(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, \
             int N, int K, const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active,        \
             long long lo_off, Epilogue epi) {                                                                                            \
-        if (!group_w && !wlo) prefetch_first_column_block(whi, N, K, 8 * NT, epi);                                                      \
+        if (!group_w && !wlo) prefetch_column_blocks(whi, N, K, 8 * NT, epi);                                                           \
         wait_for_inputs();                                                                                                              \
         matmul_small_body<MT, NT, UNROLL, PRESPLIT>(out, x, whi, wlo, rows, N, K, group_w, counts, lists, list_stride, a_div, active, lo_off, epi); \
     }

@@ -1,8 +1,9 @@
 //! GPU benchmark on dummy (random, device-generated) weights at real model sizes:
 //! batch-1 decode tokens/s and its fraction of the HBM roofline (weight bytes read per token
-//! over the copy bandwidth measured in the same run), and prefill tokens/s.
+//! over the bandwidth measured in the same run, both by a copy kernel and by a read-only kernel),
+//! and prefill tokens/s.
 //!
-//! `cargo run --release --example cuda_bench -- [--presets a,b] [--prompt N] [--decode N] [--prefill N,M]`
+//! `cargo run --release --example cuda_bench -- [--presets a,b] [--prompt N] [--decode N] [--prefill N,M] [--no-matmul-kernels]`
 //! Prints one JSON object per preset, then a table.
 
 use kestrel::backend::cuda::CudaBackend;
@@ -24,10 +25,12 @@ struct Options {
     /// `--profile-step N`: bracket decode step N with cuProfilerStart/Stop, so that
     /// `ncu --profile-from-start off` or `nsys -c cudaProfilerApi` records that step only.
     profile_step: Option<usize>,
+    /// `--no-matmul-kernels`: skip the per-shape matmul timings after each preset.
+    matmul_kernels: bool,
 }
 
 fn parse_args() -> Result<Options, String> {
-    let mut o = Options { matmul_only: None, presets: vec!["qwen3.5-9b".into(), "qwen3.5-35b-a3b".into()], prompt: 512, decode: 64, decode_rows: 1, prefill: vec![512, 4096], profile_step: None };
+    let mut o = Options { matmul_only: None, presets: vec!["qwen3.5-9b".into(), "qwen3.5-35b-a3b".into()], prompt: 512, decode: 64, decode_rows: 1, prefill: vec![512, 4096], profile_step: None, matmul_kernels: true };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or(format!("{a} needs a value"));
@@ -44,6 +47,7 @@ fn parse_args() -> Result<Options, String> {
             "--decode" => o.decode = value()?.parse().map_err(|e| format!("--decode: {e}"))?,
             "--decode-rows" => o.decode_rows = value()?.parse::<usize>().map_err(|e| format!("--decode-rows: {e}"))?.max(1),
             "--prefill" => o.prefill = value()?.split(',').map(|s| s.parse().map_err(|e| format!("--prefill: {e}"))).collect::<Result<_, _>>()?,
+            "--no-matmul-kernels" => o.matmul_kernels = false,
             "--profile-step" => o.profile_step = Some(value()?.parse().map_err(|e| format!("--profile-step: {e}"))?),
             other => return Err(format!("unknown argument {other}")),
         }
@@ -104,7 +108,16 @@ fn trace_summary(kernels: &[kestrel::backend::cuda::TracedKernel]) -> serde_json
     }
     by_kernel.sort_by(|a, b| b.1.total_cmp(&a.1));
     let span = (kernels[kernels.len() - 1].ready_ns - kernels[0].ready_ns) as f64 / 1e3;
+    // The launches of the step's middle stretch in order (a layer or two), to see one layer's chain.
+    let mid = kernels.len() / 2;
+    let sequence: Vec<String> = kernels
+        .windows(2)
+        .skip(mid)
+        .take(24)
+        .map(|w| format!("{:>7.1} us (resident {:>5.1} us early) {} {:?}", w[1].ready_ns.saturating_sub(w[0].ready_ns) as f64 / 1e3, w[0].ready_ns.saturating_sub(w[0].resident_ns) as f64 / 1e3, w[0].name, w[0].grid))
+        .collect();
     serde_json::json!({
+        "sequence": sequence,
         "kernels": kernels.len(),
         "first_to_last_start_us": span,
         "by_kernel": by_kernel.iter().map(|(k, us, early, n)| serde_json::json!({"kernel": k, "us": us, "calls": n, "resident_early_us": early / *n as f64})).collect::<Vec<_>>(),
@@ -168,7 +181,15 @@ fn random_weight(gpu: &CudaBackend, n: usize, k: usize) -> Result<kestrel::backe
     w
 }
 
-fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> Result<serde_json::Value, String> {
+/// Device memory bandwidth measured in the run (bytes per second).
+struct Bandwidth {
+    /// (read + written) / time of a copy kernel.
+    copy: f64,
+    /// read / time of a read-only kernel.
+    read: f64,
+}
+
+fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: &Bandwidth) -> Result<serde_json::Value, String> {
     let before = gpu.uploaded_bytes();
     let t0 = Instant::now();
     let model: Qwen35<CudaBackend> = dummy::load_dummy(gpu, preset, 1234, &indicatif::ProgressBar::hidden()).map_err(|e| e.to_string())?;
@@ -267,13 +288,15 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
     // The first steps include one-time costs (memory pool growth); report the steady state.
     let steady = &step_times[step_times.len().min(4)..];
     let mean = steady.iter().sum::<f64>() / steady.len().max(1) as f64;
-    let roofline_s = per_token / bandwidth;
+    let roofline_s = per_token / bandwidth.copy;
+    let read_roofline_s = per_token / bandwidth.read;
     Ok(serde_json::json!({
         "preset": preset,
         "load_seconds": load_s,
         "weight_bytes_on_device": uploaded,
         "weight_bytes_per_token": per_token,
-        "copy_bandwidth_bytes_per_s": bandwidth,
+        "copy_bandwidth_bytes_per_s": bandwidth.copy,
+        "read_bandwidth_bytes_per_s": bandwidth.read,
         "decode": {
             "prompt_tokens": o.prompt,
             "rows": nrows,
@@ -282,13 +305,15 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: f64) -> R
             "tokens_per_s": nrows as f64 / mean,
             "roofline_ms_per_token": roofline_s * 1e3,
             "fraction_of_roofline": roofline_s / mean,
+            "read_roofline_ms_per_token": read_roofline_s * 1e3,
+            "fraction_of_read_roofline": read_roofline_s / mean,
             "kernel_launches_per_step": launches_per_step,
             "host_enqueue_ms_per_token": enqueue_times[enqueue_times.len().min(4)..].iter().sum::<f64>() / steady.len().max(1) as f64 * 1e3,
         },
         "prefill": prefill,
         "device_ms_by_op": profiles,
         "last_step_trace": trace,
-        "matmul_kernels": matmul_microbench(gpu, &c),
+        "matmul_kernels": if o.matmul_kernels { matmul_microbench(gpu, &c) } else { serde_json::Value::Null },
     }))
 }
 
@@ -326,17 +351,17 @@ fn main() {
         println!("matmul 1x{k} @ {n}x{k}: {:.1} us, {:.0} GB/s", s * 1e6, (n * k * 2) as f64 / s / 1e9);
         return;
     }
-    let bandwidth = match gpu.copy_bandwidth(2 << 30, 10) {
-        Ok(b) => b,
-        Err(e) => {
+    let bandwidth = match (gpu.copy_bandwidth(2 << 30, 10), gpu.read_bandwidth(2 << 30, 10)) {
+        (Ok(copy), Ok(read)) => Bandwidth { copy, read },
+        (Err(e), _) | (_, Err(e)) => {
             eprintln!("cuda_bench: bandwidth measurement failed: {e:?}");
             std::process::exit(1);
         }
     };
-    eprintln!("{}: copy bandwidth {:.0} GB/s (read + write)", gpu.device_description(), bandwidth / 1e9);
+    eprintln!("{}: copy bandwidth {:.0} GB/s (read + write), read bandwidth {:.0} GB/s", gpu.device_description(), bandwidth.copy / 1e9, bandwidth.read / 1e9);
     let mut rows = Vec::new();
     for p in &o.presets {
-        match run_preset(&gpu, p, &o, bandwidth) {
+        match run_preset(&gpu, p, &o, &bandwidth) {
             Ok(v) => {
                 println!("{v}");
                 rows.push(v);
@@ -344,15 +369,16 @@ fn main() {
             Err(e) => eprintln!("{p}: {e}"),
         }
     }
-    println!("\n{:<22} {:>10} {:>10} {:>9} {:>14} {:>14}", "preset", "decode t/s", "ms/token", "roofline", "prefill512 t/s", "prefill4096 t/s");
+    println!("\n{:<22} {:>10} {:>10} {:>9} {:>9} {:>14} {:>14}", "preset", "decode t/s", "ms/token", "roofline", "read roof", "prefill512 t/s", "prefill4096 t/s");
     for v in &rows {
         let pf = |n: &str| v["prefill"][n]["tokens_per_s"].as_f64().unwrap_or(f64::NAN);
         println!(
-            "{:<22} {:>10.1} {:>10.2} {:>9.3} {:>14.0} {:>14.0}",
+            "{:<22} {:>10.1} {:>10.2} {:>9.3} {:>9.3} {:>14.0} {:>14.0}",
             v["preset"].as_str().unwrap_or("?"),
             v["decode"]["tokens_per_s"].as_f64().unwrap_or(f64::NAN),
             v["decode"]["ms_per_token"].as_f64().unwrap_or(f64::NAN),
             v["decode"]["fraction_of_roofline"].as_f64().unwrap_or(f64::NAN),
+            v["decode"]["fraction_of_read_roofline"].as_f64().unwrap_or(f64::NAN),
             pf("512"),
             pf("4096")
         );

@@ -67,6 +67,18 @@ fn chained_launches_see_each_others_results() {
     assert!(b.iter().all(|&v| v == want_b), "a chained add read a stale input: {:?} (want {want_b})", b.iter().find(|&&v| v != want_b));
 }
 
+/// The roofline's bandwidth probes read (and write) the whole buffer: a kernel whose loads were
+/// dropped would finish in microseconds and report an impossible bandwidth.
+#[test]
+fn bandwidth_probes_measure_device_memory() {
+    let Some(gpu) = gpu() else { return };
+    let (copy, read) = (gpu.copy_bandwidth(1 << 30, 3).unwrap(), gpu.read_bandwidth(1 << 30, 3).unwrap());
+    for (what, bytes_per_s) in [("copy", copy), ("read", read)] {
+        // Any GPU with bf16 tensor cores exceeds 100 GB/s; none reaches 20 TB/s.
+        assert!(bytes_per_s > 1e11 && bytes_per_s < 2e13, "{what} bandwidth {bytes_per_s:.3e} B/s is not a memory bandwidth");
+    }
+}
+
 /// Memory the pool kept from freed activations is not counted against the next cache: a
 /// second engine in the same process (a bench sweep) gets the room the first one had.
 #[test]

@@ -46,6 +46,11 @@ fn options(arch: &str, trace: bool) -> Vec<String> {
         // Kernels record their start times (profile.rs, KESTREL_CUDA_TRACE=1).
         o.push("-DKESTREL_TRACE".to_string());
     }
+    // Kernel tuning constants overridden for an experiment (`KESTREL_CUDA_DEFINES="A=1 B=2"`),
+    // so that variants can be timed against each other without rebuilding; part of the cache key.
+    if let Ok(defines) = std::env::var("KESTREL_CUDA_DEFINES") {
+        o.extend(defines.split_whitespace().map(|d| format!("-D{d}")));
+    }
     o
 }
 
@@ -171,7 +176,7 @@ mod tests {
                 kernels += 1;
                 let first: Vec<&str> = body.split(';').map(str::trim).take(2).collect();
                 let waits_first = first.first() == Some(&"wait_for_inputs()");
-                let prefetch_then_wait = first.first().is_some_and(|s| s.starts_with("if (!group_w && !wlo) prefetch_first_column_block(")) && first.get(1) == Some(&"wait_for_inputs()");
+                let prefetch_then_wait = first.first().is_some_and(|s| s.starts_with("if (!group_w && !wlo) prefetch_column_blocks(")) && first.get(1) == Some(&"wait_for_inputs()");
                 assert!(waits_first || prefetch_then_wait, "{module}.cu: kernel {name} does not start with wait_for_inputs(): {:?}", first);
             }
         }

@@ -112,7 +112,7 @@ macro_rules! kernel_table {
 }
 
 kernel_table! {
-    "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth],
+    "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth, read_bandwidth],
     "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core, attn_combine],
     "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_chunked, gdn_out_norm, commit_states, reset_states],
@@ -428,20 +428,38 @@ impl CudaBackend {
         let n16 = bytes / 16;
         let src = self.stream.alloc_zeros::<u8>(n16 * 16)?;
         let dst = self.stream.alloc_zeros::<u8>(n16 * 16)?;
-        let sms = self.ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32;
         let args = [Arg::Ptr(self.ptr(&dst)), Arg::Ptr(self.ptr(&src)), Arg::I64(n16 as i64)];
+        let seconds = self.median_kernel_seconds(&self.k.copy_bandwidth, &args, repeats)?;
+        Ok(2.0 * (n16 * 16) as f64 / seconds)
+    }
+
+    /// Measures the device memory's read bandwidth: bytes read / time, median of `repeats`,
+    /// over a `bytes`-sized buffer (what a weight stream can reach at best).
+    pub fn read_bandwidth(&self, bytes: usize, repeats: usize) -> Result<f64, DriverError> {
+        let n16 = bytes / 16;
+        let src = self.stream.alloc_zeros::<u8>(n16 * 16)?;
+        let sink = self.stream.alloc_zeros::<u32>(1)?;
+        // The buffer is zeros, so the folded value is 0 and never equals this.
+        let args = [Arg::Ptr(self.ptr(&sink)), Arg::Ptr(self.ptr(&src)), Arg::I64(n16 as i64), Arg::I32(1)];
+        let seconds = self.median_kernel_seconds(&self.k.read_bandwidth, &args, repeats)?;
+        Ok((n16 * 16) as f64 / seconds)
+    }
+
+    /// Median wall time of one launch of `f` (8 blocks of 256 threads per SM), over `repeats`
+    /// runs after two warm-ups.
+    fn median_kernel_seconds(&self, f: &CudaFunction, args: &[Arg], repeats: usize) -> Result<f64, DriverError> {
+        let sms = self.ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32;
         let mut times = Vec::with_capacity(repeats);
         for i in 0..repeats + 2 {
             self.stream.synchronize()?;
             let t0 = std::time::Instant::now();
-            self.launch(&self.k.copy_bandwidth, (sms * 8, 1, 1), 256, 0, &args);
+            self.launch(f, (sms * 8, 1, 1), 256, 0, args);
             self.stream.synchronize()?;
             if i >= 2 {
                 times.push(t0.elapsed().as_secs_f64());
             }
         }
         times.sort_by(|a, b| a.total_cmp(b));
-        let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
-        Ok(2.0 * (n16 * 16) as f64 / median)
+        Ok(times.get(times.len() / 2).copied().unwrap_or(f64::NAN))
     }
 }
