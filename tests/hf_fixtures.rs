@@ -9,32 +9,6 @@ use kestrel::engine::sampler::SamplingParams;
 use kestrel::model::arch::qwen35::Qwen35;
 use kestrel::model::ModelFiles;
 
-/// Prefill of `ids` in pieces of `piece` tokens; returns the logits of every token.
-fn prefill_logits(model: &Qwen35<CpuBackend>, ids: &[u32], piece: usize) -> Vec<f32> {
-    let b = CpuBackend::new();
-    let spec = model.cache_spec(64, 16, 1, 0);
-    let mut cache = b.alloc_cache(&spec).unwrap();
-    b.reset_states(&mut cache, &[0]);
-    let table: Vec<u32> = (0..64).collect();
-    let mut all = Vec::new();
-    for (n, chunk) in ids.chunks(piece).enumerate() {
-        let layout = BatchLayout {
-            rows: vec![RowLayout { kind: RowKind::Prefill, token_start: 0, num_tokens: chunk.len(), start_position: n * piece, block_table: table.clone(), state_slot: 0, snapshot_base: 0 }],
-        };
-        let rows: Vec<u32> = (0..chunk.len() as u32).collect();
-        let out = model.forward(&b, chunk, &layout, &rows, &mut cache);
-        all.extend(b.to_host(&out.logits));
-    }
-    all
-}
-
-fn relative_error(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let max_err = got.iter().zip(want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    max_err / max_ref
-}
-
 #[test]
 fn logits_match_transformers() {
     for name in FIXTURES {
@@ -71,27 +45,6 @@ fn chunked_prefill_keeps_state_across_pieces() {
     }
 }
 
-/// Copies a fixture into a temp dir so a test can damage it.
-fn scratch_copy(name: &str) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(fixture_dir(name)).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
-    }
-    dir
-}
-
-fn load_error(dir: &std::path::Path) -> String {
-    let files = match ModelFiles::open_dir(dir) {
-        Err(e) => return e.to_string(),
-        Ok(f) => f,
-    };
-    match Qwen35::load(&CpuBackend::new(), files.config.clone(), &files.store, &indicatif::ProgressBar::hidden()) {
-        Err(e) => e.to_string(),
-        Ok(_) => panic!("damaged model {} loaded without error", dir.display()),
-    }
-}
-
 #[test]
 fn truncated_weights_are_reported() {
     let dir = scratch_copy("qwen35-dense");
@@ -100,18 +53,6 @@ fn truncated_weights_are_reported() {
     std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
     let msg = load_error(dir.path());
     assert!(msg.contains("model.safetensors") && msg.contains("truncated"), "{msg}");
-}
-
-/// Rewrites the dense fixture's weights through `edit`, which may drop or change tensors.
-fn rewrite_weights(dir: &std::path::Path, edit: impl Fn(&str, safetensors::Dtype, Vec<usize>, Vec<u8>) -> Option<(safetensors::Dtype, Vec<usize>, Vec<u8>)>) {
-    let path = dir.join("model.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let kept: Vec<(String, (safetensors::Dtype, Vec<usize>, Vec<u8>))> =
-        st.tensors().into_iter().filter_map(|(n, t)| edit(&n, t.dtype(), t.shape().to_vec(), t.data().to_vec()).map(|v| (n, v))).collect();
-    let views: Vec<(String, safetensors::tensor::TensorView)> =
-        kept.iter().map(|(n, (d, s, b))| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())).collect();
-    safetensors::serialize_to_file(views, None, &path).unwrap();
 }
 
 #[test]

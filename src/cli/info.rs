@@ -32,6 +32,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
             "weight_bytes": files.store.total_bytes(),
             "mtp_tensors": mtp,
             "moe": c.moe.as_ref().map(|m| serde_json::json!({"experts": m.num_experts, "top_k": m.top_k})),
+            "quantization": c.quantization.as_ref().map(|q| q.to_string()),
         });
         println!("{}", serde_json::to_string_pretty(&obj)?);
         return Ok(());
@@ -50,6 +51,9 @@ pub fn run(args: InfoArgs) -> Result<()> {
         None => println!("mlp         dense SwiGLU, width {}", c.intermediate_size),
     }
     println!("weights     {} tensors, {:.1} MiB", files.store.len(), files.store.total_bytes() as f64 / (1 << 20) as f64);
+    if let Some(q) = &c.quantization {
+        println!("quantized   {q}");
+    }
     println!("eos ids     {:?}", c.eos_token_ids);
     println!("tokenizer   {} tokens, chat template {}", files.tokenizer.vocab_size(), if files.tokenizer.has_chat_template() { "yes" } else { "no" });
     println!("mtp         {} tensors", mtp.len());

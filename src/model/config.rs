@@ -4,6 +4,7 @@
 //! `qwen3_5_moe`); the text-only classes (`qwen3_5_text`, `qwen3_5_moe_text`) and Qwen3-Next
 //! (`qwen3_next`) are flat. Every family is mapped onto [`ModelConfig`].
 
+use crate::model::weights::quantized::QuantizationConfig;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -21,6 +22,8 @@ pub enum ConfigError {
     Field { path: PathBuf, field: String },
     #[error("{path}: inconsistent configuration: {reason}")]
     Inconsistent { path: PathBuf, reason: String },
+    #[error("{path}: quantization_config: {reason}")]
+    Quantization { path: PathBuf, reason: String },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,6 +123,8 @@ pub struct ModelConfig {
     pub mtp_layers: usize,
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
+    /// How the checkpoint's quantized linears are stored (`quantization_config`), if any are.
+    pub quantization: Option<QuantizationConfig>,
 }
 
 impl ModelConfig {
@@ -333,6 +338,7 @@ fn parse_text_config(family: ModelFamily, model_type: &str, text: &Value, root: 
         mtp_layers,
         eos_token_ids: f.token_ids("eos_token_id"),
         bos_token_id: f.token_ids("bos_token_id").first().copied(),
+        quantization: QuantizationConfig::from_json(root.get("quantization_config")).map_err(|reason| ConfigError::Quantization { path: path.into(), reason })?,
     })
 }
 

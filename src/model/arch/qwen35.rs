@@ -11,6 +11,7 @@
 use super::mtp::Mtp;
 use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights};
 use crate::model::config::{LayerKind, ModelConfig, ModelFamily};
+use crate::model::weights::quantized::QuantizationConfig;
 use crate::model::weights::{WeightError, WeightStore};
 
 #[derive(Debug, thiserror::Error)]
@@ -27,28 +28,34 @@ pub(crate) struct Loader<'a, B: Backend> {
     pub backend: &'a B,
     /// Name prefix: "" for text tensors (resolved under model./model.language_model.), or "mtp.".
     pub mtp: bool,
+    /// How quantized linears are stored (config.json's `quantization_config`).
+    pub quantization: Option<&'a QuantizationConfig>,
 }
 
 impl<B: Backend> Loader<'_, B> {
-    fn view(&self, name: &str) -> Result<crate::model::weights::TensorView<'_>, WeightError> {
+    /// The full stored name of `name`.
+    fn full_name(&self, name: &str) -> String {
         if self.mtp {
-            self.store.get(&format!("mtp.{name}"))
+            format!("mtp.{name}")
         } else {
-            self.store.text(name)
+            self.store.text_name(name)
         }
     }
+    fn view(&self, name: &str) -> Result<crate::model::weights::TensorView<'_>, WeightError> {
+        self.store.get(&self.full_name(name))
+    }
+    /// The linear `name` (dense, or repacked from its quantized form) as a `[rows, cols]` matrix.
+    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<crate::model::weights::MatrixBytes, WeightError> {
+        self.store.linear(&self.full_name(name), rows, cols, self.quantization)
+    }
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Matrix, LoadError> {
-        let view = self.view(name)?;
-        view.expect_shape(&[rows, cols])?;
-        Ok(self.backend.upload_matrix(&view.matrix(rows, cols)?)?)
+        Ok(self.backend.upload_matrix(&self.linear(name, rows, cols)?)?)
     }
     /// The named `[rows, cols]` matrices stacked by rows into one (projections of one input).
     pub fn stacked(&self, parts: &[(&str, usize)], cols: usize) -> Result<B::Matrix, LoadError> {
         let mut bytes = Vec::with_capacity(parts.len());
         for &(name, rows) in parts {
-            let view = self.view(name)?;
-            view.expect_shape(&[rows, cols])?;
-            bytes.push(view.matrix(rows, cols)?);
+            bytes.push(self.linear(name, rows, cols)?);
         }
         Ok(self.backend.upload_stacked(&bytes)?)
     }
@@ -135,7 +142,7 @@ pub struct Qwen35<B: Backend> {
 impl<B: Backend> Qwen35<B> {
     pub fn load(backend: &B, config: ModelConfig, store: &WeightStore, progress: &indicatif::ProgressBar) -> Result<Self, LoadError> {
         let c = &config;
-        let ld = Loader { store, backend, mtp: false };
+        let ld = Loader { store, backend, mtp: false, quantization: c.quantization.as_ref() };
         let h = c.hidden_size;
         progress.set_length(c.num_layers() as u64 + 2);
         let embed = ld.matrix("embed_tokens.weight", c.vocab_size, h)?;
@@ -163,14 +170,12 @@ impl<B: Backend> Qwen35<B> {
             progress.inc(1);
         }
         let final_norm = ld.norm1p("norm.weight", h)?;
-        let lm_head = if c.tie_word_embeddings && !store.contains("lm_head.weight") {
+        let lm_head = if c.tie_word_embeddings && !store.contains_linear("lm_head.weight") {
             None
         } else {
-            let view = store.get("lm_head.weight")?;
-            view.expect_shape(&[c.vocab_size, h])?;
-            Some(backend.upload_matrix(&view.matrix(c.vocab_size, h)?)?)
+            Some(backend.upload_matrix(&store.linear("lm_head.weight", c.vocab_size, h, c.quantization.as_ref())?)?)
         };
-        let mtp = if c.mtp_layers > 0 && store.contains("mtp.fc.weight") {
+        let mtp = if c.mtp_layers > 0 && store.contains_linear("mtp.fc.weight") {
             Some(Mtp::load(backend, c, store, c.full_attention_layers())?)
         } else {
             None

@@ -3,6 +3,8 @@
 //! A [`WeightStore`] maps tensor names to byte ranges of a backing buffer; nothing is read or
 //! copied until a backend asks for a tensor's bytes.
 
+pub mod quantized;
+pub mod gguf;
 pub mod safetensors;
 
 pub use kestrel_quant::Dtype;
@@ -30,6 +32,8 @@ pub enum WeightError {
     NoWeights { path: PathBuf },
     #[error("tensor `{tensor}`: {source}")]
     Convert { tensor: String, source: kestrel_quant::QuantError },
+    #[error("quantized linear `{tensor}`: {reason}")]
+    Quantized { tensor: String, reason: String },
 }
 
 /// A shared, immutable byte buffer: a memory map or a `'static` slice.
@@ -41,6 +45,9 @@ impl SharedBytes {
         SharedBytes(Arc::new(map))
     }
     pub fn from_static(bytes: &'static [u8]) -> Self {
+        SharedBytes(Arc::new(bytes))
+    }
+    pub fn from_vec(bytes: Vec<u8>) -> Self {
         SharedBytes(Arc::new(bytes))
     }
     pub fn as_slice(&self) -> &[u8] {
@@ -56,6 +63,32 @@ pub struct TensorEntry {
     pub file: usize,
     pub start: usize,
     pub end: usize,
+}
+
+/// Where one integer (I32) tensor lives: the packed values and zero points of int4 checkpoints.
+#[derive(Clone)]
+pub struct IntEntry {
+    pub shape: Vec<usize>,
+    pub file: usize,
+    pub start: usize,
+    pub end: usize,
+}
+
+/// An I32 tensor's little-endian bytes, borrowed from the store.
+pub struct IntView<'a> {
+    pub name: &'a str,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+    pub path: &'a std::path::Path,
+}
+
+impl IntView<'_> {
+    pub fn expect_shape(&self, want: &[usize]) -> Result<&Self, WeightError> {
+        if self.shape != want {
+            return Err(WeightError::Shape { path: self.path.to_path_buf(), tensor: self.name.to_string(), got: self.shape.to_vec(), want: want.to_vec() });
+        }
+        Ok(self)
+    }
 }
 
 /// A tensor's bytes, borrowed from the store.
@@ -92,7 +125,7 @@ impl MatrixBytes {
     }
 
     pub fn row_bytes(&self) -> usize {
-        self.cols * self.dtype.size_bytes()
+        self.cols / self.dtype.block_elems() * self.dtype.block_bytes()
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -117,6 +150,11 @@ impl TensorView<'_> {
     /// This tensor as a `[rows, cols]` matrix (the shape must hold exactly rows*cols elements,
     /// e.g. `[E, R, C]` viewed as `[E*R, C]`).
     pub fn matrix(&self, rows: usize, cols: usize) -> Result<MatrixBytes, WeightError> {
+        // FP8 weights mean nothing without their block scales, which only a linear's loader
+        // (WeightStore::linear) applies.
+        if self.dtype == Dtype::F8E4M3 {
+            return Err(WeightError::Quantized { tensor: self.name.to_string(), reason: "an F8_E4M3 tensor can only be read as a linear weight with its `weight_scale_inv`".into() });
+        }
         if self.numel() != rows * cols || self.shape.last().copied().unwrap_or(0) != cols {
             return Err(WeightError::Shape { path: self.path.to_path_buf(), tensor: self.name.to_string(), got: self.shape.to_vec(), want: vec![rows, cols] });
         }
@@ -128,6 +166,9 @@ impl TensorView<'_> {
     }
 
     pub fn to_f32(&self) -> Result<Vec<f32>, WeightError> {
+        if self.dtype == Dtype::F8E4M3 {
+            return Err(WeightError::Quantized { tensor: self.name.to_string(), reason: "an F8_E4M3 tensor can only be read as a linear weight with its `weight_scale_inv`".into() });
+        }
         kestrel_quant::dequantize(self.dtype, self.bytes).map_err(|source| WeightError::Convert { tensor: self.name.to_string(), source })
     }
 
@@ -144,6 +185,8 @@ impl TensorView<'_> {
 pub struct WeightStore {
     files: Vec<(PathBuf, SharedBytes)>,
     tensors: HashMap<String, TensorEntry>,
+    /// Integer tensors, kept apart from the weights: only quantized linears read them.
+    ints: HashMap<String, IntEntry>,
     /// Prefix of the text-model tensors: `model.` or `model.language_model.`.
     text_prefix: String,
     description: String,
@@ -151,16 +194,32 @@ pub struct WeightStore {
 
 impl WeightStore {
     pub(crate) fn new(files: Vec<(PathBuf, SharedBytes)>, tensors: HashMap<String, TensorEntry>, description: String) -> Self {
-        let text_prefix = if tensors.keys().any(|k| k.starts_with("model.language_model.")) { "model.language_model." } else { "model." };
-        WeightStore { files, tensors, text_prefix: text_prefix.to_string(), description }
+        Self::with_ints(files, tensors, HashMap::new(), description)
+    }
+
+    pub(crate) fn with_ints(files: Vec<(PathBuf, SharedBytes)>, tensors: HashMap<String, TensorEntry>, ints: HashMap<String, IntEntry>, description: String) -> Self {
+        let text_prefix = if tensors.keys().chain(ints.keys()).any(|k| k.starts_with("model.language_model.")) { "model.language_model." } else { "model." };
+        WeightStore { files, tensors, ints, text_prefix: text_prefix.to_string(), description }
+    }
+
+    /// An I32 tensor by its full stored name.
+    pub fn int32(&self, name: &str) -> Result<IntView<'_>, WeightError> {
+        let (key, entry) = self.ints.get_key_value(name).ok_or_else(|| WeightError::Missing { tensor: name.to_string(), source_desc: self.description.clone() })?;
+        let (path, bytes) = &self.files[entry.file];
+        Ok(IntView { name: key, shape: &entry.shape, bytes: &bytes.as_slice()[entry.start..entry.end], path })
+    }
+
+    /// The full stored name of a text-model tensor (`layers.0.mlp.down_proj.weight`).
+    pub fn text_name(&self, name: &str) -> String {
+        format!("{}{}", self.text_prefix, name)
     }
 
     pub fn len(&self) -> usize {
-        self.tensors.len()
+        self.tensors.len() + self.ints.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.tensors.is_empty()
+        self.len() == 0
     }
 
     /// Names of every stored tensor, sorted.
@@ -184,21 +243,25 @@ impl WeightStore {
     /// A text-model tensor, e.g. `layers.0.input_layernorm.weight`, under whichever prefix this
     /// checkpoint uses.
     pub fn text(&self, name: &str) -> Result<TensorView<'_>, WeightError> {
-        self.get(&format!("{}{}", self.text_prefix, name))
+        self.get(&self.text_name(name))
     }
 
     pub fn has_text(&self, name: &str) -> bool {
-        self.contains(&format!("{}{}", self.text_prefix, name))
+        self.contains(&self.text_name(name))
     }
 
     /// Device bytes of all tensors as a GPU backend keeps them: bf16 as is, other dtypes as a
     /// bf16 value and remainder pair (matrices) or f32 (vectors), 4 bytes either way.
+    /// Int4 linears (eight values per stored I32 of `qweight`) are dequantized for the GPU, so
+    /// they count 4 bytes per weight as well.
     pub fn device_bytes(&self) -> usize {
-        self.tensors.values().map(|e| e.shape.iter().product::<usize>() * if e.dtype == Dtype::BF16 { 2 } else { 4 }).sum()
+        let dense: usize = self.tensors.values().map(|e| e.shape.iter().product::<usize>() * if e.dtype == Dtype::BF16 { 2 } else { 4 }).sum();
+        let int4: usize = self.ints.iter().filter(|(name, _)| name.ends_with(".qweight")).map(|(_, e)| e.shape.iter().product::<usize>() * 8 * 4).sum();
+        dense + int4
     }
 
     /// Total bytes of all tensors.
     pub fn total_bytes(&self) -> usize {
-        self.tensors.values().map(|e| e.end - e.start).sum()
+        self.tensors.values().map(|e| e.end - e.start).chain(self.ints.values().map(|e| e.end - e.start)).sum()
     }
 }

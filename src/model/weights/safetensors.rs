@@ -2,7 +2,7 @@
 //!
 //! The header is parsed with the `safetensors` crate; the data stays in the memory map.
 
-use super::{Dtype, SharedBytes, TensorEntry, WeightError, WeightStore};
+use super::{Dtype, IntEntry, SharedBytes, TensorEntry, WeightError, WeightStore};
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -33,6 +33,7 @@ pub fn open_dir(dir: &Path) -> Result<WeightStore, WeightError> {
 /// Builds a store over already-loaded buffers (memory maps or embedded bytes).
 pub fn from_buffers(files: Vec<(PathBuf, SharedBytes)>, description: String) -> Result<WeightStore, WeightError> {
     let mut tensors = HashMap::new();
+    let mut ints = HashMap::new();
     for (file_idx, (path, bytes)) in files.iter().enumerate() {
         let buf = bytes.as_slice();
         let (header_len, meta) = safetensors::SafeTensors::read_metadata(buf).map_err(|e| match e {
@@ -46,26 +47,37 @@ pub fn from_buffers(files: Vec<(PathBuf, SharedBytes)>, description: String) -> 
                 safetensors::Dtype::F32 => Dtype::F32,
                 safetensors::Dtype::F16 => Dtype::F16,
                 safetensors::Dtype::BF16 => Dtype::BF16,
-                other => {
-                    // Non-float tensors (e.g. integer ids in reference files) are not model weights.
-                    if matches!(other, safetensors::Dtype::I64 | safetensors::Dtype::I32) {
-                        continue;
+                safetensors::Dtype::F8_E4M3 => Dtype::F8E4M3,
+                safetensors::Dtype::I32 => {
+                    // Packed int4 values and zero points (and GPTQ's g_idx): read by the
+                    // quantized linears, never as weights themselves.
+                    let (start, end) = info.data_offsets;
+                    let numel: usize = info.shape.iter().product();
+                    if end > data_len {
+                        return Err(WeightError::Truncated { path: path.clone(), tensor: name, end, len: data_len });
                     }
-                    return Err(WeightError::UnsupportedDtype { path: path.clone(), tensor: name, dtype: format!("{other:?}") });
+                    if end - start != 4 * numel {
+                        return Err(WeightError::Malformed { path: path.clone(), reason: format!("tensor `{name}` has {} bytes for shape {:?}", end - start, info.shape) });
+                    }
+                    ints.insert(name, IntEntry { shape: info.shape.clone(), file: file_idx, start: data_start + start, end: data_start + end });
+                    continue;
                 }
+                // Integer ids in reference files are not model weights.
+                safetensors::Dtype::I64 => continue,
+                other => return Err(WeightError::UnsupportedDtype { path: path.clone(), tensor: name, dtype: format!("{other:?}") }),
             };
             let (start, end) = info.data_offsets;
             if end > data_len {
                 return Err(WeightError::Truncated { path: path.clone(), tensor: name, end, len: data_len });
             }
             let numel: usize = info.shape.iter().product();
-            if end - start != numel * dtype.size_bytes() {
+            if dtype.row_bytes(numel).ok() != Some(end - start) {
                 return Err(WeightError::Malformed { path: path.clone(), reason: format!("tensor `{name}` has {} bytes for shape {:?}", end - start, info.shape) });
             }
             tensors.insert(name, TensorEntry { dtype, shape: info.shape.clone(), file: file_idx, start: data_start + start, end: data_start + end });
         }
     }
-    Ok(WeightStore::new(files, tensors, description))
+    Ok(WeightStore::with_ints(files, tensors, ints, description))
 }
 
 /// Names the first tensor that a truncated file cuts off.

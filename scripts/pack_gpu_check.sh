@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds the release binary, cuda_bench and the CUDA test binaries, and packs them with
+# scripts/gpu_check.sh into one archive for a GPU machine that has no Rust toolchain:
+#   bash scripts/pack_gpu_check.sh [ARCHIVE]   (default target/gpu-check.tar.xz)
+# There, from a checkout of the same commit (the tests read tests/fixtures):
+#   mkdir -p /tmp/k && tar -C /tmp/k -xJf ARCHIVE && bash /tmp/k/gpu_check.sh /tmp/k OUT_DIR
+set -euo pipefail
+cd "$(dirname "$0")/.."
+archive=${1:-target/gpu-check.tar.xz}
+cargo build --release --bin kestrel --example cuda_bench
+tests=(cuda_ops cuda_model cuda_engine)
+cargo test --release --no-run "${tests[@]/#/--test=}" 2>&1 | tee /tmp/kestrel-gpu-check-build.log
+stage=$(mktemp -d)
+cp target/release/kestrel target/release/examples/cuda_bench scripts/gpu_check.sh "$stage"/
+for t in "${tests[@]}"; do
+  # The executable cargo just built for this test target.
+  exe=$(grep -o "target/release/deps/$t-[0-9a-f]*" /tmp/kestrel-gpu-check-build.log | tail -1)
+  cp "$exe" "$stage/$t"
+done
+tar -C "$stage" -cJf "$archive" .
+rm -rf "$stage"
+ls -la "$archive"
