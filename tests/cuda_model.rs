@@ -85,6 +85,23 @@ fn fixtures_match_transformers_and_cpu_greedy() {
     }
 }
 
+/// Quantized checkpoints (int4, block FP8) on the GPU, which dequantizes them at upload: the
+/// same greedy continuation as the CPU backend, which dequantizes a row at a time.
+#[test]
+fn quantized_fixtures_match_cpu_greedy() {
+    let Some(gpu) = gpu() else { return };
+    let prompt = reference("qwen35-dense").prompt_ids;
+    for name in ["qwen35-dense-int4", "qwen35-dense-fp8"] {
+        let files = ModelFiles::open_dir(&fixture_dir(name)).expect("fixture opens");
+        assert!(files.config.quantization.is_some(), "{name}: read as unquantized");
+        let on_gpu = greedy(gpu_backend(), load(&gpu, &files), &prompt, GREEDY_TOKENS);
+        let cpu = CpuBackend::new();
+        let cpu_model = load(&cpu, &files);
+        let on_cpu = greedy(cpu, cpu_model, &prompt, GREEDY_TOKENS);
+        assert_eq!(on_gpu, on_cpu, "{name}: greedy continuation differs between GPU and CPU");
+    }
+}
+
 /// A second handle on the GPU for an engine (the first one owns the model's buffers; both
 /// share the device's primary context).
 fn gpu_backend() -> CudaBackend {
