@@ -162,45 +162,49 @@ def copy_side_files(dest, quantization_config):
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def int4_tensors(name, values):
+    """The AutoRound tensors of one linear and its dequantized weight."""
+    module = name[: -len(".weight")]
+    q, scale = int4_sym_full_range(values)
+    qweight, qzeros, scales = gptq_pack(q, scale)
+    stored_tensors = {
+        module + ".qweight": ("I32", qweight.shape, qweight.astype("<i4").tobytes()),
+        module + ".qzeros": ("I32", qzeros.shape, qzeros.astype("<i4").tobytes()),
+        module + ".scales": ("F16", scales.shape, scales.astype("<f2").tobytes()),
+    }
+    return stored_tensors, dequant_int4(q, scale)
+
+
+def fp8_tensors(name, values):
+    """The block-FP8 tensors of one linear and its dequantized weight."""
+    q, scale, deq = fp8_blocks(values)
+    module = name[: -len(".weight")]
+    return {name: ("F8_E4M3", values.shape, q.tobytes()), module + ".weight_scale_inv": ("BF16", scale.shape, to_bf16_bytes(scale))}, deq
+
+
+def write_quantized(dest, tensors, quantize, quantization_config):
+    """A copy of the source fixture in `dest` with every quantizable linear through `quantize`,
+    and the dequantized weights beside it."""
+    copy_side_files(dest, quantization_config)
+    out, deq = {}, {}
+    for name, (dtype, shape, values) in tensors.items():
+        if not quantizable(name, shape):
+            out[name] = stored(dtype, shape, values)
+            continue
+        stored_tensors, dequantized = quantize(name, values)
+        out.update(stored_tensors)
+        deq[name] = ("F32", shape, dequantized.astype("<f4").tobytes())
+    write_safetensors(dest / "model.safetensors", out)
+    write_safetensors(dest / "dequantized.safetensors", deq)
+    print(dest, sum(f.stat().st_size for f in dest.iterdir()), "bytes")
+
+
 def main():
     tensors = read_safetensors(SOURCE / "model.safetensors")
-
-    int4_dir = ROOT / "qwen35-dense-int4"
-    copy_side_files(
-        int4_dir,
-        {"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq", "bits": 4, "group_size": GROUP, "sym": True, "data_type": "int", "act_bits": 16, "block_name_to_quantize": "model.language_model.layers"},
-    )
-    out, deq = {}, {}
-    for name, (dtype, shape, values) in tensors.items():
-        if not quantizable(name, shape):
-            out[name] = stored(dtype, shape, values)
-            continue
-        module = name[: -len(".weight")]
-        q, scale = int4_sym_full_range(values)
-        qweight, qzeros, scales = gptq_pack(q, scale)
-        out[module + ".qweight"] = ("I32", qweight.shape, qweight.astype("<i4").tobytes())
-        out[module + ".qzeros"] = ("I32", qzeros.shape, qzeros.astype("<i4").tobytes())
-        out[module + ".scales"] = ("F16", scales.shape, scales.astype("<f2").tobytes())
-        deq[name] = ("F32", shape, dequant_int4(q, scale).astype("<f4").tobytes())
-    write_safetensors(int4_dir / "model.safetensors", out)
-    write_safetensors(int4_dir / "dequantized.safetensors", deq)
-
-    fp8_dir = ROOT / "qwen35-dense-fp8"
-    copy_side_files(fp8_dir, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK), "modules_to_not_convert": ["lm_head", "in_proj_a", "in_proj_b", "mtp"]})
-    out, deq = {}, {}
-    for name, (dtype, shape, values) in tensors.items():
-        if not quantizable(name, shape):
-            out[name] = stored(dtype, shape, values)
-            continue
-        module = name[: -len(".weight")]
-        q, scale, d = fp8_blocks(values)
-        out[name] = ("F8_E4M3", shape, q.tobytes())
-        out[module + ".weight_scale_inv"] = ("BF16", scale.shape, to_bf16_bytes(scale))
-        deq[name] = ("F32", shape, d.astype("<f4").tobytes())
-    write_safetensors(fp8_dir / "model.safetensors", out)
-    write_safetensors(fp8_dir / "dequantized.safetensors", deq)
-    for d in [int4_dir, fp8_dir]:
-        print(d, sum(f.stat().st_size for f in d.iterdir()), "bytes")
+    autoround = {"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq", "bits": 4, "group_size": GROUP, "sym": True, "data_type": "int", "act_bits": 16, "block_name_to_quantize": "model.language_model.layers"}
+    write_quantized(ROOT / "qwen35-dense-int4", tensors, int4_tensors, autoround)
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK), "modules_to_not_convert": ["lm_head", "in_proj_a", "in_proj_b", "mtp"]}
+    write_quantized(ROOT / "qwen35-dense-fp8", tensors, fp8_tensors, fp8)
 
 
 if __name__ == "__main__":
