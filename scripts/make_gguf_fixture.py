@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write the GGUF fixtures under tests/fixtures/gguf/ with gguf-py, llama.cpp's own Python package.
 
-They let the Rust reader (src/model/weights/gguf.rs) be checked against an independent writer:
+They let the Rust reader (src/model/weights/gguf/) be checked against an independent writer:
 
   tiny.gguf     little-endian v3, alignment 64, metadata of every value type (string array,
                 nested arrays, u8 array from bytes, ...) and small F32 / F16 / BF16 / Q8_0 / Q4_K /

@@ -82,7 +82,7 @@ pub enum SelectedBackend {
 /// Model, device, speculation and memory flags shared by every subcommand that runs a model.
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
-    /// Hugging Face model directory (default: the embedded kestrel-coder model).
+    /// Hugging Face model directory or GGUF file (default: the embedded kestrel-coder model).
     #[arg(long, short = 'm')]
     pub model: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "auto")]
@@ -177,7 +177,7 @@ impl EngineArgs {
         Ok(())
     }
 
-    /// The model's files: an HF directory, the embedded default model, or with
+    /// The model's files: an HF directory, a GGUF file, the embedded default model, or with
     /// `--load-format dummy` a preset's shapes (`--model qwen3.5-9b`) with random weights.
     pub fn open_model(&self) -> Result<ModelFiles> {
         self.check_supported()?;

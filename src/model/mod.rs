@@ -4,6 +4,7 @@ pub mod arch;
 pub mod config;
 pub mod default_model;
 pub mod dummy;
+pub mod gguf;
 pub mod weights;
 
 use crate::tokenizer::{Tokenizer, TokenizerError};
@@ -17,6 +18,8 @@ pub enum ModelError {
     NotFound(PathBuf),
     #[error("{0} is not a model directory (expected config.json inside)")]
     NotADirectory(PathBuf),
+    #[error(transparent)]
+    Gguf(#[from] gguf::GgufModelError),
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error(transparent)]
@@ -35,12 +38,25 @@ pub struct ModelFiles {
 }
 
 impl ModelFiles {
-    /// Opens an HF model directory, or the embedded default model when `path` is `None`.
+    /// Opens an HF model directory or a GGUF file, or the embedded default model when `path`
+    /// is `None`.
     pub fn open(path: Option<&Path>) -> Result<Self, ModelError> {
         match path {
             None => default_model::open(),
+            Some(p) if p.is_file() => Self::open_gguf(p),
             Some(p) => Self::open_dir(p),
         }
+    }
+
+    /// Opens a single-file GGUF checkpoint (llama.cpp's conventions, see [`gguf`]).
+    pub fn open_gguf(path: &Path) -> Result<Self, ModelError> {
+        if !path.exists() {
+            return Err(ModelError::NotFound(path.to_path_buf()));
+        }
+        let gguf::GgufModel { mut config, store, vocab } = gguf::open(path)?;
+        let tokenizer = Tokenizer::from_bpe_vocab(&vocab, path)?;
+        merge_eos(&mut config, &tokenizer);
+        Ok(ModelFiles { source: path.display().to_string(), config, store, tokenizer })
     }
 
     pub fn open_dir(dir: &Path) -> Result<Self, ModelError> {

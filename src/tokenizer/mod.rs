@@ -6,6 +6,7 @@
 //! [`Tokenizer`] joins the two; [`StreamDecoder`] turns generated ids into
 //! UTF-8-safe text deltas.
 
+pub mod bpe_vocab;
 mod chat_template;
 mod config;
 mod python_json;
@@ -22,6 +23,7 @@ use std::path::{Path, PathBuf};
 
 use tokenizers::AddedToken;
 
+pub use bpe_vocab::BpeVocab;
 pub use chat_template::ChatMessage;
 pub use stream::StreamDecoder;
 
@@ -65,6 +67,9 @@ pub enum TokenizerError {
         declared_id: u32,
         actual_id: u32,
     },
+
+    #[error("{}: {message}", origin.display())]
+    InvalidVocab { origin: PathBuf, message: String },
 
     #[error("chat template {template:?} from {} does not compile: {message}", file.display())]
     ChatTemplateSyntax {
@@ -177,13 +182,6 @@ impl Tokenizer {
         config_json: Option<(&[u8], &Path)>,
         template_override: Option<ChatTemplateSources>,
     ) -> Result<Self, TokenizerError> {
-        let mut inner = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|err| {
-            TokenizerError::InvalidTokenizerJson {
-                file: json_origin.to_path_buf(),
-                message: err.to_string(),
-            }
-        })?;
-
         let (config, config_origin) = match config_json {
             Some((bytes, origin)) => (TokenizerConfig::parse(bytes, origin)?, origin.to_path_buf()),
             None => (
@@ -191,7 +189,25 @@ impl Tokenizer {
                 PathBuf::from(TOKENIZER_CONFIG_JSON),
             ),
         };
-        add_declared_tokens(&mut inner, &config, &config_origin)?;
+        Self::build_with_config(tokenizer_json, json_origin, config, &config_origin, template_override)
+    }
+
+    /// [`Self::build`] with the tokenizer config already in hand (a GGUF vocabulary has no
+    /// `tokenizer_config.json`; its fields come from the file's metadata).
+    fn build_with_config(
+        tokenizer_json: &[u8],
+        json_origin: &Path,
+        config: TokenizerConfig,
+        config_origin: &Path,
+        template_override: Option<ChatTemplateSources>,
+    ) -> Result<Self, TokenizerError> {
+        let mut inner = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|err| {
+            TokenizerError::InvalidTokenizerJson {
+                file: json_origin.to_path_buf(),
+                message: err.to_string(),
+            }
+        })?;
+        add_declared_tokens(&mut inner, &config, config_origin)?;
 
         let mut eos_token_ids = Vec::new();
         for token in &config.eos_tokens {
@@ -199,7 +215,7 @@ impl Tokenizer {
                 inner
                     .token_to_id(token)
                     .ok_or_else(|| TokenizerError::UnknownSpecialToken {
-                        file: config_origin.clone(),
+                        file: config_origin.to_path_buf(),
                         field: "eos_token".to_string(),
                         token: token.clone(),
                     })?;

@@ -81,7 +81,8 @@ impl<B: Backend> Loader<'_, B> {
 }
 
 enum GdnProjection<B: Backend> {
-    /// Qwen3.5: the q|k|v, z, b and a projections stacked into one matmul of four parts.
+    /// Qwen3.5 (and Qwen3-Next from GGUF): the q|k|v, z, b and a projections stacked into one
+    /// matmul of four parts.
     Stacked { qkvzba: B::Matrix, widths: [usize; 4] },
     /// Qwen3-Next: fused projections grouped per key head; regrouped by column gathers.
     Packed { qkvz: B::Matrix, ba: B::Matrix, mixed_cols: Vec<u32>, z_cols: Vec<u32>, b_cols: Vec<u32>, a_cols: Vec<u32> },
@@ -307,7 +308,9 @@ fn load_gdn<B: Backend>(ld: &Loader<B>, c: &ModelConfig, p: &str, linear_index: 
     let l = &c.linear;
     let h = c.hidden_size;
     let p = format!("{p}linear_attn.");
-    let proj = if c.family == ModelFamily::Qwen3Next {
+    // Qwen3-Next checkpoints pack q|k|v|z and b|a per key head; GGUF files from llama.cpp's
+    // current converter hold them split like Qwen3.5's and take the stacked path.
+    let proj = if c.family == ModelFamily::Qwen3Next && !ld.has(&format!("{p}in_proj_qkv.weight")) {
         let r = l.heads_per_key_head();
         let (dk, dv, nk) = (l.key_head_dim, l.value_head_dim, l.num_key_heads);
         let group = 2 * dk + 2 * r * dv;
