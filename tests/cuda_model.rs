@@ -102,6 +102,22 @@ fn quantized_fixtures_match_cpu_greedy() {
     }
 }
 
+/// GGUF models (F32/F16/BF16 files and one with Q8_0 and Q4_K tensors) on the GPU: the same
+/// greedy continuation as on the CPU.
+#[test]
+fn gguf_models_match_cpu_greedy() {
+    let Some(gpu) = gpu() else { return };
+    let prompt = reference("qwen35-dense").prompt_ids;
+    for name in ["qwen35-dense", "qwen35-moe", "qwen3-next", "qwen35-moe-quant"] {
+        let files = ModelFiles::open(Some(&fixture_dir("gguf").join(format!("{name}.gguf")))).expect("GGUF fixture opens");
+        let on_gpu = greedy(gpu_backend(), load(&gpu, &files), &prompt, GREEDY_TOKENS);
+        let cpu = CpuBackend::new();
+        let cpu_model = load(&cpu, &files);
+        let on_cpu = greedy(cpu, cpu_model, &prompt, GREEDY_TOKENS);
+        assert_eq!(on_gpu, on_cpu, "{name}.gguf: greedy continuation differs between GPU and CPU");
+    }
+}
+
 /// A second handle on the GPU for an engine (the first one owns the model's buffers; both
 /// share the device's primary context).
 fn gpu_backend() -> CudaBackend {
