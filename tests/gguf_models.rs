@@ -304,6 +304,18 @@ fn legacy_qwen3_next_layout_gives_the_same_logits() {
 // ---------------------------------------------------------------------------------------------
 // Errors name what is wrong
 
+/// A copy of fixture `name` whose tensor `tensor` is stored as ggml type `ggml_type` (zero
+/// blocks of `block_elems` values in `block_bytes` bytes).
+fn with_tensor_type(name: &str, tensor: &str, ggml_type: u32, block_elems: usize, block_bytes: usize) -> (tempfile::TempDir, PathBuf) {
+    edited(name, |_, v| Some(v.clone()), |t, d| {
+        if t.name() != tensor {
+            return keep(t, d);
+        }
+        let blocks = t.n_elements() as usize / block_elems;
+        Some((t.name().to_string(), t.dims().to_vec(), ggml_type, vec![0u8; blocks * block_bytes]))
+    })
+}
+
 fn edited(name: &str, meta: impl Fn(&str, &GgufValue) -> Option<GgufValue>, tensor: impl Fn(&GgufTensor, &[u8]) -> Option<TensorEdit>) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(format!("{name}.gguf"));
@@ -335,13 +347,7 @@ fn missing_metadata_key_is_named() {
 #[test]
 fn tiled_heads_inside_quantized_blocks_are_refused() {
     // qwen35-moe has value heads of 16 columns; a Q8_0 block holds 32.
-    let (_dir, path) = edited("qwen35-moe", |_, v| Some(v.clone()), |t, d| {
-        if t.name() != "blk.1.ssm_out.weight" {
-            return keep(t, d);
-        }
-        let blocks = (t.n_elements() / 32) as usize;
-        Some((t.name().to_string(), t.dims().to_vec(), 8, vec![0u8; blocks * 34]))
-    });
+    let (_dir, path) = with_tensor_type("qwen35-moe", "blk.1.ssm_out.weight", 8, 32, 34);
     let msg = gguf_load_error(&path);
     assert!(msg.contains("blk.1.ssm_out.weight") && msg.contains("tiled") && msg.contains("Q8_0"), "{msg}");
 }
@@ -349,13 +355,7 @@ fn tiled_heads_inside_quantized_blocks_are_refused() {
 #[test]
 fn unsupported_tensor_type_is_named() {
     // Q2_K (type 10) holds 256 values in 84 bytes; this tensor's rows are 256 wide.
-    let (_dir, path) = edited("qwen35-moe-quant", |_, v| Some(v.clone()), |t, d| {
-        if t.name() != "blk.0.attn_gate.weight" {
-            return keep(t, d);
-        }
-        let blocks = (t.n_elements() / 256) as usize;
-        Some((t.name().to_string(), t.dims().to_vec(), 10, vec![0u8; blocks * 84]))
-    });
+    let (_dir, path) = with_tensor_type("qwen35-moe-quant", "blk.0.attn_gate.weight", 10, 256, 84);
     let msg = gguf_load_error(&path);
     assert!(msg.contains("blk.0.attn_gate.weight") && msg.contains("Q2_K") && msg.contains("not supported"), "{msg}");
 }

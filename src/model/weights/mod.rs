@@ -142,7 +142,7 @@ impl MatrixBytes {
     pub fn from_f32(values: Vec<f32>, rows: usize, cols: usize) -> MatrixBytes {
         assert_eq!(values.len(), rows * cols);
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        MatrixBytes { data: SharedBytes(Arc::new(bytes)), start: 0, dtype: Dtype::F32, rows, cols }
+        MatrixBytes { data: SharedBytes::from_vec(bytes), start: 0, dtype: Dtype::F32, rows, cols }
     }
 }
 

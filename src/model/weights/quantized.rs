@@ -11,7 +11,6 @@
 
 use super::{Dtype, MatrixBytes, SharedBytes, WeightError, WeightStore};
 use serde_json::Value;
-use std::sync::Arc;
 
 /// How int4 values, zero points and scales are laid out in the checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,8 +130,10 @@ impl WeightStore {
             let Some(QuantizationConfig::Int4 { packing, group_size }) = quant else {
                 return Err(quant_error("it is stored as int4 (`qweight`) but config.json has no int4 `quantization_config`".into()));
             };
-            let rows_bytes = self.int4_rows(module, rows, cols, *packing, group_size.unwrap_or(cols))?;
-            return Ok(MatrixBytes { data: SharedBytes(Arc::new(rows_bytes)), start: 0, dtype: Dtype::Int4 { group: group_size.unwrap_or(cols) as u32 }, rows, cols });
+            // Per-channel checkpoints (group_size -1) are one group per row.
+            let group = group_size.unwrap_or(cols);
+            let rows_bytes = self.int4_rows(module, rows, cols, *packing, group)?;
+            return Ok(MatrixBytes { data: SharedBytes::from_vec(rows_bytes), start: 0, dtype: Dtype::Int4 { group: group as u32 }, rows, cols });
         }
         let view = self.get(name)?;
         view.expect_shape(&[rows, cols])?;
@@ -153,7 +154,7 @@ impl WeightStore {
         let per_row = cols / row_block;
         let fine: Vec<f32> = (0..rows.div_ceil(block_rows)).flat_map(|i| (0..per_row).map(move |j| (i, j * row_block / block_cols))).map(|(i, j)| scales[i * cols.div_ceil(block_cols) + j]).collect();
         let bytes = kestrel_quant::fp8_block_rows(view.bytes, &fine, rows, cols, block_rows, row_block).map_err(|e| quant_error(e.to_string()))?;
-        Ok(MatrixBytes { data: SharedBytes(Arc::new(bytes)), start: 0, dtype: Dtype::F8E4M3Scaled { block: row_block as u32 }, rows, cols })
+        Ok(MatrixBytes { data: SharedBytes::from_vec(bytes), start: 0, dtype: Dtype::F8E4M3Scaled { block: row_block as u32 }, rows, cols })
     }
 
     /// The int4 linear `module` repacked into `Dtype::Int4` rows (n = rows outputs, k = cols inputs).
