@@ -242,6 +242,8 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: &Bandwidt
     let mut enqueue_times = Vec::with_capacity(o.decode);
     gpu.profile_report();
     let mut launches_per_step = 0;
+    // Host time in launches and allocations over the steady steps (KESTREL_CUDA_HOST_PROFILE=1).
+    let mut host = kestrel::backend::cuda::HostTiming::default();
     let mut trace = serde_json::Value::Null;
     let greedy_rows: Vec<kestrel::backend::RowSampling> = (0..nrows).map(|r| kestrel::backend::RowSampling { params: kestrel::engine::sampler::SamplingParams::greedy(), position: r as u64 }).collect();
     for i in 0..o.decode {
@@ -269,10 +271,17 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: &Bandwidt
         if traced {
             gpu.take_trace();
         }
+        gpu.take_host_timing();
         let (t, launched) = (Instant::now(), gpu.launch_count());
         let out = model.forward(gpu, &step_ids, &layout, &logit_rows, &mut cache);
         gpu.commit_states(&mut cache, &commits);
         enqueue_times.push(t.elapsed().as_secs_f64());
+        if i >= 4 {
+            let step = gpu.take_host_timing();
+            host.launch_s += step.launch_s;
+            host.alloc_s += step.alloc_s;
+            host.allocs += step.allocs;
+        }
         launches_per_step = gpu.launch_count() - launched;
         // Sampled on the device, as the engine does: only the token comes back.
         next = gpu.sample_rows(&out.logits, &greedy_rows)[0];
@@ -309,6 +318,9 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: &Bandwidt
             "fraction_of_read_roofline": read_roofline_s / mean,
             "kernel_launches_per_step": launches_per_step,
             "host_enqueue_ms_per_token": enqueue_times[enqueue_times.len().min(4)..].iter().sum::<f64>() / steady.len().max(1) as f64 * 1e3,
+            "host_launch_ms_per_token": host.launch_s / steady.len().max(1) as f64 * 1e3,
+            "host_alloc_ms_per_token": host.alloc_s / steady.len().max(1) as f64 * 1e3,
+            "allocations_per_step": host.allocs as f64 / steady.len().max(1) as f64,
         },
         "prefill": prefill,
         "device_ms_by_op": profiles,

@@ -176,7 +176,7 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
 /// `x` (`elems` f32, a multiple of 8) as bf16 hi halves followed by the lo halves.
 fn split_activations(be: &CudaBackend, x: u64, elems: usize) -> cudarc::driver::CudaSlice<u16> {
     // SAFETY: fully written by split_activations before any matmul reads it.
-    let split = ck(unsafe { be.stream.alloc::<u16>(2 * elems) }, "alloc");
+    let split = ck(be.host_timer.time(true, || unsafe { be.stream.alloc::<u16>(2 * elems) }), "alloc");
     let (hi, lo) = (be.ptr(&split), be.ptr(&split) + 2 * elems as u64);
     be.launch(&be.k.split_activations, ((elems / 8).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(hi), Arg::Ptr(lo), Arg::Ptr(x), Arg::I64((elems / 8) as i64)]);
     split

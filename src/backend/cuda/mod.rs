@@ -24,7 +24,7 @@ mod step_inputs;
 mod tensor;
 
 pub use cache::CudaCache;
-pub use profile::TracedKernel;
+pub use profile::{HostTiming, TracedKernel};
 pub use tensor::{CudaMatrix, CudaTensor, CudaVector};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError};
@@ -149,6 +149,7 @@ pub struct CudaBackend {
     pub(super) small_matmul_slots: [usize; matmul::SMALL_VARIANTS.len()],
     pub(super) sm_count: usize,
     profiler: profile::Profiler,
+    host_timer: profile::HostTimer,
     /// Whether kernels launch with programmatic dependent launch (sm_90 and later): each may
     /// start while the previous one finishes and waits for its inputs itself (wait_for_inputs
     /// in cuda/common.cuh). `KESTREL_CUDA_PDL=0` turns it off.
@@ -250,6 +251,7 @@ impl CudaBackend {
             sampling_scratch: Mutex::new(None),
             max_dynamic_smem: max_dynamic_smem.max(0) as usize,
             profiler: profile::Profiler::from_env(),
+            host_timer: profile::HostTimer::from_env(),
             small_matmul_slots,
             sm_count,
             dependent_launch: major >= 9 && std::env::var("KESTREL_CUDA_PDL").map_or(true, |v| v != "0"),
@@ -350,7 +352,7 @@ impl CudaBackend {
         // live allocation of the size the kernel indexes (checked by the op wrappers); `params`
         // points into `args`, which outlives the call. Every kernel waits for its inputs
         // (wait_for_inputs) before reading them, as the dependent-launch attribute requires.
-        ck(unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result(), "kernel launch");
+        ck(self.host_timer.time(false, || unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result()), "kernel launch");
     }
 
     /// Kernel launches queued so far (a benchmark divides by steps).
@@ -361,12 +363,12 @@ impl CudaBackend {
     /// Uninitialized f32 buffer (at least one element, so every pointer is valid).
     pub(super) fn alloc_f32(&self, n: usize) -> CudaSlice<f32> {
         // SAFETY: every op writes all elements it later reads.
-        ck(unsafe { self.stream.alloc::<f32>(n.max(1)) }, "alloc")
+        ck(self.host_timer.time(true, || unsafe { self.stream.alloc::<f32>(n.max(1)) }), "alloc")
     }
 
     pub(super) fn alloc_i32(&self, n: usize) -> CudaSlice<i32> {
         // SAFETY: as above.
-        ck(unsafe { self.stream.alloc::<i32>(n.max(1)) }, "alloc")
+        ck(self.host_timer.time(true, || unsafe { self.stream.alloc::<i32>(n.max(1)) }), "alloc")
     }
 
     pub(super) fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {

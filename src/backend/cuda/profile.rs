@@ -6,6 +6,7 @@ use super::CudaBackend;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 #[derive(Default)]
@@ -61,6 +62,63 @@ impl CudaBackend {
         }
         totals.sort_by(|a, b| b.1.total_cmp(&a.1));
         totals
+    }
+}
+
+/// Host time spent in kernel launches and activation allocations (`KESTREL_CUDA_HOST_PROFILE=1`):
+/// what part of the host's time to enqueue a step the driver calls take, when the host, not the
+/// GPU, may set the pace.
+#[derive(Default)]
+pub(super) struct HostTimer {
+    pub enabled: bool,
+    launch_ns: AtomicU64,
+    alloc_ns: AtomicU64,
+    allocs: AtomicU64,
+}
+
+/// Host time in driver calls since the last [`CudaBackend::take_host_timing`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostTiming {
+    /// Seconds in `cuLaunchKernelEx`.
+    pub launch_s: f64,
+    /// Seconds allocating activations from the stream's memory pool.
+    pub alloc_s: f64,
+    pub allocs: u64,
+}
+
+impl HostTimer {
+    pub fn from_env() -> Self {
+        HostTimer { enabled: std::env::var("KESTREL_CUDA_HOST_PROFILE").is_ok_and(|v| v == "1"), ..Default::default() }
+    }
+
+    /// Runs `f`, adding its wall time to the launch or the allocation total when enabled.
+    pub fn time<T>(&self, allocation: bool, f: impl FnOnce() -> T) -> T {
+        if !self.enabled {
+            return f();
+        }
+        let start = std::time::Instant::now();
+        let out = f();
+        let ns = start.elapsed().as_nanos() as u64;
+        if allocation {
+            self.alloc_ns.fetch_add(ns, Ordering::Relaxed);
+            self.allocs.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.launch_ns.fetch_add(ns, Ordering::Relaxed);
+        }
+        out
+    }
+}
+
+impl CudaBackend {
+    /// Host time in launches and allocations since the last call (zeros unless
+    /// `KESTREL_CUDA_HOST_PROFILE=1`).
+    pub fn take_host_timing(&self) -> HostTiming {
+        let t = &self.host_timer;
+        HostTiming {
+            launch_s: t.launch_ns.swap(0, Ordering::Relaxed) as f64 / 1e9,
+            alloc_s: t.alloc_ns.swap(0, Ordering::Relaxed) as f64 / 1e9,
+            allocs: t.allocs.swap(0, Ordering::Relaxed),
+        }
     }
 }
 
@@ -125,5 +183,26 @@ impl CudaBackend {
         let mut head = buffer.slice_mut(0..1);
         let _ = self.stream.memcpy_htod(&[0u64], &mut head);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HostTimer;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn host_timer_counts_only_when_enabled() {
+        let off = HostTimer::default();
+        assert_eq!(off.time(true, || 7), 7);
+        assert_eq!(off.allocs.load(Ordering::Relaxed), 0);
+        let on = HostTimer { enabled: true, ..Default::default() };
+        let slow = || std::thread::sleep(std::time::Duration::from_millis(2));
+        on.time(true, slow);
+        on.time(false, slow);
+        on.time(false, slow);
+        assert_eq!(on.allocs.load(Ordering::Relaxed), 1);
+        assert!(on.alloc_ns.load(Ordering::Relaxed) >= 2_000_000);
+        assert!(on.launch_ns.load(Ordering::Relaxed) >= 4_000_000);
     }
 }
