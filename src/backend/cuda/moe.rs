@@ -79,13 +79,23 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
     let mut parts = super::matmul::matmul_parts(be, x, &w.router, &w.router_widths(e)).into_iter();
     let logits = parts.next().expect("router logits");
     let shared_gate = parts.next();
-    let topk_idx = be.alloc_i32(t * k);
-    let topk_w = be.alloc_f32(t * k);
+    // Each token picks an expert at most once, so an expert's list holds at most t entries.
+    // The routing's outputs share one allocation of 4-byte words (each allocation and free is a
+    // driver call on the host, which a decode step of a large MoE model is short of time for):
+    // topk_idx [t*k], lists [groups_max][t], counts [groups_max], active [1 + groups_max], and
+    // the f32 topk_w [t*k].
+    let lists_at = t * k;
+    let counts_at = lists_at + groups_max * t;
+    let active_at = counts_at + groups_max;
+    let weights_at = active_at + groups_max + 1;
+    let routing = be.alloc_i32(weights_at + t * k);
+    let word = |offset: usize| be.ptr(&routing) + 4 * offset as u64;
+    let (topk_idx, lists, counts, active, topk_w) = (word(0), word(lists_at), word(counts_at), word(active_at), word(weights_at));
     assert!(e <= MAX_EXPERTS, "moe: {e} experts (routing supports at most {MAX_EXPERTS})");
     // moe_route's arguments, which moe_group_few also starts with.
     let route_args = [
-        Arg::Ptr(be.ptr(&topk_idx)),
-        Arg::Ptr(be.ptr(&topk_w)),
+        Arg::Ptr(topk_idx),
+        Arg::Ptr(topk_w),
         Arg::Ptr(be.ptr(&logits.data)),
         Arg::I32(t as i32),
         Arg::I32(e as i32),
@@ -93,10 +103,6 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
         Arg::I32(i32::from(cfg.norm_topk_prob)),
     ];
     let route = || be.launch(&be.k.moe_route, (t.div_ceil(ROUTE_WARPS) as u32, 1, 1), 256, 0, &route_args);
-    // Each token picks an expert at most once, so an expert's list holds at most t entries.
-    let lists = be.alloc_i32(groups_max * t);
-    let counts = be.alloc_i32(groups_max);
-    let active = be.alloc_i32(groups_max + 1);
     if t * k <= FEW_ENTRIES {
         let route_here = t <= ROUTE_IN_GROUP_MAX_TOKENS;
         if !route_here {
@@ -104,9 +110,9 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
         }
         let mut args = route_args.to_vec();
         args.extend([
-            Arg::Ptr(be.ptr(&lists)),
-            Arg::Ptr(be.ptr(&counts)),
-            Arg::Ptr(be.ptr(&active)),
+            Arg::Ptr(lists),
+            Arg::Ptr(counts),
+            Arg::Ptr(active),
             Arg::I32(i32::from(route_here)),
             Arg::I32(slots as i32),
             Arg::I32(i32::from(fold)),
@@ -121,9 +127,9 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
             256,
             0,
             &[
-                Arg::Ptr(be.ptr(&lists)),
-                Arg::Ptr(be.ptr(&counts)),
-                Arg::Ptr(be.ptr(&topk_idx)),
+                Arg::Ptr(lists),
+                Arg::Ptr(counts),
+                Arg::Ptr(topk_idx),
                 Arg::I32((t * k) as i32),
                 Arg::I32(t as i32),
                 Arg::I32(k as i32),
@@ -131,18 +137,18 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
                 Arg::I32(e as i32),
             ],
         );
-        be.launch(&be.k.moe_active, (1, 1, 1), 32, 0, &[Arg::Ptr(be.ptr(&active)), Arg::Ptr(be.ptr(&counts)), Arg::I32(groups_max as i32)]);
+        be.launch(&be.k.moe_active, (1, 1, 1), 32, 0, &[Arg::Ptr(active), Arg::Ptr(counts), Arg::I32(groups_max as i32)]);
     }
     let tables = expert_tables(be, w, fold);
     // At most t * k experts have rows (and the shared one): one grid slice each.
     let groups = e.min(t * k) + usize::from(fold);
     let grouped = |which: usize, a_div: usize| Grouped {
         table: be.ptr(&tables[which]),
-        counts: be.ptr(&counts),
-        lists: be.ptr(&lists),
+        counts: counts,
+        lists: lists,
         list_stride: t,
         a_div,
-        active: be.ptr(&active),
+        active: active,
         groups,
         has_lo: w.experts.iter().chain(w.shared.iter().filter(|_| fold)).any(|m| m[which].lo.is_some()),
     };
@@ -163,7 +169,7 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
     let mut args = vec![
         Arg::Ptr(be.ptr(&acc.data)),
         Arg::Ptr(be.ptr(&y.data)),
-        Arg::Ptr(be.ptr(&topk_w)),
+        Arg::Ptr(topk_w),
         Arg::Ptr(shared),
         Arg::Ptr(gate),
         Arg::I32(t as i32),
