@@ -132,7 +132,8 @@ fn a_message_gets_an_answer_and_ngram_fills_the_panel_and_resize_keeps_the_layou
     assert!(panel_number(&screen, "acceptance").is_some_and(|a| a == acceptance), "the figures survive the resize:\n{screen}");
 
     chat.run(&["resize-window", "-t", "chat", "-x", "120", "-y", "36"]);
-    let screen = chat.wait_for_screen("the 120x36 redraw", |s| s.lines().any(|l| l.trim_end().chars().count() > 100));
+    // Wait for the whole redraw (the capture can catch the top rows drawn and the rest not yet).
+    let screen = chat.wait_for_screen("the 120x36 redraw", |s| s.lines().any(|l| l.trim_end().chars().count() > 100) && s.contains("Engine") && s.contains(" Message "));
     assert_layout(&screen, 120);
     assert!(!chat.pane_dead(), "the chat exited");
 }
