@@ -5,7 +5,8 @@
 //! `1 + w` norms, `-exp(A_log)`, split Qwen3-Next projections, MTP as a nextn block), so they
 //! must reproduce the HF reference logits and greedy continuation. qwen35-moe-quant.gguf holds
 //! Q4_K and Q8_0 tensors; it must give exactly the logits of the same model with those tensors
-//! dequantized to F32.
+//! dequantized to F32, and so must a copy whose linear attention is widened (in a temporary
+//! directory) to hold `ssm_out` in each 256-value block type.
 
 mod common;
 
@@ -262,6 +263,108 @@ fn quantized_file_equals_its_dequantized_model() {
     assert_eq!(greedy(model, &ids, 16), greedy(reference, &ids, 16));
 }
 
+/// Values of a fixed xorshift64* sequence, for weights a test makes up.
+fn pseudo_random(seed: u64) -> impl Iterator<Item = u64> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    std::iter::repeat_with(move || {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        state.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    })
+}
+
+/// `n` values uniform in (-scale, scale).
+fn uniform(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    pseudo_random(seed).take(n).map(|x| ((x >> 40) as f32 / (1u32 << 23) as f32 - 1.0) * scale).collect()
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// The 256-value block types, with the byte offsets of the f16 scales in a block (`d`, and
+/// `dmin` where there is one).
+const WIDE_BLOCK_TYPES: [(Dtype, &[usize]); 4] = [(Dtype::Q4K, &[0, 2]), (Dtype::Q5K, &[0, 2]), (Dtype::Q6K, &[208]), (Dtype::IQ4XS, &[0])];
+
+/// `blocks` blocks of `dtype` with random quants and sub-block scales, their f16 scales set to
+/// 2^-14 so that the values stay below 1.
+fn random_blocks(dtype: Dtype, scale_offsets: &[usize], blocks: usize) -> Vec<u8> {
+    let mut bytes: Vec<u8> = pseudo_random(dtype.block_bytes() as u64).take(blocks * dtype.block_bytes()).map(|x| (x >> 56) as u8).collect();
+    for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
+        for &at in scale_offsets {
+            block[at..at + 2].copy_from_slice(&0x0400u16.to_le_bytes());
+        }
+    }
+    bytes
+}
+
+/// qwen35-moe-quant with its linear-attention layer widened from 4 to 8 value heads of 32
+/// columns (4 per key head rather than 2), so that a row of `ssm_out` is one 256-value block
+/// holding 8 heads, as in a K-quant Qwen3.5 file. The layer gets made-up F32 weights, and
+/// `ssm_out` (dims [256, 256]) the given ggml type and bytes.
+fn wide_value_heads(dst: &Path, ssm_out_type: u32, ssm_out: &[u8]) {
+    let (h, conv_dim, nv) = (256u64, 2 * 2 * 16 + 256u64, 8u64);
+    let meta = |k: &str, v: &GgufValue| {
+        Some(match k {
+            "qwen35moe.ssm.time_step_rank" => GgufValue::from(nv as u32),
+            "qwen35moe.ssm.inner_size" => GgufValue::from(256u32),
+            _ => v.clone(),
+        })
+    };
+    let tensor = |t: &GgufTensor, data: &[u8]| {
+        let f32_tensor = |dims: Vec<u64>, values: Vec<f32>| Some((t.name().to_string(), dims, 0, f32_bytes(&values)));
+        let matrix = |seed: u64, dims: [u64; 2]| f32_tensor(dims.to_vec(), uniform(seed, (dims[0] * dims[1]) as usize, (3.0 / dims[0] as f32).sqrt()));
+        match t.name() {
+            "blk.0.attn_qkv.weight" => matrix(1, [h, conv_dim]),
+            "blk.0.attn_gate.weight" => matrix(2, [h, 256]),
+            "blk.0.ssm_beta.weight" => matrix(3, [h, nv]),
+            "blk.0.ssm_alpha.weight" => matrix(4, [h, nv]),
+            "blk.0.ssm_conv1d.weight" => f32_tensor(vec![4, conv_dim], uniform(5, 4 * conv_dim as usize, 0.5)),
+            "blk.0.ssm_dt.bias" => f32_tensor(vec![nv], uniform(6, nv as usize, 1.0)),
+            // -exp(A_log) for A_log in (0, ln 16).
+            "blk.0.ssm_a" => f32_tensor(vec![nv], uniform(7, nv as usize, 7.5).iter().map(|u| -8.5 - u).collect()),
+            "blk.0.ssm_out.weight" => Some((t.name().to_string(), vec![256, h], ssm_out_type, ssm_out.to_vec())),
+            _ => keep(t, data),
+        }
+    };
+    rewrite(&gguf_path("qwen35-moe-quant"), dst, meta, tensor);
+}
+
+/// K-quant Qwen3.5 files store `ssm_out` in 256-value blocks, wider than a value head, so its
+/// tiled value heads (columns) cannot be put back in grouped order by moving blocks. The loader
+/// dequantizes it and moves values instead: it must hold exactly what the same file with that
+/// tensor stored as F32 gives (whose heads move element by element, in the order
+/// `logits_match_transformers` checks), and the model must compute the same logits.
+#[test]
+fn tiled_heads_inside_quantized_blocks_are_dequantized() {
+    let out_proj = "model.layers.0.linear_attn.out_proj.weight";
+    let ids: Vec<u32> = (0..32u32).map(|i| (i * 37 + 11) % 512).collect();
+    for (dtype, scale_offsets) in WIDE_BLOCK_TYPES {
+        let dir = tempfile::tempdir().unwrap();
+        let (quant, f32_copy) = (dir.path().join("quant.gguf"), dir.path().join("f32.gguf"));
+        let blocks = random_blocks(dtype, scale_offsets, 256);
+        let file_order = kestrel_quant::dequantize(dtype, &blocks).unwrap();
+        let largest = file_order.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(file_order.iter().all(|v| v.is_finite()) && largest > 0.01 && largest < 1.0, "{dtype}: largest value {largest}");
+        wide_value_heads(&quant, dtype.ggml_type().unwrap(), &blocks);
+        wide_value_heads(&f32_copy, 0, &f32_bytes(&file_order));
+
+        let (files, model) = load(&quant);
+        let (reference_files, reference) = load(&f32_copy);
+        let (got, want) = (files.store.get(out_proj).unwrap(), reference_files.store.get(out_proj).unwrap());
+        assert_eq!((got.dtype, got.shape), (Dtype::F32, &[256, 256][..]), "{dtype}");
+        let (got, want) = (got.to_f32().unwrap(), want.to_f32().unwrap());
+        assert!(got == want, "{dtype}: out_proj differs from the F32 file's");
+        assert!(got != file_order, "{dtype}: the value heads were left in the file's order");
+
+        let want = prefill_logits(&reference, &ids, ids.len());
+        let err = relative_error(&prefill_logits(&model, &ids, ids.len()), &want);
+        assert!(err < 1e-6, "{dtype}: relative logit error {err}");
+        assert!(want.iter().all(|v| v.is_finite()) && want.iter().any(|v| v.abs() > 1.0), "{dtype}: degenerate logits");
+    }
+}
+
 /// Qwen3-Next files from before the converter split `in_proj_qkvz` hold it whole (`ssm_in`,
 /// grouped per key head as in HF) with `ssm_ba`; llama.cpp still reads them.
 #[test]
@@ -342,14 +445,6 @@ fn missing_metadata_key_is_named() {
     let (_dir, path) = edited("qwen35-moe", |k, v| (k != "qwen35moe.ssm.group_count").then(|| v.clone()), keep);
     let msg = gguf_load_error(&path);
     assert!(msg.contains("missing metadata key `qwen35moe.ssm.group_count`"), "{msg}");
-}
-
-#[test]
-fn tiled_heads_inside_quantized_blocks_are_refused() {
-    // qwen35-moe has value heads of 16 columns; a Q8_0 block holds 32.
-    let (_dir, path) = with_tensor_type("qwen35-moe", "blk.1.ssm_out.weight", 8, 32, 34);
-    let msg = gguf_load_error(&path);
-    assert!(msg.contains("blk.1.ssm_out.weight") && msg.contains("tiled") && msg.contains("Q8_0"), "{msg}");
 }
 
 #[test]

@@ -10,9 +10,9 @@
 //! `conv1d`, and the columns of `out_proj`. Qwen3-Next files keep the grouped order.
 //!
 //! Rows are whole runs of blocks in every ggml type, so reordering rows works for any type.
-//! Reordering the columns of a quantized `out_proj` only works when a head's columns are whole
-//! blocks (`head_v_dim` a multiple of the block size); otherwise it would need values moved
-//! inside blocks, which is refused.
+//! The columns of a quantized `out_proj` move as whole blocks when a head's columns are whole
+//! blocks (`head_v_dim` a multiple of the block size); otherwise values move inside blocks, so
+//! the loader dequantizes that tensor to F32 first.
 
 /// Tiled-to-grouped head order for `num_key_heads` key heads with `per_key` value heads each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -289,25 +289,27 @@ impl StoreBuilder<'_> {
     }
 
     /// `tensor` of shape `[rows, cols]` with its columns, in heads of `head_cols`, back in
-    /// grouped order. Each head must be whole blocks of the tensor's type.
+    /// grouped order.
+    ///
+    /// Where a head is whole blocks of the tensor's type, whole blocks move and the type stays.
+    /// Otherwise a block holds columns of more than one head (Qwen3.5's 128-column value heads
+    /// against the 256-value blocks of the K-quants and IQ4_XS, in which K-quant files store
+    /// `ssm_out`), and no reordering of blocks restores the order. Then the tensor is
+    /// dequantized, its columns are permuted value by value, and it is stored as F32, which
+    /// holds every dequantized value exactly (BF16 would round them), so the weight is the one
+    /// the file holds. That costs 4 bytes per weight of this one tensor, against 0.5625 for Q4_K.
     fn untile_columns(&mut self, tensor: &str, hf_name: &str, shape: &[usize], head_cols: usize, order: &[usize]) -> Result<(), GgufModelError> {
         let (info, dtype, bytes) = self.get(tensor, hf_name)?;
         self.expect_shape(info, shape)?;
-        if !head_cols.is_multiple_of(dtype.block_elems()) {
-            return Err(GgufModelError::Unsupported {
-                path: self.path.clone(),
-                tensor: tensor.to_string(),
-                reason: format!(
-                    "llama.cpp stores the value heads tiled ([k0v0, k1v0, ..]) rather than grouped by key head, and restoring the grouped order of this {} tensor's columns would split its {}-value blocks (value head size {head_cols}); this needs the value heads of the linear attention in tiled order, which the forward does not support",
-                    info.type_name(),
-                    dtype.block_elems()
-                ),
-            });
+        if head_cols.is_multiple_of(dtype.block_elems()) {
+            let row_bytes = self.row_bytes(info, dtype)?;
+            let head_bytes = head_cols / dtype.block_elems() * dtype.block_bytes();
+            self.owned(hf_name, dtype, shape.to_vec(), untile_columns(bytes, row_bytes, head_bytes, order));
+            return Ok(());
         }
-        let row_bytes = self.row_bytes(info, dtype)?;
-        let head_bytes = head_cols / dtype.block_elems() * dtype.block_bytes();
-        let data = untile_columns(bytes, row_bytes, head_bytes, order);
-        self.owned(hf_name, dtype, shape.to_vec(), data);
+        let cols = shape.last().copied().unwrap_or(0);
+        let (_, values) = self.values(tensor, hf_name)?;
+        self.owned_f32(hf_name, shape.to_vec(), &untile_columns(&values, cols, head_cols, order));
         Ok(())
     }
 }
