@@ -12,16 +12,17 @@ __device__ __forceinline__ float conv_window(const float* state, const float* mi
     return idx < hist ? state[(long long)idx * conv_dim + c] : mixed[(long long)(token_start + idx - hist) * conv_dim + c];
 }
 
-// silu(sum_j w[c][j] * window[i + j]) of token t, channel c. For generate rows it also stores
-// the window after the token (snapshot i); the canonical window is only read.
+// silu(sum_j w[c][j] * window[i + j]) of token t, channel c. For generate rows with
+// `snapshot` it also stores the window after the token (snapshot i); the canonical window is
+// only read.
 __device__ __forceinline__ float conv_channel(float* conv_snap, const float* mixed, const float* conv_state, const float* conv_w, const RowInfo& row, int t, int c,
-        int conv_dim, int kw) {
+        int conv_dim, int kw, bool snapshot) {
     int hist = kw - 1, i = t - row.token_start;
     const float* state = conv_state + (long long)row.state_slot * hist * conv_dim;
     float acc = 0.0f;
 #pragma unroll 4
     for (int j = 0; j < kw; ++j) acc += conv_w[c * kw + j] * conv_window(state, mixed, i + j, hist, row.token_start, c, conv_dim);
-    if (row.kind == 1) {
+    if (row.kind == 1 && snapshot) {
         float* snap = conv_snap + (long long)(row.snapshot_base + i) * hist * conv_dim;
 #pragma unroll 4
         for (int j = 0; j < hist; ++j) snap[(long long)j * conv_dim + c] = conv_window(state, mixed, i + 1 + j, hist, row.token_start, c, conv_dim);
@@ -29,10 +30,20 @@ __device__ __forceinline__ float conv_channel(float* conv_snap, const float* mix
     return siluf_(acc);
 }
 
-// The conv, the gates and the l2-normalized q/k of a step in one launch. grid (T, nk + 1 +
-// ceil(value_dim / 128)), 128 threads. Blocks y < nk: conv of the q and k channels of key head
-// y, then q (times dk^-1/2) and k l2-normalized. Block y == nk: g = -exp(A_log) *
-// softplus(a + dt_bias) and beta = sigmoid(b). Blocks y > nk: conv of 128 value channels each.
+// The decay and write gates of token t, value head v: g = -exp(A_log) * softplus(a + dt_bias),
+// beta = sigmoid(b).
+__device__ __forceinline__ void gdn_gates(const float* a, const float* b, const float* neg_a, const float* dt_bias, int t, int v, int nv, float* g, float* beta) {
+    float x = a[(long long)t * nv + v] + dt_bias[v];
+    float sp = x > 20.0f ? x : log1pf(expf(x));
+    *g = neg_a[v] * sp;
+    *beta = 1.0f / (1.0f + expf(-b[(long long)t * nv + v]));
+}
+
+// The conv, the gates and the l2-normalized q/k of the prefill tokens of a step in one launch
+// (generate tokens get theirs inside gdn_recurrent). grid (T, nk + 1 + ceil(value_dim / 128)),
+// 128 threads. Blocks y < nk: conv of the q and k channels of key head y, then q (times
+// dk^-1/2) and k l2-normalized. Block y == nk: the gates. Blocks y > nk: conv of 128 value
+// channels each.
 extern "C" __global__ void gdn_conv_gates(float* conv_out, float* conv_snap, float* qn, float* kn, float* g_out, float* beta_out, const float* mixed,
         const float* conv_state, const float* conv_w, const float* a, const float* b, const float* neg_a, const float* dt_bias, const int* tok_row,
         const RowInfo* rows, int nk, int nv, int dk, int conv_dim, int kw) {
@@ -40,20 +51,16 @@ extern "C" __global__ void gdn_conv_gates(float* conv_out, float* conv_snap, flo
     __shared__ float scratch[33];
     int t = blockIdx.x, h = blockIdx.y;
     int key_dim = nk * dk;
+    RowInfo row = rows[tok_row[t]];
+    if (row.kind == 1) return;
     if (h == nk) {
-        for (int v = threadIdx.x; v < nv; v += blockDim.x) {
-            float x = a[(long long)t * nv + v] + dt_bias[v];
-            float sp = x > 20.0f ? x : log1pf(expf(x));
-            g_out[(long long)t * nv + v] = neg_a[v] * sp;
-            beta_out[(long long)t * nv + v] = 1.0f / (1.0f + expf(-b[(long long)t * nv + v]));
-        }
+        for (int v = threadIdx.x; v < nv; v += blockDim.x) gdn_gates(a, b, neg_a, dt_bias, t, v, nv, g_out + (long long)t * nv + v, beta_out + (long long)t * nv + v);
         return;
     }
-    RowInfo row = rows[tok_row[t]];
     float* out_row = conv_out + (long long)t * conv_dim;
     if (h > nk) {
         int c = 2 * key_dim + (h - nk - 1) * blockDim.x + threadIdx.x;
-        if (c < conv_dim) out_row[c] = conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, c, conv_dim, kw);
+        if (c < conv_dim) out_row[c] = conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, c, conv_dim, kw, true);
         return;
     }
     float q_scale = 1.0f / sqrtf((float)dk);
@@ -62,7 +69,7 @@ extern "C" __global__ void gdn_conv_gates(float* conv_out, float* conv_snap, flo
         float* dst = (which == 0 ? qn : kn) + (long long)t * key_dim + h * dk;
         float ss = 0.0f;
         for (int d = threadIdx.x; d < dk; d += blockDim.x) {
-            float v = conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, c0 + d, conv_dim, kw);
+            float v = conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, c0 + d, conv_dim, kw, true);
             out_row[c0 + d] = v;
             ss += v * v;
         }
@@ -105,20 +112,26 @@ __device__ __forceinline__ float row_group_sum(float v) {
 // column rather than one: a decode step has only nv blocks, and each needs enough warps in
 // flight to stream its state.
 //
-// Generate tokens are normalized here (gated RMSNorm, as gdn_out_norm does for prefill
-// tokens): a token's output always comes from the same kernel, whatever else is in the step.
-extern "C" __global__ void __launch_bounds__(512) gdn_recurrent(float* out, const float* z, const float* norm_w, float eps, const float* qn,
-        const float* kn, const float* conv_out, const float* g, const float* beta, const float* rec, float* rec_snap, const RowInfo* rows,
-        const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim) {
+// A generate token's conv (with its window snapshot), gates and normalized q/k are computed
+// here rather than by gdn_conv_gates (one launch fewer per layer of a decode step): each block
+// convolves its head's value channels and its key head's q and k channels (the blocks of a
+// key head's value heads all compute them; the first writes their snapshots). Its output is
+// normalized here too (gated RMSNorm, as gdn_out_norm does for prefill tokens). A token's
+// output always comes from the same kernel, whatever else is in the step.
+extern "C" __global__ void __launch_bounds__(512) gdn_recurrent(float* out, const float* z, const float* norm_w, float eps, const float* mixed, const float* conv_state,
+        const float* conv_w, float* conv_snap, const float* a, const float* b, const float* neg_a, const float* dt_bias, const float* rec, float* rec_snap,
+        const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim, int kw) {
     wait_for_inputs();
     __shared__ float scratch[33];
     __shared__ float ks[MAX_DK], qs[MAX_DK];
     const int SR = MAX_DK / REC_GROUPS;
     RowInfo row = rows[row_ids[blockIdx.x]];
-    int h = blockIdx.y, kh = h / (nv / nk);
+    int h = blockIdx.y, per_key = nv / nk, kh = h / per_key;
     int j = threadIdx.x / REC_GROUPS, rg = threadIdx.x % REC_GROUPS;
     bool col_ok = j < dv;
     int key_dim = nk * dk, head_len = dk * dv;
+    bool qk_snapshots = h % per_key == 0;
+    float q_scale = 1.0f / sqrtf((float)dk);
     long long state_len = (long long)nv * head_len;
     const float* sp = rec + row.state_slot * state_len + (long long)h * head_len;
     float s[SR];
@@ -130,16 +143,34 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent(float* out, cons
     float nw = col_ok && rg == 0 ? norm_w[j] : 0.0f;
     for (int n = 0; n < row.num_tokens; ++n) {
         int t = row.token_start + n;
-        // The token's scalars are loaded before the barrier, so that their loads are in flight
-        // together with k's and q's instead of one after another.
-        float gt = g[(long long)t * nv + h], bt = beta[(long long)t * nv + h];
-        float vj = col_ok ? conv_out[(long long)t * conv_dim + 2 * key_dim + h * dv + j] : 0.0f;
+        float gt, bt;
+        gdn_gates(a, b, neg_a, dt_bias, t, h, nv, &gt, &bt);
         long long e = (long long)t * nv * dv + h * dv + j;
         float zt = col_ok && rg == 0 ? z[e] : 0.0f;
+        // The column's value: convolved by the first thread of its group, shared with the rest.
+        float vj = col_ok && rg == 0 ? conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, 2 * key_dim + h * dv + j, conv_dim, kw, true) : 0.0f;
+        vj = __shfl_sync(FULL_MASK, vj, (threadIdx.x & 31) & ~(REC_GROUPS - 1));
+        // The previous token's reads of ks and qs are done.
         __syncthreads();
-        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-            ks[i] = kn[(long long)t * key_dim + kh * dk + i];
-            qs[i] = qn[(long long)t * key_dim + kh * dk + i];
+        float qss = 0.0f, kss = 0.0f;
+        for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
+            int which = c >= dk, d = c - which * dk;
+            float v = conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, which * key_dim + kh * dk + d, conv_dim, kw, qk_snapshots);
+            if (which) {
+                ks[d] = v;
+                kss += v * v;
+            } else {
+                qs[d] = v;
+                qss += v * v;
+            }
+        }
+        // q times dk^-1/2 and k l2-normalized, as gdn_conv_gates does; each thread scales the
+        // channels it wrote (block_sum ends with a barrier, so the sums are everyone's).
+        float qf = 1.0f / sqrtf(block_sum(qss, scratch) + 1e-6f) * q_scale;
+        float kf = 1.0f / sqrtf(block_sum(kss, scratch) + 1e-6f);
+        for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
+            if (c >= dk) ks[c - dk] = ks[c - dk] * kf;
+            else qs[c] = qs[c] * qf;
         }
         __syncthreads();
         float decay = expf(gt);

@@ -346,15 +346,10 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
 #endif
 
 // Before a small-row kernel waits for its activations, its blocks start pulling their weight
-// rows into L2 (plain launches: a grouped launch learns its weights from the routing it waits
-// for), so the stream of weights starts while the previous kernel finishes. Thread i of a
-// block prefetches the block's i-th column block, for as many rounds as PREFETCH_BUDGET allows
-// (at least one).
-__device__ __forceinline__ void prefetch_column_blocks(const bf16_t* w, int N, int K, int cols, const Epilogue& e) {
+// rows into L2, so the stream of weights starts while the previous kernel finishes. Thread i of
+// a block prefetches the block's i-th column block of weight `w`, for `rounds` column blocks.
+__device__ __forceinline__ void prefetch_weight_columns(const bf16_t* w, int N, int K, int cols, int rounds, const Epilogue& e) {
 #if __CUDA_ARCH__ >= 900
-    if (blockIdx.y != 0 || (K % 32) != 0) return;
-    long long launch_round = (long long)gridDim.x * cols * K * 2;
-    int rounds = (int)max(1LL, (long long)PREFETCH_BUDGET / launch_round);
     if ((int)threadIdx.x >= rounds) return;
     int n0 = (blockIdx.x + threadIdx.x * gridDim.x) * cols;
     if (n0 >= N) return;
@@ -367,11 +362,32 @@ __device__ __forceinline__ void prefetch_column_blocks(const bf16_t* w, int N, i
 #endif
 }
 
+// The prefetch of a small-row launch (block row 0 only, K in whole 32-wide blocks). A plain
+// launch pulls its first column block per block, or more up to PREFETCH_BUDGET bytes per launch.
+// A grouped launch learns its weights from the routing; with `lists_ready` (the routing was
+// written two or more launches back, so it is complete once this kernel is running: the launch
+// in between waited for it before letting this one start) each block looks its expert up and
+// pulls all its column blocks: an expert's down projection is a few MB, pulled while the
+// gate/up launch ends.
+__device__ __forceinline__ void prefetch_small(const bf16_t* whi, const bf16_t* wlo, int N, int K, int cols, const u64* group_w, const int* active, int lists_ready,
+        const Epilogue& e) {
+    if (blockIdx.y != 0 || (K % 32) != 0) return;
+    if (!group_w) {
+        if (wlo) return;
+        long long launch_round = (long long)gridDim.x * cols * K * 2;
+        prefetch_weight_columns(whi, N, K, cols, (int)max(1LL, (long long)PREFETCH_BUDGET / launch_round), e);
+    } else if (lists_ready) {
+        if ((int)blockIdx.z >= load_l2(active)) return;
+        const bf16_t* w = (const bf16_t*)load_l2(group_w + 2 * load_l2(active + 1 + blockIdx.z));
+        prefetch_weight_columns(w, N, K, cols, (N / cols + gridDim.x) / gridDim.x, e);
+    }
+}
+
 #define SMALL_KERNEL(NAME, MT, NT, UNROLL, PRESPLIT)                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * KSLICES) NAME(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, \
             int N, int K, const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active,        \
-            long long lo_off, Epilogue epi) {                                                                                            \
-        if (!group_w && !wlo) prefetch_column_blocks(whi, N, K, 8 * NT, epi);                                                           \
+            long long lo_off, Epilogue epi, int lists_ready) {                                                                           \
+        prefetch_small(whi, wlo, N, K, 8 * NT, group_w, active, lists_ready, epi);                                                      \
         wait_for_inputs();                                                                                                              \
         matmul_small_body<MT, NT, UNROLL, PRESPLIT>(out, x, whi, wlo, rows, N, K, group_w, counts, lists, list_stride, a_div, active, lo_off, epi); \
     }
@@ -392,6 +408,30 @@ SMALL_KERNEL(matmul_small2_nt2, 2, 2, 2, true)
 // Up to 64 rows, activations split ahead.
 SMALL_KERNEL(matmul_small4_nt1, 4, 1, 8, true)
 SMALL_KERNEL(matmul_small4_nt2, 4, 2, 4, true)
+
+// The router matmul of a step of at most 8 tokens (matmul_small_nt1's arithmetic, so the same
+// logits), then the routing in the last block to finish: route_and_group_few with `route`,
+// which moe_group_few would run as its own launch. The blocks count themselves in `done`,
+// which is zero between launches (the last block resets it). Arguments: matmul_small_nt1's
+// for a plain launch, then moe_group_few's; dynamic shared memory T * k + E + fold ints.
+extern "C" __global__ void __launch_bounds__(32 * KSLICES) matmul_router(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, int N, int K,
+        Epilogue epi, unsigned* done, int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists, int* counts, int* active,
+        int slots, int fold) {
+    prefetch_small(whi, wlo, N, K, 8, 0, 0, 0, epi);
+    wait_for_inputs();
+    matmul_small_body<1, 1, 4, false>(out, x, whi, wlo, rows, N, K, 0, 0, 0, 0, 1, 0, 0, epi);
+    __shared__ unsigned ticket;
+    // This block's logits are visible to the whole GPU before it counts itself.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(done, 1u);
+    __syncthreads();
+    if (ticket != gridDim.x * gridDim.y * gridDim.z - 1) return;
+    __threadfence();
+    if (threadIdx.x == 0) *done = 0u;
+    extern __shared__ int route_smem[];
+    route_and_group_few(route_smem, topk_idx, topk_w, logits, T, E, k, renormalize, lists, counts, active, 1, slots, fold);
+}
 
 // The end of a warp's MI x 4 block of m16n8 tiles in the tiled and pipelined kernels: the
 // slices after `slice` add their zero sums (as the small-row kernel does, so -0.0 turns into

@@ -433,9 +433,11 @@ fn moe_matches_cpu_and_tokens_are_independent() {
             gpu.to_host(&acc)
         };
         let full = run_gpu(max_t);
-        // 1 token routes and groups in one block, 5 route in per-token blocks and group in one,
-        // 70 and 150 route and group in blocks per token and per expert.
-        for t in [1, 5, 70, 150] {
+        // 1 and 5 tokens: the router matmul routes and groups in its last block (one launch
+        // after another, so its block counter must be back at zero each time); 12 route in
+        // per-token blocks and group in one; 70 and 150 route and group in blocks per token and
+        // per expert.
+        for t in [1, 5, 12, 70, 150] {
             let got = run_gpu(t);
             let mut acc = cpu.from_host(&residual[..t * h], t, h);
             cpu.moe_add(&mut acc, &cpu.from_host(&x[..t * h], t, h), &cw, &cfg);

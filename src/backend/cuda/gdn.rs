@@ -46,44 +46,44 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
     let (conv_state, conv_snap) = (be.ptr(&cache.conv[layer]), be.ptr(&cache.conv_snap[layer]));
     let (rec, rec_snap) = (be.ptr(&cache.rec[layer]), be.ptr(&cache.rec_snap[layer]));
 
-    // 1. Conv + SiLU (reads the stored windows; writes generate rows' window snapshots), the
-    //    normalized q/k and the gates, in one launch; then the canonical windows of prefill
-    //    rows are advanced.
-    let conv_out = be.tensor(t, conv_dim);
-    let qn = be.tensor(t, key_dim);
-    let kn = be.tensor(t, key_dim);
-    let g = be.tensor(t, nv);
-    let beta = be.tensor(t, nv);
-    let value_blocks = value_dim.div_ceil(CONV_GATES_THREADS);
-    be.launch(
-        &be.k.gdn_conv_gates,
-        (t as u32, (nk + 1 + value_blocks) as u32, 1),
-        CONV_GATES_THREADS as u32,
-        0,
-        &[
-            Arg::Ptr(be.ptr(&conv_out.data)),
-            Arg::Ptr(conv_snap),
-            Arg::Ptr(be.ptr(&qn.data)),
-            Arg::Ptr(be.ptr(&kn.data)),
-            Arg::Ptr(be.ptr(&g.data)),
-            Arg::Ptr(be.ptr(&beta.data)),
-            Arg::Ptr(be.ptr(&x.mixed.data)),
-            Arg::Ptr(conv_state),
-            Arg::Ptr(be.ptr(&x.conv_weight.data)),
-            Arg::Ptr(be.ptr(&x.a.data)),
-            Arg::Ptr(be.ptr(&x.b.data)),
-            Arg::Ptr(be.ptr(&x.neg_a.data)),
-            Arg::Ptr(be.ptr(&x.dt_bias.data)),
-            Arg::Ptr(at(dl.tok_row_off)),
-            Arg::Ptr(base),
-            Arg::I32(nk as i32),
-            Arg::I32(nv as i32),
-            Arg::I32(dk as i32),
-            Arg::I32(conv_dim as i32),
-            Arg::I32(kw as i32),
-        ],
-    );
-    if dl.num_prefill > 0 {
+    // 1. Prefill tokens: conv + SiLU, the normalized q/k and the gates in one launch, then the
+    //    canonical windows of prefill rows are advanced. (Generate tokens get all of this inside
+    //    the recurrent kernel, which also writes their window snapshots.)
+    let prefill = (dl.num_prefill > 0).then(|| {
+        let conv_out = be.tensor(t, conv_dim);
+        let qn = be.tensor(t, key_dim);
+        let kn = be.tensor(t, key_dim);
+        let g = be.tensor(t, nv);
+        let beta = be.tensor(t, nv);
+        let value_blocks = value_dim.div_ceil(CONV_GATES_THREADS);
+        be.launch(
+            &be.k.gdn_conv_gates,
+            (t as u32, (nk + 1 + value_blocks) as u32, 1),
+            CONV_GATES_THREADS as u32,
+            0,
+            &[
+                Arg::Ptr(be.ptr(&conv_out.data)),
+                Arg::Ptr(conv_snap),
+                Arg::Ptr(be.ptr(&qn.data)),
+                Arg::Ptr(be.ptr(&kn.data)),
+                Arg::Ptr(be.ptr(&g.data)),
+                Arg::Ptr(be.ptr(&beta.data)),
+                Arg::Ptr(be.ptr(&x.mixed.data)),
+                Arg::Ptr(conv_state),
+                Arg::Ptr(be.ptr(&x.conv_weight.data)),
+                Arg::Ptr(be.ptr(&x.a.data)),
+                Arg::Ptr(be.ptr(&x.b.data)),
+                Arg::Ptr(be.ptr(&x.neg_a.data)),
+                Arg::Ptr(be.ptr(&x.dt_bias.data)),
+                Arg::Ptr(at(dl.tok_row_off)),
+                Arg::Ptr(base),
+                Arg::I32(nk as i32),
+                Arg::I32(nv as i32),
+                Arg::I32(dk as i32),
+                Arg::I32(conv_dim as i32),
+                Arg::I32(kw as i32),
+            ],
+        );
         let n = dl.num_prefill * conv_dim;
         be.launch(
             &be.k.gdn_conv_state,
@@ -92,12 +92,12 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
             0,
             &[Arg::Ptr(conv_state), Arg::Ptr(be.ptr(&x.mixed.data)), Arg::Ptr(base), Arg::Ptr(at(dl.prefill_off)), Arg::I32(dl.num_prefill as i32), Arg::I32(conv_dim as i32), Arg::I32(kw as i32)],
         );
-    }
+        (conv_out, qn, kn, g, beta)
+    });
 
-    // 2. Delta rule and gated RMSNorm: generate rows recurrent (normalized in the same
-    //    kernel), prefill rows chunked and then normalized.
+    // 2. Delta rule and gated RMSNorm: generate rows recurrent (convolved and normalized in the
+    //    same kernel), prefill rows chunked and then normalized.
     let out = be.tensor(t, value_dim);
-    let (qn_p, kn_p, conv_p, g_p, beta_p) = (be.ptr(&qn.data), be.ptr(&kn.data), be.ptr(&conv_out.data), be.ptr(&g.data), be.ptr(&beta.data));
     let tail = |row_ids: u64| [Arg::Ptr(base), Arg::Ptr(row_ids), Arg::I32(nk as i32), Arg::I32(nv as i32), Arg::I32(dk as i32), Arg::I32(dv as i32), Arg::I32(conv_dim as i32)];
     if dl.num_generate > 0 {
         // REC_GROUPS (4) threads per value column, at most 512 (the kernel's launch bound).
@@ -108,18 +108,23 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
             Arg::Ptr(be.ptr(&x.z.data)),
             Arg::Ptr(be.ptr(&x.norm_weight.data)),
             Arg::F32(eps),
-            Arg::Ptr(qn_p),
-            Arg::Ptr(kn_p),
-            Arg::Ptr(conv_p),
-            Arg::Ptr(g_p),
-            Arg::Ptr(beta_p),
+            Arg::Ptr(be.ptr(&x.mixed.data)),
+            Arg::Ptr(conv_state),
+            Arg::Ptr(be.ptr(&x.conv_weight.data)),
+            Arg::Ptr(conv_snap),
+            Arg::Ptr(be.ptr(&x.a.data)),
+            Arg::Ptr(be.ptr(&x.b.data)),
+            Arg::Ptr(be.ptr(&x.neg_a.data)),
+            Arg::Ptr(be.ptr(&x.dt_bias.data)),
             Arg::Ptr(rec),
             Arg::Ptr(rec_snap),
         ];
         args.extend(tail(at(dl.generate_off)));
+        args.push(Arg::I32(kw as i32));
         be.launch(&be.k.gdn_recurrent, (dl.num_generate as u32, nv as u32, 1), threads, 0, &args);
     }
-    if dl.num_prefill > 0 {
+    if let Some((conv_out, qn, kn, g, beta)) = &prefill {
+        let (qn_p, kn_p, conv_p, g_p, beta_p) = (be.ptr(&qn.data), be.ptr(&kn.data), be.ptr(&conv_out.data), be.ptr(&g.data), be.ptr(&beta.data));
         let core = be.tensor(t, value_dim);
         let smem = (3 * CHUNK * (dk + 1) + CHUNK * CHUNK_COLS + 2 * CHUNK * CHUNK + 2 * CHUNK) * 4;
         assert!(smem <= be.max_dynamic_smem, "gated_delta_net: dk {dk} / dv {dv} need {smem} bytes of shared memory");

@@ -61,6 +61,13 @@ fn small_variant(rows: usize, n: usize, k: usize, grouped: bool) -> usize {
     (0..SMALL_VARIANTS.len()).filter(|&i| SMALL_VARIANTS[i].mt == mt && SMALL_VARIANTS[i].nt <= nt).max_by_key(|&i| SMALL_VARIANTS[i].nt).expect("every m tile count has an nt=1 kernel")
 }
 
+/// Blocks of `matmul_router` (cuda/matmul.cu) for a router of `n` outputs over `k` inputs at
+/// `rows` tokens: it runs matmul_small_nt1's blocks, so it stands in for the router matmul only
+/// where that is the kernel the launch would take (None elsewhere).
+pub(super) fn router_blocks(be: &CudaBackend, rows: usize, n: usize, k: usize) -> Option<u32> {
+    (rows <= 16 && small_variant(rows, n, k, false) == 0).then(|| n.div_ceil(8).min(be.small_matmul_slots[0]) as u32)
+}
+
 /// What a matmul does with each product (`struct Epilogue` in cuda/matmul.cu, passed by
 /// value): store it, add it into the output, apply SwiGLU to gate/up pairs, or cut the columns
 /// into parts. Every mode computes the same products; only the store differs.
@@ -84,7 +91,7 @@ impl Epilogue {
     pub const ADD: Epilogue = Epilogue { mode: 1, parts: 0, width: [0; 4], ptr: [0; 4] };
     pub const SWIGLU: Epilogue = Epilogue { mode: 2, parts: 0, width: [0; 4], ptr: [0; 4] };
 
-    fn parts(parts: &[(u64, usize)]) -> Epilogue {
+    pub(super) fn parts(parts: &[(u64, usize)]) -> Epilogue {
         assert!((1..=MAX_PARTS).contains(&parts.len()), "matmul: {} output parts (1..={MAX_PARTS})", parts.len());
         let mut e = Epilogue { mode: 3, parts: parts.len() as i32, ..Default::default() };
         for (i, &(ptr, width)) in parts.iter().enumerate() {
@@ -109,6 +116,10 @@ pub(super) struct Grouped {
     pub groups: usize,
     /// Whether the group weights carry a lo part (F32/F16 sources).
     pub has_lo: bool,
+    /// Whether the routing was written two or more launches before this one, so that the
+    /// small-row kernel may read it before waiting for its inputs and pull its experts' weights
+    /// into L2 early (`prefetch_small` in cuda/matmul.cu).
+    pub lists_ready: bool,
 }
 
 /// Bytes of dynamic shared memory of the pipelined kernel (3 stages of A hi, A lo and W tiles
@@ -122,9 +133,9 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
     if rows == 0 || n == 0 {
         return;
     }
-    let (table, counts, lists, stride, a_div, active, groups, has_lo) = match grouped {
-        Some(g) => (g.table, g.counts, g.lists, g.list_stride, g.a_div, g.active, g.groups, g.has_lo),
-        None => (0, 0, 0, 0, 1, 0, 1, wlo != 0),
+    let (table, counts, lists, stride, a_div, active, groups, has_lo, lists_ready) = match grouped {
+        Some(g) => (g.table, g.counts, g.lists, g.list_stride, g.a_div, g.active, g.groups, g.has_lo, g.lists_ready),
+        None => (0, 0, 0, 0, 1, 0, 1, wlo != 0, false),
     };
     let tail = [Arg::I32(rows as i32), Arg::I32(n as i32), Arg::I32(k as i32), Arg::Ptr(table), Arg::Ptr(counts), Arg::Ptr(lists), Arg::I32(stride as i32), Arg::I32(a_div as i32), Arg::Ptr(active)];
     // Past one m tile, a wide output gives the pipelined kernel enough 128-column blocks to
@@ -147,6 +158,7 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
         args.extend(tail);
         args.push(Arg::I64((x_rows * k) as i64));
         args.push(Arg::Epilogue(epi));
+        args.push(Arg::I32(i32::from(lists_ready)));
         // One wave of resident blocks; more column blocks are walked by the grid-stride loop.
         // A grouped launch shares the wave among its groups (at least GROUP_MIN_COL_BLOCKS
         // each): a block walking several column blocks of its expert starts up (looks its group

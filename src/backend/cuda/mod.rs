@@ -113,7 +113,7 @@ macro_rules! kernel_table {
 
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth, read_bandwidth],
-    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_tiled, matmul_pipelined, split_activations],
+    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_router, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core, attn_combine],
     "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_chunked, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
@@ -155,6 +155,8 @@ pub struct CudaBackend {
     /// in cuda/common.cuh). `KESTREL_CUDA_PDL=0` turns it off.
     dependent_launch: bool,
     launches: AtomicUsize,
+    /// Finished blocks of the running `matmul_router` launch (zero between launches).
+    pub(super) router_done: CudaSlice<u32>,
     /// Kernel start times (`KESTREL_CUDA_TRACE=1`, profile.rs).
     tracer: Option<profile::Tracer>,
 }
@@ -233,6 +235,7 @@ impl CudaBackend {
             *slots = sm_count * f.occupancy_max_active_blocks_per_multiprocessor(matmul::SMALL_THREADS, 0, None).map_err(driver)?.max(1) as usize;
         }
         let stream = ctx.new_stream().map_err(driver)?;
+        let router_done = stream.alloc_zeros::<u32>(1).map_err(driver)?;
         let tracer = if trace { Some(profile::Tracer::new(&stream, &modules, k.names()).map_err(driver)?) } else { None };
         Ok(CudaBackend {
             ctx,
@@ -256,6 +259,7 @@ impl CudaBackend {
             sm_count,
             dependent_launch: major >= 9 && std::env::var("KESTREL_CUDA_PDL").map_or(true, |v| v != "0"),
             launches: AtomicUsize::new(0),
+            router_done,
             tracer,
         })
     }

@@ -75,10 +75,6 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
     // Rows per token in the expert activations: its k routed experts, then the shared one.
     let slots = k + usize::from(fold);
     let groups_max = e + usize::from(fold);
-    // Router logits and the shared expert's gate from one matmul.
-    let mut parts = super::matmul::matmul_parts(be, x, &w.router, &w.router_widths(e)).into_iter();
-    let logits = parts.next().expect("router logits");
-    let shared_gate = parts.next();
     // Each token picks an expert at most once, so an expert's list holds at most t entries.
     // The routing's outputs share one allocation of 4-byte words (each allocation and free is a
     // driver call on the host, which a decode step of a large MoE model is short of time for):
@@ -92,7 +88,19 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
     let word = |offset: usize| be.ptr(&routing) + 4 * offset as u64;
     let (topk_idx, lists, counts, active, topk_w) = (word(0), word(lists_at), word(counts_at), word(active_at), word(weights_at));
     assert!(e <= MAX_EXPERTS, "moe: {e} experts (routing supports at most {MAX_EXPERTS})");
-    // moe_route's arguments, which moe_group_few also starts with.
+    // Router logits and the shared expert's gate from one matmul.
+    let widths = w.router_widths(e);
+    let few = t * k <= FEW_ENTRIES;
+    let route_here = few && t <= ROUTE_IN_GROUP_MAX_TOKENS;
+    let router_blocks = super::matmul::router_blocks(be, t, w.router.rows, h).filter(|_| route_here);
+    let mut parts = match router_blocks {
+        Some(_) => widths.iter().map(|&n| be.tensor(t, n)).collect(),
+        None => super::matmul::matmul_parts(be, x, &w.router, &widths),
+    }
+    .into_iter();
+    let logits = parts.next().expect("router logits");
+    let shared_gate = parts.next();
+    // moe_route's arguments, which moe_group_few and matmul_router's routing also start with.
     let route_args = [
         Arg::Ptr(topk_idx),
         Arg::Ptr(topk_w),
@@ -103,8 +111,27 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
         Arg::I32(i32::from(cfg.norm_topk_prob)),
     ];
     let route = || be.launch(&be.k.moe_route, (t.div_ceil(ROUTE_WARPS) as u32, 1, 1), 256, 0, &route_args);
-    if t * k <= FEW_ENTRIES {
-        let route_here = t <= ROUTE_IN_GROUP_MAX_TOKENS;
+    // Dynamic shared memory of moe_group_few and matmul_router.
+    let group_smem = (t * k + groups_max) * 4;
+    if let Some(blocks) = router_blocks {
+        // The router matmul with the routing in its last block: one launch fewer per layer.
+        let outs: Vec<(u64, usize)> = std::iter::once(&logits).chain(shared_gate.as_ref()).map(|p| (be.ptr(&p.data), p.cols)).collect();
+        let wlo = w.router.lo.as_ref().map_or(0, |l| be.ptr(l));
+        let mut args = vec![
+            Arg::Ptr(outs[0].0),
+            Arg::Ptr(be.ptr(&x.data)),
+            Arg::Ptr(be.ptr(&w.router.hi)),
+            Arg::Ptr(wlo),
+            Arg::I32(t as i32),
+            Arg::I32(w.router.rows as i32),
+            Arg::I32(h as i32),
+            Arg::Epilogue(super::matmul::Epilogue::parts(&outs)),
+            Arg::Ptr(be.ptr(&be.router_done)),
+        ];
+        args.extend(route_args);
+        args.extend([Arg::Ptr(lists), Arg::Ptr(counts), Arg::Ptr(active), Arg::I32(slots as i32), Arg::I32(i32::from(fold))]);
+        be.launch(&be.k.matmul_router, (blocks, 1, 1), super::matmul::SMALL_THREADS, group_smem, &args);
+    } else if few {
         if !route_here {
             route();
         }
@@ -117,8 +144,7 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
             Arg::I32(slots as i32),
             Arg::I32(i32::from(fold)),
         ]);
-        let smem = (t * k + groups_max) * 4;
-        be.launch(&be.k.moe_group_few, (1, 1, 1), 256, smem, &args);
+        be.launch(&be.k.moe_group_few, (1, 1, 1), 256, group_smem, &args);
     } else {
         route();
         be.launch(
@@ -142,7 +168,7 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
     let tables = expert_tables(be, w, fold);
     // At most t * k experts have rows (and the shared one): one grid slice each.
     let groups = e.min(t * k) + usize::from(fold);
-    let grouped = |which: usize, a_div: usize| Grouped {
+    let grouped = |which: usize, a_div: usize, lists_ready: bool| Grouped {
         table: be.ptr(&tables[which]),
         counts: counts,
         lists: lists,
@@ -151,12 +177,15 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
         active: active,
         groups,
         has_lo: w.experts.iter().chain(w.shared.iter().filter(|_| fold)).any(|m| m[which].lo.is_some()),
+        lists_ready,
     };
     // Gate and up in one grouped launch, SwiGLU applied in its store.
     let act = be.tensor(t * slots, inter);
-    launch_matmul(be, be.ptr(&act.data), be.ptr(&x.data), t, 0, 0, t, 2 * inter, h, Some(&grouped(0, slots)), Epilogue::SWIGLU);
+    launch_matmul(be, be.ptr(&act.data), be.ptr(&x.data), t, 0, 0, t, 2 * inter, h, Some(&grouped(0, slots, false)), Epilogue::SWIGLU);
+    // The gate/up launch waited for the routing before it let this one start, so the down
+    // launch may look its experts up early.
     let y = be.tensor(t * slots, h);
-    launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), t * slots, 0, 0, t, h, inter, Some(&grouped(1, 1)), Epilogue::STORE);
+    launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), t * slots, 0, 0, t, h, inter, Some(&grouped(1, 1, true)), Epilogue::STORE);
 
     // The shared expert's rows: slot k of y, or its own matmuls when its shapes differ.
     let separate = w.shared.as_ref().filter(|_| !fold).map(|[gu, d]| super::matmul::matmul(be, &super::matmul::matmul_swiglu(be, x, gu), d));

@@ -1,0 +1,119 @@
+// MoE routing shared by cuda/moe.cu and cuda/matmul.cu (whose router matmul routes in its
+// last block): both modules are compiled with this text in front of them.
+
+// Most experts routing supports: each lane keeps E / 32 probabilities in registers.
+#define ROUTE_MAX_PER_LANE 16
+
+// Routing of token t by one warp: softmax over all experts, top-k by repeated argmax (ties to
+// the lower index), optional renormalization. Lane j holds experts j, j + 32, ... in registers,
+// so an argmax round reads no memory. A warp, not a block: the k argmax rounds need no block
+// barriers, and a block of 8 warps routes 8 tokens at once. Every lane ends the butterflies
+// with the same (value, index).
+__device__ __forceinline__ void route_token(int t, int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize) {
+    int lane = threadIdx.x & 31;
+    // Logits other blocks of the same launch may have written (matmul_router): read from L2.
+    const float* l = logits + (long long)t * E;
+    // Probabilities of this lane's experts; NEG_INF marks a chosen or missing one.
+    float p[ROUTE_MAX_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) p[i] = lane + 32 * i < E ? load_l2(l + lane + 32 * i) : NEG_INF;
+    float m = NEG_INF;
+#pragma unroll
+    for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) m = fmaxf(m, p[i]);
+    m = warp_max(m);
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) {
+        if (lane + 32 * i < E) {
+            p[i] = expf(p[i] - m);
+            sum += p[i];
+        }
+    }
+    sum = warp_sum(sum);
+    // Lane s % 32 keeps slot s (k <= 64: two registers).
+    float mine_w[2] = {0.0f, 0.0f};
+    int mine_i[2] = {0, 0};
+    float total = 0.0f;
+    for (int s = 0; s < k; ++s) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) {
+            int e = lane + 32 * i;
+            if (p[i] > bv || (p[i] == bv && e < bi)) { bv = p[i]; bi = e; }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+            int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        float chosen = bv / sum;
+        total += chosen;
+        if ((s & 31) == lane) {
+            if (s < 32) { mine_w[0] = chosen; mine_i[0] = bi; } else { mine_w[1] = chosen; mine_i[1] = bi; }
+        }
+#pragma unroll
+        for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i)
+            if (lane + 32 * i == bi) p[i] = NEG_INF;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int s = lane + 32 * h;
+        if (s < k) {
+            topk_idx[t * k + s] = mine_i[h];
+            topk_w[t * k + s] = renormalize ? mine_w[h] / total : mine_w[h];
+        }
+    }
+}
+
+// The routing of a step with few (token, slot) entries by one block of 256 threads: with
+// `route`, the block's warps first route the T <= 8 tokens themselves; then the per-group
+// lists (entries in entry order), counts and the active list (groups with entries, in group
+// order). Entries and the shared expert as in moe_group (`fold`: the shared expert is group
+// E). `ex`: shared memory of T * k + E + fold ints.
+__device__ __forceinline__ void route_and_group_few(int* ex, int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists, int* counts,
+        int* active, int route, int slots, int fold) {
+    __shared__ int warp_counts[8];
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    if (route)
+        for (int t = warp; t < T; t += nwarps) route_token(t, topk_idx, topk_w, logits, E, k, renormalize);
+    // The block's global writes of topk_idx are visible to it after the barrier.
+    __syncthreads();
+    int entries = T * k, cap = T, groups = E + fold;
+    int* entry_expert = ex;
+    int* cnt = entry_expert + entries;
+    for (int i = tid; i < entries; i += blockDim.x) entry_expert[i] = topk_idx[i];
+    __syncthreads();
+    // A thread per group lists its entries in entry order.
+    for (int e = tid; e < groups; e += blockDim.x) {
+        int c = 0;
+        if (e < E) {
+            for (int i = 0; i < entries; ++i)
+                if (entry_expert[i] == e) lists[(long long)e * cap + c++] = (i / k) * slots + i % k;
+        } else {
+            for (int t = 0; t < T; ++t) lists[(long long)E * cap + c++] = t * slots + k;
+        }
+        cnt[e] = c;
+        counts[e] = c;
+    }
+    __syncthreads();
+    // The groups with entries, in group order (ballot compaction).
+    int base_out = 0;
+    for (int base = 0; base < groups; base += blockDim.x) {
+        int e = base + tid;
+        bool hit = e < groups && cnt[e] > 0;
+        u32 ballot = __ballot_sync(FULL_MASK, hit);
+        if (lane == 0) warp_counts[warp] = __popc(ballot);
+        __syncthreads();
+        int before = base_out, total = 0;
+        for (int w = 0; w < nwarps; ++w) {
+            if (w < warp) before += warp_counts[w];
+            total += warp_counts[w];
+        }
+        if (hit) active[1 + before + __popc(ballot & ((1u << lane) - 1u))] = e;
+        base_out += total;
+        __syncthreads();
+    }
+    if (tid == 0) active[0] = base_out;
+}
