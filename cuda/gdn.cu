@@ -81,7 +81,7 @@ extern "C" __global__ void gdn_conv_gates(float* conv_out, float* conv_snap, flo
 }
 
 // Thread per (prefill row, channel): the row's new window. Reads finish before writes, and
-// each thread owns its channel of its row. (Generate rows' snapshots come from gdn_conv_gates.)
+// each thread owns its channel of its row. (Generate rows' snapshots come from gdn_recurrent.)
 extern "C" __global__ void gdn_conv_state(float* conv_state, const float* mixed, const RowInfo* rows, const int* row_ids, int num_rows, int conv_dim, int kw) {
     wait_for_inputs();
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;

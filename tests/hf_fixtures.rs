@@ -3,11 +3,7 @@
 mod common;
 
 use common::*;
-use kestrel::backend::cpu::CpuBackend;
-use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
 use kestrel::engine::sampler::SamplingParams;
-use kestrel::model::arch::qwen35::Qwen35;
-use kestrel::model::ModelFiles;
 
 #[test]
 fn logits_match_transformers() {
