@@ -8,8 +8,8 @@
 // the lower index), optional renormalization. Lane j holds experts j, j + 32, ... in registers,
 // so an argmax round reads no memory. A warp, not a block: the k argmax rounds need no block
 // barriers, and a block of 8 warps routes 8 tokens at once. Every lane ends the butterflies
-// with the same (value, index).
-__device__ __forceinline__ void route_token(int t, int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize) {
+// with the same (value, index). Returns the expert of slot `lane` (lanes below k, k <= 32).
+__device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize) {
     int lane = threadIdx.x & 31;
     // Logits other blocks of the same launch may have written (matmul_router): read from L2.
     const float* l = logits + (long long)t * E;
@@ -65,6 +65,7 @@ __device__ __forceinline__ void route_token(int t, int* topk_idx, float* topk_w,
             topk_w[t * k + s] = renormalize ? mine_w[h] / total : mine_w[h];
         }
     }
+    return mine_i[0];
 }
 
 // The routing of a step with few (token, slot) entries by one block of 256 threads: with
@@ -76,6 +77,32 @@ __device__ __forceinline__ void route_and_group_few(int* ex, int* topk_idx, floa
         int* active, int route, int slots, int fold) {
     __shared__ int warp_counts[8];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    if (route && T == 1 && k <= 32 && k <= E) {
+        // One token (a batch-1 decode step): its k experts are distinct and each has one
+        // entry, so warp 0 writes the same lists, counts (of the groups with entries, the
+        // only ones read) and active list from registers, without the block barriers and the
+        // read-back of topk_idx below. An expert's rank among the chosen is its place in the
+        // active list (group order).
+        if (warp != 0) return;
+        int e = route_token(0, topk_idx, topk_w, logits, E, k, renormalize);
+        int mine = lane < k ? e : 0x7fffffff;
+        int rank = 0;
+        for (int j = 0; j < k; ++j) rank += __shfl_sync(FULL_MASK, mine, j) < mine;
+        if (lane < k) {
+            active[1 + rank] = mine;
+            counts[mine] = 1;
+            lists[mine] = lane;
+        }
+        if (lane == 0) {
+            if (fold) {
+                active[1 + k] = E;
+                counts[E] = 1;
+                lists[E] = k;
+            }
+            active[0] = k + fold;
+        }
+        return;
+    }
     if (route)
         for (int t = warp; t < T; t += nwarps) route_token(t, topk_idx, topk_w, logits, E, k, renormalize);
     // The block's global writes of topk_idx are visible to it after the barrier.

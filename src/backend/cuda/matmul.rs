@@ -148,6 +148,21 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
     // Multi-tile small-row kernels read pre-split activations, so they take what the pipelined
     // kernel takes (bf16 weights, whole 32-wide k blocks); other weights past 16 rows go tiled.
     let small = rows <= 16 || (rows <= SMALL_MAX_ROWS && bf16_blocks && !wide);
+    if small && rows <= 16 && !has_lo {
+        if let Some((kernel, shape)) = stream_plan(be, rows, k) {
+            let mut args = vec![Arg::Ptr(out), Arg::Ptr(x), Arg::Ptr(whi), Arg::Ptr(wlo)];
+            args.extend(tail);
+            args.push(Arg::I64((x_rows * k) as i64));
+            args.push(Arg::Epilogue(epi));
+            args.push(Arg::I32(i32::from(lists_ready)));
+            args.push(Arg::I32(shape.stages as i32));
+            let slots = shape.blocks_per_sm * be.sm_count;
+            let wave = if grouped.is_some() { (slots / groups).max(GROUP_MIN_COL_BLOCKS) } else { slots };
+            let col_blocks = n.div_ceil(8 * shape.nt).min(wave);
+            be.launch(kernel, (col_blocks as u32, 1, groups as u32), STREAM_THREADS, shape.smem, &args);
+            return;
+        }
+    }
     if small {
         let index = small_variant(rows, n, k, grouped.is_some());
         let v = &SMALL_VARIANTS[index];
@@ -183,6 +198,72 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
         args.push(Arg::Epilogue(epi));
         be.launch(&be.k.matmul_tiled, (n.div_ceil(64) as u32, rows.div_ceil(64) as u32, groups as u32), 128, 0, &args);
     }
+}
+
+/// Threads of the streaming kernels: the k-slice warps and the producer warp.
+pub(super) const STREAM_THREADS: u32 = 288;
+/// Most stages of a streaming kernel's ring (STREAM_MAX_STAGES in cuda/matmul.cu).
+const STREAM_MAX_STAGES: usize = 8;
+
+/// The streaming kernels (`matmul_stream_nt*`, cuda/matmul.cu) as the backend found them:
+/// how much shared memory each may take and how many blocks fit per SM without it.
+pub(super) struct StreamKernels {
+    /// Shared memory of the ring a launch aims for (bytes): two blocks of 96 KB share an
+    /// SM's 228 KB. `KESTREL_CUDA_STREAM_RING` overrides it for experiments.
+    pub ring_bytes: usize,
+    /// Per variant (n tiles 1, 2, 4): static shared memory, resident blocks per SM without
+    /// dynamic shared memory, most dynamic shared memory.
+    pub static_smem: [usize; 3],
+    pub blocks_per_sm: [usize; 3],
+    pub max_dynamic: [usize; 3],
+    pub smem_per_sm: usize,
+}
+
+/// One streaming launch's shape.
+#[derive(Debug, PartialEq)]
+struct StreamShape {
+    /// Index of the variant (n tiles 1, 2, 4).
+    variant: usize,
+    nt: usize,
+    stages: usize,
+    /// Dynamic shared memory (bytes).
+    smem: usize,
+    blocks_per_sm: usize,
+}
+
+impl StreamKernels {
+    /// The streaming launch for `rows` (at most 16) rows and `k` inputs (bf16 weights), or None
+    /// where it does not apply: K not in whole 32-wide blocks, or two stages of weight rows and
+    /// the split activations do not fit in shared memory.
+    fn shape(&self, rows: usize, k: usize) -> Option<StreamShape> {
+        if !k.is_multiple_of(32) || rows == 0 || rows > 16 {
+            return None;
+        }
+        // A stage of about 8K weight columns' worth of bytes (32 KB at K = 2048): four n tiles
+        // at K <= 512, two at K <= 1024.
+        let variant = if k <= 512 { 2 } else if k <= 1024 { 1 } else { 0 };
+        let nt = 1 << variant;
+        // Rows padded by 64 bytes where 2K is a multiple of 128 (as stream_start pads them).
+        let row_bytes = 2 * k + if (2 * k).is_multiple_of(128) { 64 } else { 0 };
+        let stage = 8 * nt * row_bytes;
+        // The activation rows, split into bf16 hi and lo rows padded like the weight rows.
+        let x_bytes = 2 * rows * row_bytes;
+        let stages = (self.ring_bytes.saturating_sub(x_bytes) / stage).clamp(2, STREAM_MAX_STAGES);
+        let smem = stages * stage + x_bytes;
+        if smem > self.max_dynamic[variant] {
+            return None;
+        }
+        // The driver reserves 1 KB of shared memory per block.
+        let by_smem = self.smem_per_sm / (smem + self.static_smem[variant] + 1024);
+        Some(StreamShape { variant, nt, stages, smem, blocks_per_sm: self.blocks_per_sm[variant].min(by_smem).max(1) })
+    }
+}
+
+/// The streaming kernel and its launch shape for `rows` rows over `k` inputs, where the backend
+/// has the streaming kernels (sm_90 and later, not turned off) and the shape fits.
+fn stream_plan(be: &CudaBackend, rows: usize, k: usize) -> Option<(&CudaFunction, StreamShape)> {
+    let shape = be.stream_kernels.as_ref()?.shape(rows, k)?;
+    Some(([&be.k.matmul_stream_nt1, &be.k.matmul_stream_nt2, &be.k.matmul_stream_nt4][shape.variant], shape))
 }
 
 /// `x` (`elems` f32, a multiple of 8) as bf16 hi halves followed by the lo halves.
@@ -238,6 +319,30 @@ pub(super) fn matmul_swiglu(be: &CudaBackend, x: &CudaTensor, w: &CudaMatrix) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stream_shapes_fit_shared_memory_or_fall_back() {
+        // An H100: 227 KB per block at most, 228 KB per SM.
+        let sk = StreamKernels { ring_bytes: 96 * 1024, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024 };
+        // A decode step's expert gate/up (K = 2048): one n tile, rows of 4096 + 64 bytes, two
+        // stages beside the split activation row; two blocks per SM.
+        let s = sk.shape(1, 2048).expect("K = 2048 streams");
+        assert_eq!((s.variant, s.nt, s.stages), (0, 1, 2));
+        assert_eq!(s.smem, 2 * 8 * 4160 + 2 * 4160);
+        assert_eq!(s.blocks_per_sm, 2);
+        // The experts' down projections (K = 512): four n tiles; K = 1024: two.
+        assert_eq!(sk.shape(1, 512).map(|s| (s.nt, s.stages)), Some((4, 2)));
+        assert_eq!(sk.shape(4, 1024).map(|s| s.nt), Some(2));
+        // A short K fills the ring with more stages, up to the most the kernel has barriers for.
+        assert_eq!(sk.shape(1, 32).map(|s| s.stages), Some(STREAM_MAX_STAGES));
+        // 2K not a multiple of 128: no padding.
+        assert_eq!(sk.shape(1, 96).map(|s| s.smem % (2 * 96)), Some(0));
+        // Shapes that do not fit or do not apply fall back to the small-row kernels.
+        assert_eq!(sk.shape(1, 12288), None, "two stages of 8 rows of K = 12288 exceed shared memory");
+        assert_eq!(sk.shape(16, 4096), None, "16 split activation rows of K = 4096 beside the ring");
+        assert_eq!(sk.shape(1, 100), None, "K not in whole 32-wide blocks");
+        assert_eq!(sk.shape(17, 512), None, "one m tile only");
+    }
 
     #[test]
     fn small_variants_cover_their_rows_with_one_pass_over_the_weights() {

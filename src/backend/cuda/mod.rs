@@ -113,7 +113,7 @@ macro_rules! kernel_table {
 
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth, read_bandwidth],
-    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_router, matmul_tiled, matmul_pipelined, split_activations],
+    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_router, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core, attn_combine],
     "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_chunked, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
@@ -147,6 +147,9 @@ pub struct CudaBackend {
     pub(super) max_dynamic_smem: usize,
     /// Resident blocks of each small-row matmul variant (matmul::SMALL_VARIANTS) across the GPU.
     pub(super) small_matmul_slots: [usize; matmul::SMALL_VARIANTS.len()],
+    /// The weight-streaming matmuls for up to 16 rows (sm_90 and later; `KESTREL_CUDA_STREAM=0`
+    /// turns them off).
+    stream_kernels: Option<matmul::StreamKernels>,
     pub(super) sm_count: usize,
     profiler: profile::Profiler,
     host_timer: profile::HostTimer,
@@ -234,6 +237,28 @@ impl CudaBackend {
             let f = (v.kernel)(&k);
             *slots = sm_count * f.occupancy_max_active_blocks_per_multiprocessor(matmul::SMALL_THREADS, 0, None).map_err(driver)?.max(1) as usize;
         }
+        // The weight-streaming matmuls use sm_90 bulk copies.
+        let stream_kernels = if major >= 9 && std::env::var("KESTREL_CUDA_STREAM").map_or(true, |v| v != "0") {
+            let smem_per_sm = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(driver)?.max(0) as usize;
+            let mut sk = matmul::StreamKernels {
+                ring_bytes: std::env::var("KESTREL_CUDA_STREAM_RING").ok().and_then(|v| v.parse().ok()).unwrap_or(96 * 1024),
+                static_smem: [0; 3],
+                blocks_per_sm: [0; 3],
+                max_dynamic: [0; 3],
+                smem_per_sm,
+            };
+            for (i, f) in [&k.matmul_stream_nt1, &k.matmul_stream_nt2, &k.matmul_stream_nt4].into_iter().enumerate() {
+                // SAFETY: a loaded function handle and a valid attribute.
+                let fixed = unsafe { cudarc::driver::result::function::get_function_attribute(f.cu_function(), FuncAttr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) }.map_err(driver)?;
+                f.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - fixed).map_err(driver)?;
+                sk.static_smem[i] = fixed.max(0) as usize;
+                sk.max_dynamic[i] = (optin - fixed).max(0) as usize;
+                sk.blocks_per_sm[i] = f.occupancy_max_active_blocks_per_multiprocessor(matmul::STREAM_THREADS, 0, None).map_err(driver)?.max(1) as usize;
+            }
+            Some(sk)
+        } else {
+            None
+        };
         let stream = ctx.new_stream().map_err(driver)?;
         let router_done = stream.alloc_zeros::<u32>(1).map_err(driver)?;
         let tracer = if trace { Some(profile::Tracer::new(&stream, &modules, k.names()).map_err(driver)?) } else { None };
@@ -256,6 +281,7 @@ impl CudaBackend {
             profiler: profile::Profiler::from_env(),
             host_timer: profile::HostTimer::from_env(),
             small_matmul_slots,
+            stream_kernels,
             sm_count,
             dependent_launch: major >= 9 && std::env::var("KESTREL_CUDA_PDL").map_or(true, |v| v != "0"),
             launches: AtomicUsize::new(0),
