@@ -799,7 +799,9 @@ __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int
 template <int NT>
 __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float* out, const float* x, const bf16_t* whi_, int rows, int N, int K, const u64* group_w,
         const int* counts, const int* lists, int list_stride, int a_div, const int* active, const Epilogue& epi) {
-    __shared__ float red[KSLICES][NT][32][4];
+    // Two reduction buffers, alternating by column block: one barrier per column block, and
+    // warp 0 adds up and stores one column block while the others start on the next.
+    __shared__ float red[2][KSLICES][NT][32][4];
     Group grp = group_of(whi_, 0, rows, group_w, counts, lists, list_stride, active);
     // The early copies must be of this group's weights: the routing two launches back was
     // complete when this kernel started. Should that ever not hold, stop loudly rather than
@@ -860,11 +862,14 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
         // This warp's reads of the stage are done: the producer may refill it.
         __syncwarp();
         if (lane == 0) mbar_arrive(ring.empty + 8 * s);
+        // Buffer i & 1 was last read by warp 0 for column block i - 2, before it reached the
+        // barrier of column block i - 1, which this warp has passed.
+        float (*rb)[NT][32][4] = red[i & 1];
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) red[warp][j][lane][e] = c[j][e];
-        // The k-slice warps only (the producer warp is not part of these barriers).
+            for (int e = 0; e < 4; ++e) rb[warp][j][lane][e] = c[j][e];
+        // The k-slice warps only (the producer warp is not part of this barrier).
         asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
         if (warp == 0) {
 #pragma unroll
@@ -872,11 +877,10 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
                 float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 for (int w = 0; w < KSLICES; ++w)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) t[e] += red[w][j][lane][e];
+                    for (int e = 0; e < 4; ++e) t[e] += rb[w][j][lane][e];
                 store_fragment(epi, out, grp, N, g, n0 + j * 8 + 2 * q, t);
             }
         }
-        asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
     }
 }
 

@@ -217,6 +217,9 @@ pub(super) struct StreamKernels {
     pub blocks_per_sm: [usize; 3],
     pub max_dynamic: [usize; 3],
     pub smem_per_sm: usize,
+    /// Narrowest variant a launch takes (0: by K alone; `KESTREL_CUDA_STREAM_NT=2` or `4` for
+    /// experiments with wider column blocks).
+    pub min_variant: usize,
 }
 
 /// One streaming launch's shape.
@@ -241,7 +244,7 @@ impl StreamKernels {
         }
         // A stage of about 8K weight columns' worth of bytes (32 KB at K = 2048): four n tiles
         // at K <= 512, two at K <= 1024.
-        let variant = if k <= 512 { 2 } else if k <= 1024 { 1 } else { 0 };
+        let variant = (if k <= 512 { 2 } else if k <= 1024 { 1 } else { 0 }).max(self.min_variant);
         let nt = 1 << variant;
         // Rows padded by 64 bytes where 2K is a multiple of 128 (as stream_start pads them).
         let row_bytes = 2 * k + if (2 * k).is_multiple_of(128) { 64 } else { 0 };
@@ -323,7 +326,7 @@ mod tests {
     #[test]
     fn stream_shapes_fit_shared_memory_or_fall_back() {
         // An H100: 227 KB per block at most, 228 KB per SM.
-        let sk = StreamKernels { ring_bytes: 96 * 1024, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024 };
+        let sk = StreamKernels { ring_bytes: 96 * 1024, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024, min_variant: 0 };
         // A decode step's expert gate/up (K = 2048): one n tile, rows of 4096 + 64 bytes, two
         // stages beside the split activation row; two blocks per SM.
         let s = sk.shape(1, 2048).expect("K = 2048 streams");

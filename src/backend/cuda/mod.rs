@@ -246,6 +246,11 @@ impl CudaBackend {
                 blocks_per_sm: [0; 3],
                 max_dynamic: [0; 3],
                 smem_per_sm,
+                min_variant: match std::env::var("KESTREL_CUDA_STREAM_NT").as_deref() {
+                    Ok("4") => 2,
+                    Ok("2") => 1,
+                    _ => 0,
+                },
             };
             for (i, f) in [&k.matmul_stream_nt1, &k.matmul_stream_nt2, &k.matmul_stream_nt4].into_iter().enumerate() {
                 // SAFETY: a loaded function handle and a valid attribute.
