@@ -409,17 +409,12 @@ SMALL_KERNEL(matmul_small2_nt2, 2, 2, 2, true)
 SMALL_KERNEL(matmul_small4_nt1, 4, 1, 8, true)
 SMALL_KERNEL(matmul_small4_nt2, 4, 2, 4, true)
 
-// The router matmul of a step of at most 8 tokens (matmul_small_nt1's arithmetic, so the same
-// logits), then the routing in the last block to finish: route_and_group_few with `route`,
-// which moe_group_few would run as its own launch. The blocks count themselves in `done`,
-// which is zero between launches (the last block resets it). Arguments: matmul_small_nt1's
-// for a plain launch, then moe_group_few's; dynamic shared memory T * k + E + fold ints.
-extern "C" __global__ void __launch_bounds__(32 * KSLICES) matmul_router(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, int N, int K,
-        Epilogue epi, unsigned* done, int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists, int* counts, int* active,
-        int slots, int fold) {
-    prefetch_small(whi, wlo, N, K, 8, 0, 0, 0, epi);
-    wait_for_inputs();
-    matmul_small_body<1, 1, 4, false>(out, x, whi, wlo, rows, N, K, 0, 0, 0, 0, 1, 0, 0, epi);
+// The routing of a router launch, in its last block to finish: route_and_group_few with
+// `route`, which moe_group_few would run as its own launch. The blocks count themselves in
+// `done`, which is zero between launches (the last block resets it). Dynamic shared memory:
+// T * k + E + fold ints (the matmul is done with its own by then).
+__device__ __forceinline__ void route_in_last_block(unsigned* done, int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists,
+        int* counts, int* active, int slots, int fold) {
     __shared__ unsigned ticket;
     // This block's logits are visible to the whole GPU before it counts itself.
     __threadfence();
@@ -433,6 +428,17 @@ extern "C" __global__ void __launch_bounds__(32 * KSLICES) matmul_router(float* 
     route_and_group_few(route_smem, topk_idx, topk_w, logits, T, E, k, renormalize, lists, counts, active, 1, slots, fold);
 }
 
+// The router matmul of a step of at most 8 tokens (matmul_small_nt1's arithmetic, so the same
+// logits), then the routing (route_in_last_block). Arguments: matmul_small_nt1's for a plain
+// launch, an unused stage count (matmul_router_stream's), then moe_group_few's.
+extern "C" __global__ void __launch_bounds__(32 * KSLICES) matmul_router(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, int N, int K,
+        Epilogue epi, int stages, unsigned* done, int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists, int* counts,
+        int* active, int slots, int fold) {
+    prefetch_small(whi, wlo, N, K, 8, 0, 0, 0, epi);
+    wait_for_inputs();
+    matmul_small_body<1, 1, 4, false>(out, x, whi, wlo, rows, N, K, 0, 0, 0, 0, 1, 0, 0, epi);
+    route_in_last_block(done, topk_idx, topk_w, logits, T, E, k, renormalize, lists, counts, active, slots, fold);
+}
 // The end of a warp's MI x 4 block of m16n8 tiles in the tiled and pipelined kernels: the
 // slices after `slice` add their zero sums (as the small-row kernel does, so -0.0 turns into
 // 0.0 the same way everywhere), then the tiles are written from row `row0`, column `col0`.
@@ -898,3 +904,16 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
 STREAM_KERNEL(matmul_stream_nt1, 1)
 STREAM_KERNEL(matmul_stream_nt2, 2)
 STREAM_KERNEL(matmul_stream_nt4, 4)
+
+// matmul_router with the weights streamed (matmul_stream_nt1's arithmetic, the same logits):
+// the router's rows land in shared memory while the norm before it runs. Same arguments as
+// matmul_router; dynamic shared memory the larger of the ring's and the routing's.
+extern "C" __global__ void __launch_bounds__(STREAM_THREADS) matmul_router_stream(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, int N,
+        int K, Epilogue epi, int stages, unsigned* done, int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists,
+        int* counts, int* active, int slots, int fold) {
+    StreamRing ring = stream_start<1>(whi, N, K, 0, 0, 0, stages, epi);
+    wait_for_inputs();
+    matmul_stream_body<1>(ring, out, x, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi);
+    // The producer warp left the body early; every warp takes part in the count.
+    route_in_last_block(done, topk_idx, topk_w, logits, T, E, k, renormalize, lists, counts, active, slots, fold);
+}

@@ -68,14 +68,14 @@ __device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, 
     return mine_i[0];
 }
 
-// The routing of a step with few (token, slot) entries by one block of 256 threads: with
+// The routing of a step with few (token, slot) entries by one block of up to 32 warps: with
 // `route`, the block's warps first route the T <= 8 tokens themselves; then the per-group
 // lists (entries in entry order), counts and the active list (groups with entries, in group
 // order). Entries and the shared expert as in moe_group (`fold`: the shared expert is group
 // E). `ex`: shared memory of T * k + E + fold ints.
 __device__ __forceinline__ void route_and_group_few(int* ex, int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists, int* counts,
         int* active, int route, int slots, int fold) {
-    __shared__ int warp_counts[8];
+    __shared__ int warp_counts[32];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     if (route && T == 1 && k <= 32 && k <= E) {
         // One token (a batch-1 decode step): its k experts are distinct and each has one

@@ -61,11 +61,27 @@ fn small_variant(rows: usize, n: usize, k: usize, grouped: bool) -> usize {
     (0..SMALL_VARIANTS.len()).filter(|&i| SMALL_VARIANTS[i].mt == mt && SMALL_VARIANTS[i].nt <= nt).max_by_key(|&i| SMALL_VARIANTS[i].nt).expect("every m tile count has an nt=1 kernel")
 }
 
-/// Blocks of `matmul_router` (cuda/matmul.cu) for a router of `n` outputs over `k` inputs at
-/// `rows` tokens: it runs matmul_small_nt1's blocks, so it stands in for the router matmul only
-/// where that is the kernel the launch would take (None elsewhere).
-pub(super) fn router_blocks(be: &CudaBackend, rows: usize, n: usize, k: usize) -> Option<u32> {
-    (rows <= 16 && small_variant(rows, n, k, false) == 0).then(|| n.div_ceil(8).min(be.small_matmul_slots[0]) as u32)
+/// A router matmul that routes in its last block (cuda/matmul.cu): `matmul_router_stream` where
+/// the streaming kernels take the shape (one n tile: the same logits as matmul_small_nt1 and
+/// matmul_stream_nt1), else `matmul_router`, which runs matmul_small_nt1's blocks and so stands
+/// in only where that is the kernel a plain launch would take.
+pub(super) struct RouterLaunch<'a> {
+    pub kernel: &'a CudaFunction,
+    pub blocks: u32,
+    pub threads: u32,
+    /// Dynamic shared memory of the matmul (the routing's is added by the caller).
+    pub smem: usize,
+    pub stages: usize,
+}
+
+/// The router launch for `rows` tokens, a router of `n` outputs over `k` inputs (with a lo
+/// part: F32/F16 sources), or None where neither kernel applies.
+pub(super) fn router_launch(be: &CudaBackend, rows: usize, n: usize, k: usize, has_lo: bool) -> Option<RouterLaunch<'_>> {
+    if let Some(shape) = be.stream_kernels.as_ref().filter(|_| !has_lo).and_then(|sk| sk.shape_of_variant(rows, k, 0)) {
+        let blocks = n.div_ceil(8).min(shape.blocks_per_sm * be.sm_count) as u32;
+        return Some(RouterLaunch { kernel: &be.k.matmul_router_stream, blocks, threads: STREAM_THREADS, smem: shape.smem, stages: shape.stages });
+    }
+    (rows <= 16 && small_variant(rows, n, k, false) == 0).then(|| RouterLaunch { kernel: &be.k.matmul_router, blocks: n.div_ceil(8).min(be.small_matmul_slots[0]) as u32, threads: SMALL_THREADS, smem: 0, stages: 0 })
 }
 
 /// What a matmul does with each product (`struct Epilogue` in cuda/matmul.cu, passed by
@@ -239,12 +255,17 @@ impl StreamKernels {
     /// where it does not apply: K not in whole 32-wide blocks, or two stages of weight rows and
     /// the split activations do not fit in shared memory.
     fn shape(&self, rows: usize, k: usize) -> Option<StreamShape> {
-        if !k.is_multiple_of(32) || rows == 0 || rows > 16 {
-            return None;
-        }
         // A stage of about 8K weight columns' worth of bytes (32 KB at K = 2048): four n tiles
         // at K <= 512, two at K <= 1024.
         let variant = (if k <= 512 { 2 } else if k <= 1024 { 1 } else { 0 }).max(self.min_variant);
+        self.shape_of_variant(rows, k, variant)
+    }
+
+    /// [`Self::shape`] with `variant`'s n tiles whatever K is.
+    fn shape_of_variant(&self, rows: usize, k: usize, variant: usize) -> Option<StreamShape> {
+        if !k.is_multiple_of(32) || rows == 0 || rows > 16 {
+            return None;
+        }
         let nt = 1 << variant;
         // Rows padded by 64 bytes where 2K is a multiple of 128 (as stream_start pads them).
         let row_bytes = 2 * k + if (2 * k).is_multiple_of(128) { 64 } else { 0 };

@@ -92,8 +92,8 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
     let widths = w.router_widths(e);
     let few = t * k <= FEW_ENTRIES;
     let route_here = few && t <= ROUTE_IN_GROUP_MAX_TOKENS;
-    let router_blocks = super::matmul::router_blocks(be, t, w.router.rows, h).filter(|_| route_here);
-    let mut parts = match router_blocks {
+    let router_launch = super::matmul::router_launch(be, t, w.router.rows, h, w.router.lo.is_some()).filter(|_| route_here);
+    let mut parts = match router_launch {
         Some(_) => widths.iter().map(|&n| be.tensor(t, n)).collect(),
         None => super::matmul::matmul_parts(be, x, &w.router, &widths),
     }
@@ -113,7 +113,7 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
     let route = || be.launch(&be.k.moe_route, (t.div_ceil(ROUTE_WARPS) as u32, 1, 1), 256, 0, &route_args);
     // Dynamic shared memory of moe_group_few and matmul_router.
     let group_smem = (t * k + groups_max) * 4;
-    if let Some(blocks) = router_blocks {
+    if let Some(launch) = router_launch {
         // The router matmul with the routing in its last block: one launch fewer per layer.
         let outs: Vec<(u64, usize)> = std::iter::once(&logits).chain(shared_gate.as_ref()).map(|p| (be.ptr(&p.data), p.cols)).collect();
         let wlo = w.router.lo.as_ref().map_or(0, |l| be.ptr(l));
@@ -126,11 +126,12 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
             Arg::I32(w.router.rows as i32),
             Arg::I32(h as i32),
             Arg::Epilogue(super::matmul::Epilogue::parts(&outs)),
+            Arg::I32(launch.stages as i32),
             Arg::Ptr(be.ptr(&be.router_done)),
         ];
         args.extend(route_args);
         args.extend([Arg::Ptr(lists), Arg::Ptr(counts), Arg::Ptr(active), Arg::I32(slots as i32), Arg::I32(i32::from(fold))]);
-        be.launch(&be.k.matmul_router, (blocks, 1, 1), super::matmul::SMALL_THREADS, group_smem, &args);
+        be.launch(launch.kernel, (launch.blocks, 1, 1), launch.threads, launch.smem.max(group_smem), &args);
     } else if few {
         if !route_here {
             route();
