@@ -61,7 +61,7 @@ fn small_variant(rows: usize, n: usize, k: usize, grouped: bool) -> usize {
     (0..SMALL_VARIANTS.len()).filter(|&i| SMALL_VARIANTS[i].mt == mt && SMALL_VARIANTS[i].nt <= nt).max_by_key(|&i| SMALL_VARIANTS[i].nt).expect("every m tile count has an nt=1 kernel")
 }
 
-/// A router matmul that routes in its last block (cuda/matmul.cu): `matmul_router_stream` where
+/// A router matmul that routes in its last block: `matmul_router_stream` (cuda/matmul_stream.cu) where
 /// the streaming kernels take the shape (one n tile: the same logits as matmul_small_nt1 and
 /// matmul_stream_nt1), else `matmul_router`, which runs matmul_small_nt1's blocks and so stands
 /// in only where that is the kernel a plain launch would take.
@@ -164,7 +164,7 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
     // Multi-tile small-row kernels read pre-split activations, so they take what the pipelined
     // kernel takes (bf16 weights, whole 32-wide k blocks); other weights past 16 rows go tiled.
     let small = rows <= 16 || (rows <= SMALL_MAX_ROWS && bf16_blocks && !wide);
-    if small && rows <= 16 && !has_lo {
+    if rows <= 16 && !has_lo {
         if let Some((kernel, shape)) = stream_plan(be, rows, k) {
             let mut args = vec![Arg::Ptr(out), Arg::Ptr(x), Arg::Ptr(whi), Arg::Ptr(wlo)];
             args.extend(tail);
@@ -218,10 +218,10 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
 
 /// Threads of the streaming kernels: the k-slice warps and the producer warp.
 pub(super) const STREAM_THREADS: u32 = 288;
-/// Most stages of a streaming kernel's ring (STREAM_MAX_STAGES in cuda/matmul.cu).
+/// Most stages of a streaming kernel's ring (STREAM_MAX_STAGES in cuda/matmul_stream.cu).
 const STREAM_MAX_STAGES: usize = 8;
 
-/// The streaming kernels (`matmul_stream_nt*`, cuda/matmul.cu) as the backend found them:
+/// The streaming kernels (`matmul_stream_nt*`, cuda/matmul_stream.cu) as the backend found them:
 /// how much shared memory each may take and how many blocks fit per SM without it.
 pub(super) struct StreamKernels {
     /// Shared memory of the ring a launch aims for (bytes): two blocks of 96 KB share an

@@ -223,13 +223,17 @@ impl CudaBackend {
         let (k, modules) = Kernels::load(&ctx, &arch, trace)?;
         let optin = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)?;
         use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
-        // Kernels with large dynamic shared memory may use all of it beside their static part.
-        let mut max_dynamic_smem = optin;
-        for f in [&k.gdn_chunked, &k.attn_core, &k.moe_group_few, &k.matmul_pipelined] {
+        // Kernels with large dynamic shared memory may use all of it beside their static part;
+        // returns the kernel's static shared memory (bytes).
+        let open_dynamic_smem = |f: &CudaFunction| -> Result<i32, CudaInitError> {
             // SAFETY: a loaded function handle and a valid attribute.
             let fixed = unsafe { cudarc::driver::result::function::get_function_attribute(f.cu_function(), FuncAttr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) }.map_err(driver)?;
             f.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - fixed).map_err(driver)?;
-            max_dynamic_smem = max_dynamic_smem.min(optin - fixed);
+            Ok(fixed)
+        };
+        let mut max_dynamic_smem = optin;
+        for f in [&k.gdn_chunked, &k.attn_core, &k.moe_group_few, &k.matmul_pipelined] {
+            max_dynamic_smem = max_dynamic_smem.min(optin - open_dynamic_smem(f)?);
         }
         let sm_count = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)?.max(1) as usize;
         let mut small_matmul_slots = [0; matmul::SMALL_VARIANTS.len()];
@@ -253,18 +257,13 @@ impl CudaBackend {
                 },
             };
             for (i, f) in [&k.matmul_stream_nt1, &k.matmul_stream_nt2, &k.matmul_stream_nt4].into_iter().enumerate() {
-                // SAFETY: a loaded function handle and a valid attribute.
-                let fixed = unsafe { cudarc::driver::result::function::get_function_attribute(f.cu_function(), FuncAttr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) }.map_err(driver)?;
-                f.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - fixed).map_err(driver)?;
+                let fixed = open_dynamic_smem(f)?;
                 sk.static_smem[i] = fixed.max(0) as usize;
                 sk.max_dynamic[i] = (optin - fixed).max(0) as usize;
                 sk.blocks_per_sm[i] = f.occupancy_max_active_blocks_per_multiprocessor(matmul::STREAM_THREADS, 0, None).map_err(driver)?.max(1) as usize;
             }
             // The streaming router takes the one-n-tile shapes, beside its routing's static memory.
-            let f = &k.matmul_router_stream;
-            // SAFETY: as above.
-            let fixed = unsafe { cudarc::driver::result::function::get_function_attribute(f.cu_function(), FuncAttr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) }.map_err(driver)?;
-            f.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - fixed).map_err(driver)?;
+            let fixed = open_dynamic_smem(&k.matmul_router_stream)?;
             sk.max_dynamic[0] = sk.max_dynamic[0].min((optin - fixed).max(0) as usize);
             Some(sk)
         } else {

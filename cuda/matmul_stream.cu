@@ -1,0 +1,224 @@
+// Few rows with the weights streamed through shared memory (sm_90 bulk copies). Compiled in the
+// matmul module after cuda/matmul.cu, whose fragments, groups and stores it uses.
+//
+// matmul_small_body's arithmetic (warp w < KSLICES owns k-slice w, the slices are added through
+// shared memory in slice order), but the weights arrive by bulk copy: an extra producer warp
+// copies each column block's weight rows into a ring of `stages` shared-memory stages and the
+// k-slice warps read them from there. A block keeps whole column blocks in flight without
+// spending registers on them, keeps copying while its warps add up the last column block, and
+// (plain launches) copies its first stages before its inputs are ready; it splits its
+// activation rows into bf16 halves once, where the small-row kernel converts them again for
+// every column block. One m tile (up to 16 rows), bf16 weights, K a multiple of 32.
+
+#define STREAM_THREADS (32 * (KSLICES + 1))
+#define STREAM_MAX_STAGES 8
+
+// sm_90 instructions; the backend launches the streaming kernels only there (elsewhere these
+// trap, so that a launch by mistake cannot pass silently).
+#if __CUDA_ARCH__ >= 900
+#define SM90_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define SM90_ASM(...) __trap()
+#endif
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    SM90_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    SM90_ASM("{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+    SM90_ASM("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// `bytes` from global `src` to shared `dst`, counted on barrier `bar`; the weights go first
+// out of L2, as ldg_stream's do.
+__device__ __forceinline__ void bulk_copy_weights(u32 dst, const void* src, u32 bytes, u32 bar) {
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    SM90_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar),
+             "l"(policy)
+             : "memory");
+}
+
+// The ring of one block: stage s holds 8 * NT weight rows of `row_bytes` each (2K bytes of
+// data, padded so that the rows of a warp's 16-byte loads fall on different banks); full[s]
+// completes when its copies have landed, empty[s] when the k-slice warps are done with it.
+struct StreamRing {
+    unsigned char* stage0;
+    u32 full, empty;
+    int stages, row_bytes, issued;
+    // The weights the producer started copying before the inputs were ready (0: none).
+    const bf16_t* early_w;
+};
+
+// The producer warp's copies of column block n0 (logical columns n0 .. n0 + 8NT - 1; past N
+// they repeat row N-1, whose results are never written) into stage s.
+template <int NT>
+__device__ __forceinline__ void stream_issue(const StreamRing& r, const bf16_t* w, int N, int K, int n0, int s, const Epilogue& e) {
+    int lane = threadIdx.x & 31;
+    u32 bar = r.full + 8 * s;
+    if (lane == 0) mbar_arrive_expect_tx(bar, 8u * NT * 2u * (u32)K);
+    __syncwarp();
+    if (lane < 8 * NT) {
+        const bf16_t* src = w + weight_row(e, min(n0 + lane, N - 1), N) * K;
+        bulk_copy_weights(smem_u32(r.stage0 + (long long)(s * 8 * NT + lane) * r.row_bytes), src, 2u * (u32)K, bar);
+    }
+}
+
+// The ring's barriers, and (weights known before the inputs: a plain launch, or a grouped one
+// whose routing is two or more launches back, see prefetch_small) the producer's first
+// `stages` column blocks, all before the block waits for its inputs: weight rows land in
+// shared memory while the previous kernel finishes.
+template <int NT>
+__device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int K, const u64* group_w, const int* active, int lists_ready, int stages, const Epilogue& e) {
+    extern __shared__ __align__(128) unsigned char stream_smem[];
+    __shared__ __align__(8) u64 bars[2 * STREAM_MAX_STAGES];
+    StreamRing r;
+    r.stage0 = stream_smem;
+    r.full = smem_u32(bars);
+    r.empty = r.full + 8 * STREAM_MAX_STAGES;
+    r.stages = stages;
+    // 2K bytes plus 64 when 2K is a multiple of 128: rows then start 64 bytes apart in the
+    // banks, and the two rows of a quarter-warp's 16-byte loads cover all 32 banks.
+    r.row_bytes = 2 * K + ((2 * K) % 128 == 0 ? 64 : 0);
+    r.issued = 0;
+    __shared__ const bf16_t* early_w;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) {
+            mbar_init(r.full + 8 * s, 1);
+            mbar_init(r.empty + 8 * s, KSLICES);
+        }
+        mbar_init_fence();
+        early_w = 0;
+        if (!group_w) early_w = whi;
+        else if (lists_ready && (int)blockIdx.z < load_l2(active)) early_w = (const bf16_t*)load_l2(group_w + 2 * load_l2(active + 1 + blockIdx.z));
+    }
+    __syncthreads();
+    r.early_w = early_w;
+    if ((int)(threadIdx.x >> 5) != KSLICES || !r.early_w) return r;
+    for (int n0 = blockIdx.x * 8 * NT; n0 < N && r.issued < stages; n0 += gridDim.x * 8 * NT) stream_issue<NT>(r, r.early_w, N, K, n0, r.issued++, e);
+    return r;
+}
+
+template <int NT>
+__device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float* out, const float* x, const bf16_t* whi_, int rows, int N, int K, const u64* group_w,
+        const int* counts, const int* lists, int list_stride, int a_div, const int* active, const Epilogue& epi) {
+    // Two reduction buffers, alternating by column block: one barrier per column block, and
+    // warp 0 adds up and stores one column block while the others start on the next.
+    __shared__ float red[2][KSLICES][NT][32][4];
+    Group grp = group_of(whi_, 0, rows, group_w, counts, lists, list_stride, active);
+    // The early copies must be of this group's weights: the routing two launches back was
+    // complete when this kernel started. Should that ever not hold, stop loudly rather than
+    // multiply by another expert's weights.
+    if (ring.early_w && ring.early_w != grp.whi) __trap();
+    // Inactive slices of a grouped launch (nothing was issued for them).
+    if (grp.rows <= 0) return;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    int per = 8 * NT, stride = gridDim.x * per, S = ring.stages;
+    if (warp == KSLICES) {
+        int i = 0;
+        for (int n0 = blockIdx.x * per; n0 < N; n0 += stride, ++i) {
+            if (i < ring.issued) continue;
+            int s = i % S;
+            if (i >= S) mbar_wait(ring.empty + 8 * s, (u32)((i / S - 1) & 1));
+            stream_issue<NT>(ring, grp.whi, N, K, n0, s, epi);
+        }
+        return;
+    }
+    // The group's activation rows split into bf16 hi and lo halves once, into shared memory
+    // after the ring (rows of K + pad values, the lo rows `lo_off` values after the hi rows; the
+    // same pad as the weight rows keeps a warp's fragment loads on distinct banks). The k loop
+    // then loads ready fragments, as the pre-split kernels do, instead of converting the
+    // activations again for every column block.
+    int xstride = K + ((2 * K) % 128 == 0 ? 32 : 0);
+    long long lo_off = (long long)rows * xstride;
+    bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)S * per * ring.row_bytes);
+    for (int c = threadIdx.x; c < grp.rows * (K / 8); c += 32 * KSLICES) {
+        int r = c / (K / 8), k = (c % (K / 8)) * 8;
+        float v[8];
+        load8_f32(x + (long long)(grp.list ? grp.list[r] / a_div : r) * K, k, K, true, v);
+        u32 hi[4], lo[4];
+        split8(v, hi, lo);
+        *(uint4*)(xs + (long long)r * xstride + k) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        *(uint4*)(xs + lo_off + (long long)r * xstride + k) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    }
+    asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
+    const bf16_t* h0 = g < grp.rows ? xs + (long long)g * xstride : 0;
+    const bf16_t* h1 = g + 8 < grp.rows ? xs + (long long)(g + 8) * xstride : 0;
+    bool two = 8 < grp.rows;
+    int nkb = K / 32, kps = (nkb + KSLICES - 1) / KSLICES;
+    int kb0 = warp * kps, kb1 = min(kb0 + kps, nkb);
+    const uint4 zero[NT] = {};
+    int i = 0;
+    for (int n0 = blockIdx.x * per; n0 < N; n0 += stride, ++i) {
+        int s = i % S;
+        float c[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+        mbar_wait(ring.full + 8 * s, (u32)((i / S) & 1));
+        const unsigned char* st = ring.stage0 + (long long)s * per * ring.row_bytes + (long long)g * ring.row_bytes + q * 16;
+        for (int kb = kb0; kb < kb1; ++kb) {
+            uint4 bh[NT];
+#pragma unroll
+            for (int j = 0; j < NT; ++j) bh[j] = *(const uint4*)(st + (long long)j * 8 * ring.row_bytes + kb * 64);
+            small_kblock_split<NT>(c, h0, h1, lo_off, two, kb * 32 + q * 8, bh, zero);
+        }
+        // This warp's reads of the stage are done: the producer may refill it.
+        __syncwarp();
+        if (lane == 0) mbar_arrive(ring.empty + 8 * s);
+        // Buffer i & 1 was last read by warp 0 for column block i - 2, before it reached the
+        // barrier of column block i - 1, which this warp has passed.
+        float (*rb)[NT][32][4] = red[i & 1];
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) rb[warp][j][lane][e] = c[j][e];
+        // The k-slice warps only (the producer warp is not part of this barrier).
+        asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
+        if (warp == 0) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int w = 0; w < KSLICES; ++w)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) t[e] += rb[w][j][lane][e];
+                store_fragment(epi, out, grp, N, g, n0 + j * 8 + 2 * q, t);
+            }
+        }
+    }
+}
+
+// Arguments: the small-row kernels', then the ring's stage count. Dynamic shared memory: the
+// ring (stages * 8 * NT rows of 2K bytes, padded as in stream_start), then the split
+// activations (2 * rows rows of K bf16, padded alike).
+#define STREAM_KERNEL(NAME, NT)                                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(STREAM_THREADS) NAME(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, int N, int K, \
+            const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active, long long lo_off, Epilogue epi,     \
+            int lists_ready, int stages) {                                                                                                            \
+        StreamRing ring = stream_start<NT>(whi, N, K, group_w, active, lists_ready, stages, epi);                                                    \
+        wait_for_inputs();                                                                                                                           \
+        matmul_stream_body<NT>(ring, out, x, whi, rows, N, K, group_w, counts, lists, list_stride, a_div, active, epi);                              \
+    }
+STREAM_KERNEL(matmul_stream_nt1, 1)
+STREAM_KERNEL(matmul_stream_nt2, 2)
+STREAM_KERNEL(matmul_stream_nt4, 4)
+
+// matmul_router with the weights streamed (matmul_stream_nt1's arithmetic, the same logits):
+// the router's rows land in shared memory while the norm before it runs. Same arguments as
+// matmul_router; dynamic shared memory the larger of the ring's and the routing's.
+extern "C" __global__ void __launch_bounds__(STREAM_THREADS) matmul_router_stream(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, int N,
+        int K, Epilogue epi, int stages, unsigned* done, int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists,
+        int* counts, int* active, int slots, int fold) {
+    StreamRing ring = stream_start<1>(whi, N, K, 0, 0, 0, stages, epi);
+    wait_for_inputs();
+    matmul_stream_body<1>(ring, out, x, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi);
+    // The producer warp left the body early; every warp takes part in the count.
+    route_in_last_block(done, topk_idx, topk_w, logits, T, E, k, renormalize, lists, counts, active, slots, fold);
+}
