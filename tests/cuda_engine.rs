@@ -42,7 +42,7 @@ fn code_prompts(files: &ModelFiles, n: usize) -> Vec<Vec<u32>> {
 
 /// Mostly short outputs; every ninth request long enough for 64-draft verify rows.
 fn max_tokens(i: usize) -> usize {
-    8 + (i * 5) % 17 + if i % 9 == 0 { 72 } else { 0 }
+    8 + (i * 5) % 17 + if i.is_multiple_of(9) { 72 } else { 0 }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -193,7 +193,7 @@ fn awkward_logits(rng: &mut Rng, rows: usize, vocab: usize) -> Vec<f32> {
             1 => {
                 for _ in 0..vocab / 3 {
                     let i = rng.below(vocab);
-                    row[i] = if i % 2 == 0 { f32::NAN } else { f32::NEG_INFINITY };
+                    row[i] = if i.is_multiple_of(2) { f32::NAN } else { f32::NEG_INFINITY };
                 }
             }
             // Everything masked: token 0.

@@ -193,7 +193,7 @@ fn run_one<B: Backend>(args: &BenchArgs, engine: &mut Engine<B>, prompts: &[Vec<
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
-    if args.num_prompts == 0 || args.max_tokens == 0 || args.concurrency.iter().any(|&c| c == 0) {
+    if args.num_prompts == 0 || args.max_tokens == 0 || args.concurrency.contains(&0) {
         bail!("--num-prompts, --max-tokens and every --concurrency must be at least 1");
     }
     let files = args.engine.open_model()?;

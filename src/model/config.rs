@@ -242,7 +242,7 @@ fn parse_text_config(family: ModelFamily, model_type: &str, text: &Value, root: 
         .map(Ok)
         .unwrap_or_else(|| f.f64_or("partial_rotary_factor", 0.25))?;
     let rotary_dim = (head_dim as f64 * partial) as usize;
-    if rotary_dim % 2 != 0 || rotary_dim > head_dim {
+    if !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
         return Err(ConfigError::Inconsistent { path: path.into(), reason: format!("rotary dim {rotary_dim} must be even and <= head_dim {head_dim}") });
     }
 
@@ -272,7 +272,7 @@ fn parse_text_config(family: ModelFamily, model_type: &str, text: &Value, root: 
         value_head_dim: f.usize_req("linear_value_head_dim")?,
         conv_kernel: f.usize_or("linear_conv_kernel_dim", 4)?,
     };
-    if linear.num_key_heads == 0 || linear.num_value_heads % linear.num_key_heads != 0 {
+    if linear.num_key_heads == 0 || !linear.num_value_heads.is_multiple_of(linear.num_key_heads) {
         return Err(ConfigError::Inconsistent { path: path.into(), reason: "linear_num_value_heads must be a multiple of linear_num_key_heads".into() });
     }
     if linear.conv_kernel < 1 {

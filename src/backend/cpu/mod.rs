@@ -81,7 +81,7 @@ impl Backend for CpuBackend {
             let mut out = Vec::with_capacity(layers);
             for _ in 0..layers {
                 let mut v = Vec::new();
-                v.try_reserve_exact(n).map_err(|_| BackendError::OutOfMemory(format!("{} MiB for the cache", n * 4 >> 20)))?;
+                v.try_reserve_exact(n).map_err(|_| BackendError::OutOfMemory(format!("{} MiB for the cache", (n * 4) >> 20)))?;
                 v.resize(n, 0.0);
                 out.push(v);
             }

@@ -171,11 +171,11 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
     let groups = e.min(t * k) + usize::from(fold);
     let grouped = |which: usize, a_div: usize, lists_ready: bool| Grouped {
         table: be.ptr(&tables[which]),
-        counts: counts,
-        lists: lists,
+        counts,
+        lists,
         list_stride: t,
         a_div,
-        active: active,
+        active,
         groups,
         has_lo: w.experts.iter().chain(w.shared.iter().filter(|_| fold)).any(|m| m[which].lo.is_some()),
         lists_ready,

@@ -160,7 +160,7 @@ impl WeightStore {
     /// The int4 linear `module` repacked into `Dtype::Int4` rows (n = rows outputs, k = cols inputs).
     fn int4_rows(&self, module: &str, n: usize, k: usize, packing: Int4Packing, group: usize) -> Result<Vec<u8>, WeightError> {
         let quant_error = |reason: String| WeightError::Quantized { tensor: format!("{module}.qweight"), reason };
-        if group == 0 || k % group != 0 {
+        if group == 0 || !k.is_multiple_of(group) {
             return Err(quant_error(format!("{k} inputs are not a whole number of groups of {group}")));
         }
         let groups = k / group;
