@@ -137,7 +137,7 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
     // same pad as the weight rows keeps a warp's fragment loads on distinct banks). The k loop
     // then loads ready fragments, as the pre-split kernels do, instead of converting the
     // activations again for every column block.
-    int xstride = K + ((2 * K) % 128 == 0 ? 32 : 0);
+    int xstride = ring.row_bytes / 2;
     long long lo_off = (long long)rows * xstride;
     bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)S * per * ring.row_bytes);
     for (int c = threadIdx.x; c < grp.rows * (K / 8); c += 32 * KSLICES) {
