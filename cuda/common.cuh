@@ -40,9 +40,11 @@ __device__ __forceinline__ u64 global_ns() {
 // the previous kernel in the stream has finished, which hides the launch latency and the
 // previous kernel's tail. Every kernel calls this before its first read of anything an earlier
 // kernel wrote and before its first global write (the previous kernel may still be reading the
-// memory it writes); only reads of weights may come before it. Once this kernel's inputs are
-// ready, the next kernel may launch and wait in turn. Without the launch attribute both
-// instructions do nothing.
+// memory it writes); only reads of weights, and of what launches two or more back wrote, may
+// come before it (a kernel starts only once the one before it has passed its own wait, that
+// is, once the launch two back has finished). Once this kernel's inputs are ready, the next
+// kernel may launch and wait in turn. Without the launch attribute both instructions do
+// nothing.
 __device__ __forceinline__ void wait_for_inputs() {
 #ifdef KESTREL_TRACE
     u64 resident = global_ns();
@@ -115,6 +117,30 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     }
     __syncthreads();
     return scratch[32];
+}
+
+// block_sum of two values with one set of barriers (the same sums, bit for bit); `scratch`
+// holds 66 floats.
+__device__ __forceinline__ float2 block_sum2(float a, float b, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    __syncthreads();
+    if (lane == 0) {
+        scratch[warp] = a;
+        scratch[33 + warp] = b;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float t = warp_sum(lane < nwarps ? scratch[lane] : 0.0f);
+        float u = warp_sum(lane < nwarps ? scratch[33 + lane] : 0.0f);
+        if (lane == 0) {
+            scratch[32] = t;
+            scratch[65] = u;
+        }
+    }
+    __syncthreads();
+    return make_float2(scratch[32], scratch[65]);
 }
 
 // Float4s per thread the row norm keeps in registers: rows of up to 8192 floats at 256 threads.

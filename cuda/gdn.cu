@@ -105,12 +105,56 @@ __device__ __forceinline__ float row_group_sum(float v) {
     return v;
 }
 
-// Generate rows: grid (rows listed in row_ids, nv), REC_GROUPS * dv threads. Thread (column
-// j = tid / 4, group r = tid % 4) keeps state rows i = r, r + 4, ... of column j in registers;
-// the 4 groups of a column combine their sums over i with a fixed butterfly (every lane gets
-// the same bits). Writes the state after every token to its snapshot slot. Four threads per
-// column rather than one: a decode step has only nv blocks, and each needs enough warps in
-// flight to stream its state.
+// What a block of gdn_recurrent loads before its inputs are ready: its row and the state rows
+// it keeps in registers. With `state_early` it does so before waiting: the canonical state was
+// written by commit_states, reset_states or a prefill launch, and the host passes 0 when that
+// launch is the one just before (a kernel starts only once the launch two back has finished,
+// so anything older is complete). The step's row table is older still.
+struct RecurrentStart {
+    RowInfo row;
+    float s[MAX_DK / REC_GROUPS];
+};
+
+// Thread (column j = tid / 4, group r = tid % 4) of a recurrent block keeps the state rows
+// r * src + i, i < src = ceil(dk / 4), of its column: contiguous, so that with the head dims
+// known at compile time every state, snapshot and k/q address is a base plus a constant.
+template <int DK, int DV>
+__device__ __forceinline__ RecurrentStart recurrent_start(int state_early, const float* rec, const RowInfo* rows, const int* row_ids, int nv, int dk_, int dv_) {
+    const int dk = DK ? DK : dk_, dv = DV ? DV : dv_, src = (dk + REC_GROUPS - 1) / REC_GROUPS;
+#if __CUDA_ARCH__ >= 900
+    if (!state_early) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    RecurrentStart st;
+    st.row = rows[row_ids[blockIdx.x]];
+    int j = threadIdx.x / REC_GROUPS, rg = threadIdx.x % REC_GROUPS;
+    bool col_ok = j < dv;
+    const float* sp = rec + st.row.state_slot * ((long long)nv * dk * dv) + (long long)blockIdx.y * dk * dv + (long long)rg * src * dv + j;
+#pragma unroll
+    for (int i = 0; i < MAX_DK / REC_GROUPS; ++i) st.s[i] = (i < src && rg * src + i < dk && col_ok) ? sp[(long long)i * dv] : 0.0f;
+    return st;
+}
+
+// Rows 4m .. 4m+3 of a group's padded k or q: one float4 when the head dims are compiled in
+// (each group's rows then start 16-byte aligned), else four loads.
+template <int DK>
+__device__ __forceinline__ void group_rows4(const float* g, int m, float* out) {
+    if (DK) {
+        float4 v = ((const float4*)g)[m];
+        out[0] = v.x;
+        out[1] = v.y;
+        out[2] = v.z;
+        out[3] = v.w;
+    } else {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) out[x] = g[4 * m + x];
+    }
+}
+
+// Generate rows: grid (rows listed in row_ids, nv), REC_GROUPS * dv threads. Thread (column j,
+// group r) keeps its state rows (recurrent_start) in registers; the 4 groups of a column
+// combine their sums over the rows with a fixed butterfly (every lane gets the same bits).
+// Writes the state after every token to its snapshot slot. Four threads per column rather than
+// one: a decode step has only nv blocks, and each needs enough warps in flight.
 //
 // A generate token's conv (with its window snapshot), gates and normalized q/k are computed
 // here rather than by gdn_conv_gates (one launch fewer per layer of a decode step): each block
@@ -118,28 +162,30 @@ __device__ __forceinline__ float row_group_sum(float v) {
 // key head's value heads all compute them; the first writes their snapshots). Its output is
 // normalized here too (gated RMSNorm, as gdn_out_norm does for prefill tokens). A token's
 // output always comes from the same kernel, whatever else is in the step.
-extern "C" __global__ void __launch_bounds__(512) gdn_recurrent(float* out, const float* z, const float* norm_w, float eps, const float* mixed, const float* conv_state,
-        const float* conv_w, float* conv_snap, const float* a, const float* b, const float* neg_a, const float* dt_bias, const float* rec, float* rec_snap,
-        const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim, int kw) {
-    wait_for_inputs();
-    __shared__ float scratch[33];
-    __shared__ float ks[MAX_DK], qs[MAX_DK];
-    const int SR = MAX_DK / REC_GROUPS;
-    RowInfo row = rows[row_ids[blockIdx.x]];
+//
+// A decode step has one row, so this kernel's time is its chain of latencies and of
+// instructions, not its bytes: the state is loaded before the inputs are ready, and the
+// instantiation for the models' head dims (gdn_recurrent_128) addresses everything with
+// constant offsets (`DK`, `DV`, `KW` 0: taken from the arguments).
+template <int DK, int DV, int KW>
+__device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* out, const float* z, const float* norm_w, float eps, const float* mixed,
+        const float* conv_state, const float* conv_w, float* conv_snap, const float* a, const float* b, const float* neg_a, const float* dt_bias, float* rec_snap,
+        int nk, int nv, int dk_, int dv_, int conv_dim, int kw_) {
+    const int dk = DK ? DK : dk_, dv = DV ? DV : dv_, kw = KW ? KW : kw_, src = (dk + REC_GROUPS - 1) / REC_GROUPS;
+    __shared__ float scratch[66];
+    // The normalized k and q, each group's rows padded by 4 floats: the 4 groups of a warp
+    // read different banks, and (DK given) whole float4s.
+    __shared__ __align__(16) float ks[MAX_DK + 4 * REC_GROUPS], qs[MAX_DK + 4 * REC_GROUPS];
+    const RowInfo& row = st.row;
     int h = blockIdx.y, per_key = nv / nk, kh = h / per_key;
-    int j = threadIdx.x / REC_GROUPS, rg = threadIdx.x % REC_GROUPS;
+    int j = threadIdx.x / REC_GROUPS, rg = threadIdx.x % REC_GROUPS, r0 = rg * src;
+    const float* kg = ks + rg * (src + 4);
+    const float* qg = qs + rg * (src + 4);
     bool col_ok = j < dv;
     int key_dim = nk * dk, head_len = dk * dv;
     bool qk_snapshots = h % per_key == 0;
     float q_scale = 1.0f / sqrtf((float)dk);
     long long state_len = (long long)nv * head_len;
-    const float* sp = rec + row.state_slot * state_len + (long long)h * head_len;
-    float s[SR];
-#pragma unroll
-    for (int i = 0; i < SR; ++i) {
-        int a = rg + REC_GROUPS * i;
-        s[i] = (a < dk && col_ok) ? sp[(long long)a * dv + j] : 0.0f;
-    }
     float nw = col_ok && rg == 0 ? norm_w[j] : 0.0f;
     for (int n = 0; n < row.num_tokens; ++n) {
         int t = row.token_start + n;
@@ -156,57 +202,82 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent(float* out, cons
         for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
             int which = c >= dk, d = c - which * dk;
             float v = conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, which * key_dim + kh * dk + d, conv_dim, kw, qk_snapshots);
+            int padded = d + d / src * 4;
             if (which) {
-                ks[d] = v;
+                ks[padded] = v;
                 kss += v * v;
             } else {
-                qs[d] = v;
+                qs[padded] = v;
                 qss += v * v;
             }
         }
         // q times dk^-1/2 and k l2-normalized, as gdn_conv_gates does; each thread scales the
-        // channels it wrote (block_sum ends with a barrier, so the sums are everyone's).
-        float qf = 1.0f / sqrtf(block_sum(qss, scratch) + 1e-6f) * q_scale;
-        float kf = 1.0f / sqrtf(block_sum(kss, scratch) + 1e-6f);
+        // channels it wrote (block_sum2 ends with a barrier, so the sums are everyone's).
+        float2 sums = block_sum2(qss, kss, scratch);
+        float qf = 1.0f / sqrtf(sums.x + 1e-6f) * q_scale;
+        float kf = 1.0f / sqrtf(sums.y + 1e-6f);
         for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
-            if (c >= dk) ks[c - dk] = ks[c - dk] * kf;
-            else qs[c] = qs[c] * qf;
+            int which = c >= dk, d = c - which * dk, padded = d + d / src * 4;
+            if (which) ks[padded] = ks[padded] * kf;
+            else qs[padded] = qs[padded] * qf;
         }
         __syncthreads();
         float decay = expf(gt);
         float kv = 0.0f;
 #pragma unroll
-        for (int i = 0; i < SR; ++i) {
-            int a = rg + REC_GROUPS * i;
-            if (a < dk) {
-                s[i] *= decay;
-                kv += s[i] * ks[a];
+        for (int m = 0; m < MAX_DK / REC_GROUPS / 4; ++m) {
+            float k4[4];
+            group_rows4<DK>(kg, m, k4);
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                int i = 4 * m + x;
+                if (i < src && r0 + i < dk) {
+                    st.s[i] *= decay;
+                    kv += st.s[i] * k4[x];
+                }
             }
         }
         kv = row_group_sum(kv);
         float u = bt * (vj - kv);
         float o = 0.0f;
 #pragma unroll
-        for (int i = 0; i < SR; ++i) {
-            int a = rg + REC_GROUPS * i;
-            if (a < dk) {
-                s[i] += ks[a] * u;
-                o += s[i] * qs[a];
+        for (int m = 0; m < MAX_DK / REC_GROUPS / 4; ++m) {
+            float k4[4], q4[4];
+            group_rows4<DK>(kg, m, k4);
+            group_rows4<DK>(qg, m, q4);
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                int i = 4 * m + x;
+                if (i < src && r0 + i < dk) {
+                    st.s[i] += k4[x] * u;
+                    o += st.s[i] * q4[x];
+                }
             }
         }
         o = row_group_sum(o);
         if (col_ok) {
-            float* snap = rec_snap + (long long)(row.snapshot_base + n) * state_len + (long long)h * head_len + j;
+            float* snap = rec_snap + (long long)(row.snapshot_base + n) * state_len + (long long)h * head_len + (long long)r0 * dv + j;
 #pragma unroll
-            for (int i = 0; i < SR; ++i) {
-                int a = rg + REC_GROUPS * i;
-                if (a < dk) snap[(long long)a * dv] = s[i];
+            for (int i = 0; i < MAX_DK / REC_GROUPS; ++i) {
+                if (i < src && r0 + i < dk) snap[(long long)i * dv] = st.s[i];
             }
         }
         float ss = block_sum(col_ok && rg == 0 ? o * o : 0.0f, scratch);
         if (col_ok && rg == 0) out[e] = o * (1.0f / sqrtf(ss / (float)dv + eps)) * nw * siluf_(zt);
     }
 }
+
+#define GDN_RECURRENT_KERNEL(NAME, DK, DV, KW)                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(512) NAME(float* out, const float* z, const float* norm_w, float eps, const float* mixed,                   \
+            const float* conv_state, const float* conv_w, float* conv_snap, const float* a, const float* b, const float* neg_a, const float* dt_bias,          \
+            const float* rec, float* rec_snap, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim, int kw, int state_early) { \
+        RecurrentStart st = recurrent_start<DK, DV>(state_early, rec, rows, row_ids, nv, dk, dv);                                                          \
+        wait_for_inputs();                                                                                                                                  \
+        gdn_recurrent_body<DK, DV, KW>(st, out, z, norm_w, eps, mixed, conv_state, conv_w, conv_snap, a, b, neg_a, dt_bias, rec_snap, nk, nv, dk, dv,     \
+                                       conv_dim, kw);                                                                                                       \
+    }
+GDN_RECURRENT_KERNEL(gdn_recurrent, 0, 0, 0)
+GDN_RECURRENT_KERNEL(gdn_recurrent_128, 128, 128, 4)
 
 #define CHUNK_COLS 32   // value columns per block of the chunked kernel
 #define ROW_GROUPS 4    // threads per value column, each holding every 4th state row

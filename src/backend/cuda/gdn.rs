@@ -46,7 +46,42 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
     let (conv_state, conv_snap) = (be.ptr(&cache.conv[layer]), be.ptr(&cache.conv_snap[layer]));
     let (rec, rec_snap) = (be.ptr(&cache.rec[layer]), be.ptr(&cache.rec_snap[layer]));
 
-    // 1. Prefill tokens: conv + SiLU, the normalized q/k and the gates in one launch, then the
+    let out = be.tensor(t, value_dim);
+    let tail = |row_ids: u64| [Arg::Ptr(base), Arg::Ptr(row_ids), Arg::I32(nk as i32), Arg::I32(nv as i32), Arg::I32(dk as i32), Arg::I32(dv as i32), Arg::I32(conv_dim as i32)];
+    // 1. Generate rows: conv, gates, delta rule and gated RMSNorm in one launch, right after the
+    //    projections (before any prefill launch of this layer), so that it may read its state
+    //    before its inputs are ready.
+    if dl.num_generate > 0 {
+        // REC_GROUPS (4) threads per value column, at most 512 (the kernel's launch bound).
+        assert!(dv <= 128 && dk <= 128, "gated_delta_net: head dims dk {dk} / dv {dv} above 128");
+        let threads = (4 * dv).div_ceil(32) as u32 * 32;
+        // The models' head dims and conv width have an instantiation with them built in.
+        let kernel = if (dk, dv, kw) == (128, 128, 4) { &be.k.gdn_recurrent_128 } else { &be.k.gdn_recurrent };
+        // The state and windows may be read early unless the launch just before wrote them.
+        let writers = [&be.k.commit_states, &be.k.reset_states, &be.k.gdn_chunked, &be.k.gdn_conv_state];
+        let state_early = !writers.iter().any(|f| be.last_launch_was(f));
+        let mut args = vec![
+            Arg::Ptr(be.ptr(&out.data)),
+            Arg::Ptr(be.ptr(&x.z.data)),
+            Arg::Ptr(be.ptr(&x.norm_weight.data)),
+            Arg::F32(eps),
+            Arg::Ptr(be.ptr(&x.mixed.data)),
+            Arg::Ptr(conv_state),
+            Arg::Ptr(be.ptr(&x.conv_weight.data)),
+            Arg::Ptr(conv_snap),
+            Arg::Ptr(be.ptr(&x.a.data)),
+            Arg::Ptr(be.ptr(&x.b.data)),
+            Arg::Ptr(be.ptr(&x.neg_a.data)),
+            Arg::Ptr(be.ptr(&x.dt_bias.data)),
+            Arg::Ptr(rec),
+            Arg::Ptr(rec_snap),
+        ];
+        args.extend(tail(at(dl.generate_off)));
+        args.extend([Arg::I32(kw as i32), Arg::I32(i32::from(state_early))]);
+        be.launch(kernel, (dl.num_generate as u32, nv as u32, 1), threads, 0, &args);
+    }
+
+    // 2. Prefill tokens: conv + SiLU, the normalized q/k and the gates in one launch, then the
     //    canonical windows of prefill rows are advanced. (Generate tokens get all of this inside
     //    the recurrent kernel, which also writes their window snapshots.)
     let prefill = (dl.num_prefill > 0).then(|| {
@@ -95,34 +130,7 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
         (conv_out, qn, kn, g, beta)
     });
 
-    // 2. Delta rule and gated RMSNorm: generate rows recurrent (convolved and normalized in the
-    //    same kernel), prefill rows chunked and then normalized.
-    let out = be.tensor(t, value_dim);
-    let tail = |row_ids: u64| [Arg::Ptr(base), Arg::Ptr(row_ids), Arg::I32(nk as i32), Arg::I32(nv as i32), Arg::I32(dk as i32), Arg::I32(dv as i32), Arg::I32(conv_dim as i32)];
-    if dl.num_generate > 0 {
-        // REC_GROUPS (4) threads per value column, at most 512 (the kernel's launch bound).
-        assert!(dv <= 128 && dk <= 128, "gated_delta_net: head dims dk {dk} / dv {dv} above 128");
-        let threads = (4 * dv).div_ceil(32) as u32 * 32;
-        let mut args = vec![
-            Arg::Ptr(be.ptr(&out.data)),
-            Arg::Ptr(be.ptr(&x.z.data)),
-            Arg::Ptr(be.ptr(&x.norm_weight.data)),
-            Arg::F32(eps),
-            Arg::Ptr(be.ptr(&x.mixed.data)),
-            Arg::Ptr(conv_state),
-            Arg::Ptr(be.ptr(&x.conv_weight.data)),
-            Arg::Ptr(conv_snap),
-            Arg::Ptr(be.ptr(&x.a.data)),
-            Arg::Ptr(be.ptr(&x.b.data)),
-            Arg::Ptr(be.ptr(&x.neg_a.data)),
-            Arg::Ptr(be.ptr(&x.dt_bias.data)),
-            Arg::Ptr(rec),
-            Arg::Ptr(rec_snap),
-        ];
-        args.extend(tail(at(dl.generate_off)));
-        args.push(Arg::I32(kw as i32));
-        be.launch(&be.k.gdn_recurrent, (dl.num_generate as u32, nv as u32, 1), threads, 0, &args);
-    }
+    // 3. Prefill rows: delta rule chunked, then the gated RMSNorm.
     if let Some((conv_out, qn, kn, g, beta)) = &prefill {
         let (qn_p, kn_p, conv_p, g_p, beta_p) = (be.ptr(&qn.data), be.ptr(&kn.data), be.ptr(&conv_out.data), be.ptr(&g.data), be.ptr(&beta.data));
         let core = be.tensor(t, value_dim);

@@ -178,9 +178,13 @@ mod tests {
                 kernels += 1;
                 let first: Vec<&str> = body.split(';').map(str::trim).take(2).collect();
                 let waits_first = first.first() == Some(&"wait_for_inputs()");
-                // Weight-only work that may come first: the L2 prefetch of the small-row
-                // kernels, the streaming kernels' ring set-up and first weight copies.
-                let weight_work = |s: &&str| s.starts_with("prefetch_small(") || s.starts_with("StreamRing ring = stream_start<");
+                // Work that may come first: the L2 prefetch of the small-row kernels, the
+                // streaming kernels' ring set-up and first weight copies (weights only), and
+                // the recurrent delta rule's loads of its state (written two or more launches
+                // back, or it waits first; gdn.rs tells it which).
+                let weight_work = |s: &&str| {
+                    s.starts_with("prefetch_small(") || s.starts_with("StreamRing ring = stream_start<") || s.starts_with("RecurrentStart st = recurrent_start<")
+                };
                 let prefetch_then_wait = first.first().is_some_and(weight_work) && first.get(1) == Some(&"wait_for_inputs()");
                 assert!(waits_first || prefetch_then_wait, "{module}.cu: kernel {name} does not start with wait_for_inputs(): {:?}", first);
             }

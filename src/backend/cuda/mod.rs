@@ -115,7 +115,7 @@ kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth, read_bandwidth],
     "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_router, matmul_router_stream, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core, attn_combine],
-    "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_chunked, gdn_out_norm, commit_states, reset_states],
+    "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunked, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
     "sample" => [sample_rows],
 }
@@ -158,6 +158,8 @@ pub struct CudaBackend {
     /// in cuda/common.cuh). `KESTREL_CUDA_PDL=0` turns it off.
     dependent_launch: bool,
     launches: AtomicUsize,
+    /// The function of the most recent launch (its `CUfunction` as an address).
+    last_launch: AtomicUsize,
     /// Finished blocks of the running `matmul_router` launch (zero between launches).
     pub(super) router_done: CudaSlice<u32>,
     /// Kernel start times (`KESTREL_CUDA_TRACE=1`, profile.rs).
@@ -295,6 +297,7 @@ impl CudaBackend {
             sm_count,
             dependent_launch: major >= 9 && std::env::var("KESTREL_CUDA_PDL").map_or(true, |v| v != "0"),
             launches: AtomicUsize::new(0),
+            last_launch: AtomicUsize::new(0),
             router_done,
             tracer,
         })
@@ -385,6 +388,7 @@ impl CudaBackend {
         };
         ck(self.ctx.bind_to_thread(), "bind context");
         self.launches.fetch_add(1, Ordering::Relaxed);
+        self.last_launch.store(f.cu_function() as usize, Ordering::Relaxed);
         if let Some(t) = &self.tracer {
             t.launched(f, grid);
         }
@@ -393,6 +397,12 @@ impl CudaBackend {
         // points into `args`, which outlives the call. Every kernel waits for its inputs
         // (wait_for_inputs) before reading them, as the dependent-launch attribute requires.
         ck(self.host_timer.time(false, || unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result()), "kernel launch");
+    }
+
+    /// Whether the most recent launch ran `f` (a kernel may read what older launches wrote
+    /// before it waits for its inputs, but not what the launch just before it writes).
+    pub(super) fn last_launch_was(&self, f: &CudaFunction) -> bool {
+        self.last_launch.load(Ordering::Relaxed) == f.cu_function() as usize
     }
 
     /// Kernel launches queued so far (a benchmark divides by steps).
