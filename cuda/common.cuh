@@ -156,12 +156,18 @@ __device__ __forceinline__ bool rms_row_in_registers(const float* xr, const floa
 // rows they wrote): v[i] / wv[i] hold float4 threadIdx.x + i * blockDim.x of the row and the
 // weight (zeros past the row's end); writes yr = v * rsqrt(mean(v^2) + eps) * wv. Every
 // caller gets the same bits for the same row.
-__device__ __forceinline__ void rms_norm_row_registers(float* yr, const float4 v[RMS_VECS], const float4 wv[RMS_VECS], int cols, float eps, float* scratch) {
-    int nvec = cols >> 2;
+// A thread's share of a row's sum of squares on the register path (float4s v[i], zero past
+// the row's end). Kernels that normalize rows themselves use it to get rms_norm_rows' bits.
+__device__ __forceinline__ float rms_partial(const float4 v[RMS_VECS]) {
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < RMS_VECS; ++i) ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
-    ss = block_sum(ss, scratch);
+    return ss;
+}
+
+__device__ __forceinline__ void rms_norm_row_registers(float* yr, const float4 v[RMS_VECS], const float4 wv[RMS_VECS], int cols, float eps, float* scratch) {
+    int nvec = cols >> 2;
+    float ss = block_sum(rms_partial(v), scratch);
     float inv = 1.0f / sqrtf(ss / (float)cols + eps);
 #pragma unroll
     for (int i = 0; i < RMS_VECS; ++i) {

@@ -12,6 +12,11 @@
 
 #define STREAM_THREADS (32 * (KSLICES + 1))
 #define STREAM_MAX_STAGES 8
+// Stages a block may fill before its inputs are ready (`KESTREL_CUDA_DEFINES` can lower it
+// for an A/B run: fewer early copies leave the memory system to the kernel before).
+#ifndef STREAM_EARLY_STAGES
+#define STREAM_EARLY_STAGES STREAM_MAX_STAGES
+#endif
 
 // sm_90 instructions; the backend launches the streaming kernels only there (elsewhere these
 // trap, so that a launch by mistake cannot pass silently).
@@ -103,13 +108,53 @@ __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int
     __syncthreads();
     r.early_w = early_w;
     if ((int)(threadIdx.x >> 5) != KSLICES || !r.early_w) return r;
-    for (int n0 = blockIdx.x * 8 * NT; n0 < N && r.issued < stages; n0 += gridDim.x * 8 * NT) stream_issue<NT>(r, r.early_w, N, K, n0, r.issued++, e);
+    for (int n0 = blockIdx.x * 8 * NT; n0 < N && r.issued < min(stages, STREAM_EARLY_STAGES); n0 += gridDim.x * 8 * NT) stream_issue<NT>(r, r.early_w, N, K, n0, r.issued++, e);
     return r;
 }
 
-template <int NT>
+// Sum over the 256 threads of the k-slice warps (the producer warp is busy elsewhere):
+// block_sum's arithmetic at 256 threads.
+__device__ __forceinline__ float k_slices_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
+    if (lane == 0) scratch[warp] = v;
+    asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
+    if (warp == 0) {
+        float t = lane < KSLICES ? scratch[lane] : 0.0f;
+        t = warp_sum(t);
+        if (lane == 0) scratch[32] = t;
+    }
+    asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
+    return scratch[32];
+}
+
+// 1 / rms of each of the `rows` rows of x (width K, a multiple of 4, at most RMS_VECS float4s
+// per thread) into row_inv, by the k-slice warps: rms_norm_rows' register path at its 256
+// threads, so the same bits.
+__device__ __forceinline__ void stream_row_norms(const float* x, int rows, int K, float eps, float* row_inv) {
+    __shared__ float scratch[33];
+    int nvec = K >> 2;
+    for (int r = 0; r < rows; ++r) {
+        const float4* x4 = (const float4*)(x + (long long)r * K);
+        float4 v[RMS_VECS];
+#pragma unroll
+        for (int i = 0; i < RMS_VECS; ++i) {
+            int c = threadIdx.x + i * 32 * KSLICES;
+            float4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
+            v[i] = c < nvec ? x4[c] : zero;
+        }
+        float ss = k_slices_sum(rms_partial(v), scratch);
+        if (threadIdx.x == 0) row_inv[r] = 1.0f / sqrtf(ss / (float)K + eps);
+    }
+    asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
+}
+
+// NORM: the activation rows are RMS-normalized by `norm_w` (when given) as they are split,
+// and the first block also stores the normalized rows to `normed` (ungrouped launches only).
+template <int NT, bool NORM>
 __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float* out, const float* x, const bf16_t* whi_, int rows, int N, int K, const u64* group_w,
-        const int* counts, const int* lists, int list_stride, int a_div, const int* active, const Epilogue& epi) {
+        const int* counts, const int* lists, int list_stride, int a_div, const int* active, const Epilogue& epi, const float* norm_w, float eps, float* normed) {
     // Two reduction buffers, alternating by column block: one barrier per column block, and
     // warp 0 adds up and stores one column block while the others start on the next.
     __shared__ float red[2][KSLICES][NT][32][4];
@@ -140,10 +185,25 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
     int xstride = ring.row_bytes / 2;
     long long lo_off = (long long)rows * xstride;
     bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)S * per * ring.row_bytes);
+    __shared__ float row_inv[NORM ? 16 : 1];
+    bool norm = NORM && norm_w;
+    if (norm) stream_row_norms(x, grp.rows, K, eps, row_inv);
     for (int c = threadIdx.x; c < grp.rows * (K / 8); c += 32 * KSLICES) {
         int r = c / (K / 8), k = (c % (K / 8)) * 8;
         float v[8];
         load8_f32(x + (long long)(grp.list ? grp.list[r] / a_div : r) * K, k, K, true, v);
+        if (norm) {
+            // rms_norm_row_registers' expression.
+            float w8[8];
+            load8_f32(norm_w, k, K, true, w8);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = v[e] * row_inv[r] * w8[e];
+            if (blockIdx.x == 0) {
+                float* dst = normed + (long long)r * K + k;
+                *(float4*)dst = make_float4(v[0], v[1], v[2], v[3]);
+                *(float4*)(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
+            }
+        }
         u32 hi[4], lo[4];
         split8(v, hi, lo);
         *(uint4*)(xs + (long long)r * xstride + k) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
@@ -204,21 +264,25 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
             int lists_ready, int stages) {                                                                                                            \
         StreamRing ring = stream_start<NT>(whi, N, K, group_w, active, lists_ready, stages, epi);                                                    \
         wait_for_inputs();                                                                                                                           \
-        matmul_stream_body<NT>(ring, out, x, whi, rows, N, K, group_w, counts, lists, list_stride, a_div, active, epi);                              \
+        matmul_stream_body<NT, false>(ring, out, x, whi, rows, N, K, group_w, counts, lists, list_stride, a_div, active, epi, 0, 0.0f, 0);          \
     }
 STREAM_KERNEL(matmul_stream_nt1, 1)
 STREAM_KERNEL(matmul_stream_nt2, 2)
 STREAM_KERNEL(matmul_stream_nt4, 4)
 
 // matmul_router with the weights streamed (matmul_stream_nt1's arithmetic, the same logits):
-// the router's rows land in shared memory while the norm before it runs. Same arguments as
-// matmul_router; dynamic shared memory the larger of the ring's and the routing's.
+// the router's rows land in shared memory while the kernel before it runs. Arguments:
+// matmul_router's, then (norm_w non-null) the RMSNorm the router's input still needs: x is
+// then the residual stream, normalized here exactly as rms_norm_rows would (the first block
+// stores the rows to `normed` for the experts). One launch fewer per layer, and the router is
+// resident, copying its weights, while the output projection runs. Dynamic shared memory the
+// larger of the ring's and the routing's.
 extern "C" __global__ void __launch_bounds__(STREAM_THREADS) matmul_router_stream(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, int N,
         int K, Epilogue epi, int stages, unsigned* done, int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists,
-        int* counts, int* active, int slots, int fold) {
+        int* counts, int* active, int slots, int fold, const float* norm_w, float eps, float* normed) {
     StreamRing ring = stream_start<1>(whi, N, K, 0, 0, 0, stages, epi);
     wait_for_inputs();
-    matmul_stream_body<1>(ring, out, x, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi);
+    matmul_stream_body<1, true>(ring, out, x, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi, norm_w, eps, normed);
     // The producer warp left the body early; every warp takes part in the count.
     route_in_last_block(done, topk_idx, topk_w, logits, T, E, k, renormalize, lists, counts, active, slots, fold);
 }

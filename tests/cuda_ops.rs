@@ -446,18 +446,20 @@ fn moe_matches_cpu_and_tokens_are_independent() {
             assert!(err < 1e-4, "moe E{e} k{k} with {t} tokens: relative error {err}");
             assert!(bitwise_equal(&got, &full[..t * h]), "moe E{e} k{k}: tokens differ between {t} and {max_t} tokens");
         }
-        // With the next layer's norm in the combine pass: the residual stream and its norm are
-        // bitwise those of the separate ops.
-        let norm = gpu.upload_vector(&rng.vec(h, 1.0)).unwrap();
+        // The whole MoE half of a layer (the input norm inside the streaming router for up to
+        // 8 bf16 tokens, the next layer's norm in the combine pass): the residual stream and
+        // its norm are bitwise those of the separate ops.
+        let (pre_norm, norm) = (gpu.upload_vector(&rng.vec(h, 1.0)).unwrap(), gpu.upload_vector(&rng.vec(h, 1.0)).unwrap());
         for t in [1, 5, 150] {
-            let (xs, res) = (gpu.from_host(&x[..t * h], t, h), &residual[..t * h]);
+            let res = &x[..t * h];
             let mut fused = gpu.from_host(res, t, h);
-            let normed = gpu.moe_add_norm(&mut fused, &xs, &gw, &cfg, &norm, 1e-6);
+            let normed = gpu.moe_residual(&mut fused, &pre_norm, &gw, &cfg, &norm, 1e-6);
             let mut separate = gpu.from_host(res, t, h);
-            gpu.moe_add(&mut separate, &xs, &gw, &cfg);
+            let input = gpu.rms_norm(&separate, &pre_norm, 1e-6);
+            gpu.moe_add(&mut separate, &input, &gw, &cfg);
             let want = gpu.rms_norm(&separate, &norm, 1e-6);
-            assert!(bitwise_equal(&gpu.to_host(&fused), &gpu.to_host(&separate)), "moe_add_norm E{e} with {t} tokens: residual stream differs from moe_add");
-            assert!(bitwise_equal(&gpu.to_host(&normed), &gpu.to_host(&want)), "moe_add_norm E{e} with {t} tokens: norm differs from rms_norm");
+            assert!(bitwise_equal(&gpu.to_host(&fused), &gpu.to_host(&separate)), "moe_residual E{e} with {t} tokens: residual stream differs from the separate ops");
+            assert!(bitwise_equal(&gpu.to_host(&normed), &gpu.to_host(&want)), "moe_residual E{e} with {t} tokens: norm differs from rms_norm");
         }
     }
 }

@@ -291,12 +291,15 @@ pub trait Backend: Send + Sync {
     /// of the MoE output would give).
     fn moe_add(&self, acc: &mut Self::Tensor, x: &Self::Tensor, w: &MoeWeights<Self>, cfg: &MoeConfig);
 
-    /// [`Backend::moe_add`], then the RMSNorm of the updated residual stream by `norm` (the next
-    /// layer's input norm): bitwise `rms_norm(acc)` after `moe_add`. A device backend does both
-    /// in the MoE's last pass over the rows.
-    fn moe_add_norm(&self, acc: &mut Self::Tensor, x: &Self::Tensor, w: &MoeWeights<Self>, cfg: &MoeConfig, norm: &Self::Vector, eps: f32) -> Self::Tensor {
-        self.moe_add(acc, x, w, cfg);
-        self.rms_norm(acc, norm, eps)
+    /// The MoE half of a layer on the residual stream `acc`: `acc += moe(rms_norm(acc,
+    /// pre_norm))`, then the RMSNorm of the updated stream by `next_norm` (the next layer's
+    /// input norm), bitwise what those separate ops give. A device backend normalizes the
+    /// input inside the router launch and the output in the MoE's last pass over the rows.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_residual(&self, acc: &mut Self::Tensor, pre_norm: &Self::Vector, w: &MoeWeights<Self>, cfg: &MoeConfig, next_norm: &Self::Vector, eps: f32) -> Self::Tensor {
+        let x = self.rms_norm(acc, pre_norm, eps);
+        self.moe_add(acc, &x, w, cfg);
+        self.rms_norm(acc, next_norm, eps)
     }
 
     /// One token per row of `logits` (`[N, vocab]`), drawn by position-keyed sampling

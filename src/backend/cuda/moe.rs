@@ -44,15 +44,16 @@ fn expert_tables(be: &CudaBackend, w: &MoeWeights<CudaBackend>, with_shared: boo
 }
 
 pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig) {
-    moe_add_then(be, acc, x, w, cfg, None);
+    moe_add_then(be, acc, MoeInput::Normed(x), w, cfg, None);
 }
 
-/// `moe_add`, then the RMSNorm of the updated residual stream by `norm`, in the combine pass
-/// where the row norm's register path applies (one launch fewer per layer).
-pub(super) fn moe_add_norm(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig, norm: &CudaVector, eps: f32) -> CudaTensor {
-    match moe_add_then(be, acc, x, w, cfg, Some((norm, eps))) {
+/// `acc += moe(rms_norm(acc, pre_norm))`, then the RMSNorm of the updated residual stream by
+/// `next_norm`: the input norm inside the streaming router launch and the output norm in the
+/// combine pass, where the row norm's register path applies (two launches fewer per layer).
+pub(super) fn moe_residual(be: &CudaBackend, acc: &mut CudaTensor, pre_norm: &CudaVector, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig, next_norm: &CudaVector, eps: f32) -> CudaTensor {
+    match moe_add_then(be, acc, MoeInput::Residual(pre_norm, eps), w, cfg, Some((next_norm, eps))) {
         Some(normed) => normed,
-        None => crate::backend::Backend::rms_norm(be, acc, norm, eps),
+        None => crate::backend::Backend::rms_norm(be, acc, next_norm, eps),
     }
 }
 
@@ -60,17 +61,32 @@ pub(super) fn moe_add_norm(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTenso
 /// 256 threads per row.
 const NORM_MAX_COLS: usize = 8 * 256 * 4;
 
+/// Whether a norm of rows `h` wide by `norm` takes the row norm's register path, which the
+/// fused norms reproduce (16-byte aligned rows and weight: rms_row_in_registers).
+fn norm_in_registers(be: &CudaBackend, norm: &CudaVector, h: usize) -> bool {
+    norm.len == h && h.is_multiple_of(4) && h <= NORM_MAX_COLS && be.ptr(&norm.data).is_multiple_of(16)
+}
+
+/// The MoE's input rows: already normalized, or the residual stream (the accumulator itself)
+/// still to be normalized by this weight.
+enum MoeInput<'a> {
+    Normed(&'a CudaTensor),
+    Residual(&'a CudaVector, f32),
+}
+
 /// The MoE into `acc`; with `norm`, also the normalized rows when the combine pass could make
 /// them (None otherwise: the caller normalizes).
-fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig, norm: Option<(&CudaVector, f32)>) -> Option<CudaTensor> {
-    let (t, h) = (x.rows, x.cols);
+fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig, norm: Option<(&CudaVector, f32)>) -> Option<CudaTensor> {
+    let (t, h) = (acc.rows, acc.cols);
     let (e, k, inter) = (cfg.num_experts, cfg.top_k, cfg.expert_intermediate);
     assert_eq!(w.experts.len(), e, "moe: {} experts loaded, config says {e}", w.experts.len());
     assert!(k >= 1 && k <= e && k <= MAX_TOP_K, "moe: top-k {k} unsupported");
     for (i, [gu, d]) in w.experts.iter().enumerate() {
         assert!((gu.rows, gu.cols, d.rows, d.cols) == (2 * inter, h, h, inter), "moe: expert {i} has unexpected shapes");
     }
-    assert_eq!((acc.rows, acc.cols), (t, h), "moe: accumulator shape");
+    if let MoeInput::Normed(x) = input {
+        assert_eq!((x.rows, x.cols), (t, h), "moe: input shape differs from the accumulator's");
+    }
     let fold = shared_in_groups(w, inter);
     // Rows per token in the expert activations: its k routed experts, then the shared one.
     let slots = k + usize::from(fold);
@@ -93,6 +109,18 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
     let few = t * k <= FEW_ENTRIES;
     let route_here = few && t <= ROUTE_IN_GROUP_MAX_TOKENS;
     let router_launch = super::matmul::router_launch(be, t, w.router.rows, h, w.router.lo.is_some()).filter(|_| route_here);
+    // The input rows: normalized inside the streaming router (which stores them for the
+    // experts) where it can, else by the row norm first.
+    let (x_owned, router_norm) = match input {
+        MoeInput::Normed(_) => (None, None),
+        MoeInput::Residual(n, eps) if router_launch.as_ref().is_some_and(|l| l.stages > 0) && norm_in_registers(be, n, h) => (Some(be.tensor(t, h)), Some((n, eps))),
+        MoeInput::Residual(n, eps) => (Some(crate::backend::Backend::rms_norm(be, acc, n, eps)), None),
+    };
+    let x = match (&input, &x_owned) {
+        (MoeInput::Normed(x), _) => *x,
+        (_, Some(x)) => x,
+        (MoeInput::Residual(..), None) => unreachable!("a residual input always gets its normalized rows"),
+    };
     let mut parts = match router_launch {
         Some(_) => widths.iter().map(|&n| be.tensor(t, n)).collect(),
         None => super::matmul::matmul_parts(be, x, &w.router, &widths),
@@ -117,9 +145,11 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
         // The router matmul with the routing in its last block: one launch fewer per layer.
         let outs: Vec<(u64, usize)> = std::iter::once(&logits).chain(shared_gate.as_ref()).map(|p| (be.ptr(&p.data), p.cols)).collect();
         let wlo = w.router.lo.as_ref().map_or(0, |l| be.ptr(l));
+        // With the norm fused, the router reads the residual stream and writes `x`.
+        let router_x = if router_norm.is_some() { be.ptr(&acc.data) } else { be.ptr(&x.data) };
         let mut args = vec![
             Arg::Ptr(outs[0].0),
-            Arg::Ptr(be.ptr(&x.data)),
+            Arg::Ptr(router_x),
             Arg::Ptr(be.ptr(&w.router.hi)),
             Arg::Ptr(wlo),
             Arg::I32(t as i32),
@@ -131,6 +161,11 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
         ];
         args.extend(route_args);
         args.extend([Arg::Ptr(lists), Arg::Ptr(counts), Arg::Ptr(active), Arg::I32(slots as i32), Arg::I32(i32::from(fold))]);
+        if launch.stages > 0 {
+            // matmul_router_stream's input norm (none: a null weight).
+            let (nw, eps) = router_norm.map_or((0, 0.0), |(n, eps)| (be.ptr(&n.data), eps));
+            args.extend([Arg::Ptr(nw), Arg::F32(eps), Arg::Ptr(be.ptr(&x.data))]);
+        }
         be.launch(launch.kernel, (launch.blocks, 1, 1), launch.threads, launch.smem.max(group_smem), &args);
     } else if few {
         if !route_here {
@@ -209,7 +244,7 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeW
         Arg::I64(shared_stride as i64),
     ];
     // The kernel's register path needs 16-byte aligned rows and weight (rms_row_in_registers).
-    let norm = norm.filter(|(n, _)| n.len == h && h.is_multiple_of(4) && h <= NORM_MAX_COLS && be.ptr(&n.data).is_multiple_of(16));
+    let norm = norm.filter(|(n, _)| norm_in_registers(be, n, h));
     if let Some((n, eps)) = norm {
         let normed = be.tensor(t, h);
         args.extend([Arg::Ptr(be.ptr(&normed.data)), Arg::Ptr(be.ptr(&n.data)), Arg::F32(eps)]);

@@ -277,9 +277,9 @@ impl Backend for CudaBackend {
         super::moe::moe_add(self, acc, x, w, cfg)
     }
 
-    fn moe_add_norm(&self, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<Self>, cfg: &MoeConfig, norm: &CudaVector, eps: f32) -> CudaTensor {
+    fn moe_residual(&self, acc: &mut CudaTensor, pre_norm: &CudaVector, w: &MoeWeights<Self>, cfg: &MoeConfig, next_norm: &CudaVector, eps: f32) -> CudaTensor {
         let _span = self.span("moe");
-        super::moe::moe_add_norm(self, acc, x, w, cfg, norm, eps)
+        super::moe::moe_residual(self, acc, pre_norm, w, cfg, next_norm, eps)
     }
 
     fn set_random_weights(&self, seed: Option<u64>) -> Result<(), BackendError> {

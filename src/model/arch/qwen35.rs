@@ -269,13 +269,13 @@ impl<B: Backend> DecoderLayer<B> {
                 b.matmul_add(x, &o, &att.o_proj);
             }
         }
-        let h = b.rms_norm(x, &self.post_norm, c.rms_norm_eps);
         match &self.mlp {
             Mlp::Dense { gate_up, down } => {
+                let h = b.rms_norm(x, &self.post_norm, c.rms_norm_eps);
                 b.matmul_add(x, &b.matmul_swiglu(&h, gate_up), down);
                 b.rms_norm(x, next_norm, c.rms_norm_eps)
             }
-            Mlp::Moe(w) => b.moe_add_norm(x, &h, w, c.moe.as_ref().expect("MoE layer without MoE config"), next_norm, c.rms_norm_eps),
+            Mlp::Moe(w) => b.moe_residual(x, &self.post_norm, w, c.moe.as_ref().expect("MoE layer without MoE config"), next_norm, c.rms_norm_eps),
         }
     }
 }
