@@ -12,10 +12,12 @@
 
 #define STREAM_THREADS (32 * (KSLICES + 1))
 #define STREAM_MAX_STAGES 8
-// Stages a block may fill before its inputs are ready (`KESTREL_CUDA_DEFINES` can lower it
-// for an A/B run: fewer early copies leave the memory system to the kernel before).
+// Stages a block fills before its inputs are ready. One: the kernel before is often short
+// and bound by its chain of loads, and every block's whole ring copied at once queues those
+// loads behind megabytes of weights (H100, 35B-A3B decode: 3.93 ms per step against 3.97
+// with all stages early; `KESTREL_CUDA_DEFINES=STREAM_EARLY_STAGES=n` for A/B runs).
 #ifndef STREAM_EARLY_STAGES
-#define STREAM_EARLY_STAGES STREAM_MAX_STAGES
+#define STREAM_EARLY_STAGES 1
 #endif
 
 // sm_90 instructions; the backend launches the streaming kernels only there (elsewhere these
