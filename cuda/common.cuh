@@ -102,21 +102,28 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Block-wide sum with a fixed order: warp butterflies, then warp 0 sums the warp totals.
-// `scratch` holds at least 33 floats. Every thread gets the result.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+// Sum over the block's first `nwarps` warps with a fixed order: warp butterflies, then warp 0
+// sums the warp totals; `sync` is the barrier among those warps. `scratch` holds at least 33
+// floats. Every thread gets the result.
+template <typename Barrier>
+__device__ __forceinline__ float warps_sum(float v, float* scratch, int nwarps, Barrier sync) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = warp_sum(v);
-    __syncthreads();
+    sync();
     if (lane == 0) scratch[warp] = v;
-    __syncthreads();
+    sync();
     if (warp == 0) {
         float t = lane < nwarps ? scratch[lane] : 0.0f;
         t = warp_sum(t);
         if (lane == 0) scratch[32] = t;
     }
-    __syncthreads();
+    sync();
     return scratch[32];
+}
+
+// warps_sum over the whole block.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    return warps_sum(v, scratch, (blockDim.x + 31) >> 5, [] { __syncthreads(); });
 }
 
 // block_sum of two values with one set of barriers (the same sums, bit for bit); `scratch`
@@ -156,6 +163,17 @@ __device__ __forceinline__ bool rms_row_in_registers(const float* xr, const floa
 // rows they wrote): v[i] / wv[i] hold float4 threadIdx.x + i * blockDim.x of the row and the
 // weight (zeros past the row's end); writes yr = v * rsqrt(mean(v^2) + eps) * wv. Every
 // caller gets the same bits for the same row.
+// Float4s threadIdx.x + i * stride (i < RMS_VECS) of a row of `nvec` float4s, zero past its
+// end: a thread's part of the row on the register path.
+__device__ __forceinline__ void row_float4s(float4 v[RMS_VECS], const float4* x4, int nvec, int stride) {
+#pragma unroll
+    for (int i = 0; i < RMS_VECS; ++i) {
+        int c = threadIdx.x + i * stride;
+        float4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
+        v[i] = c < nvec ? x4[c] : zero;
+    }
+}
+
 // A thread's share of a row's sum of squares on the register path (float4s v[i], zero past
 // the row's end). Kernels that normalize rows themselves use it to get rms_norm_rows' bits.
 __device__ __forceinline__ float rms_partial(const float4 v[RMS_VECS]) {

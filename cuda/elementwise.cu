@@ -25,16 +25,9 @@ extern "C" __global__ void rms_norm_rows(float* out, const float* x, const float
     float* yr = out + (long long)r * cols;
     int nvec = cols >> 2;
     if (rms_row_in_registers(xr, yr, w, cols)) {
-        const float4* x4 = (const float4*)xr;
-        const float4* w4 = (const float4*)w;
         float4 v[RMS_VECS], wv[RMS_VECS];
-#pragma unroll
-        for (int i = 0; i < RMS_VECS; ++i) {
-            int c = threadIdx.x + i * blockDim.x;
-            float4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
-            v[i] = c < nvec ? x4[c] : zero;
-            wv[i] = c < nvec ? w4[c] : zero;
-        }
+        row_float4s(v, (const float4*)xr, nvec, blockDim.x);
+        row_float4s(wv, (const float4*)w, nvec, blockDim.x);
         rms_norm_row_registers(yr, v, wv, cols, eps, scratch);
         return;
     }

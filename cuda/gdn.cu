@@ -105,6 +105,12 @@ __device__ __forceinline__ float row_group_sum(float v) {
     return v;
 }
 
+// Whether row i of group r (rows r0 = r * src onward) is one of the head's dk rows.
+__device__ __forceinline__ bool group_has_row(int i, int src, int r0, int dk) { return i < src && r0 + i < dk; }
+
+// Where k or q row d sits in its padded shared array (each group's src rows then 4 floats).
+__device__ __forceinline__ int padded_row(int d, int src) { return d + d / src * 4; }
+
 // What a block of gdn_recurrent loads before its inputs are ready: its row and the state rows
 // it keeps in registers. With `state_early` it does so before waiting: the canonical state was
 // written by commit_states, reset_states or a prefill launch, and the host passes 0 when that
@@ -130,7 +136,7 @@ __device__ __forceinline__ RecurrentStart recurrent_start(int state_early, const
     bool col_ok = j < dv;
     const float* sp = rec + st.row.state_slot * ((long long)nv * dk * dv) + (long long)blockIdx.y * dk * dv + (long long)rg * src * dv + j;
 #pragma unroll
-    for (int i = 0; i < MAX_DK / REC_GROUPS; ++i) st.s[i] = (i < src && rg * src + i < dk && col_ok) ? sp[(long long)i * dv] : 0.0f;
+    for (int i = 0; i < MAX_DK / REC_GROUPS; ++i) st.s[i] = (group_has_row(i, src, rg * src, dk) && col_ok) ? sp[(long long)i * dv] : 0.0f;
     return st;
 }
 
@@ -202,7 +208,7 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
         for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
             int which = c >= dk, d = c - which * dk;
             float v = conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, which * key_dim + kh * dk + d, conv_dim, kw, qk_snapshots);
-            int padded = d + d / src * 4;
+            int padded = padded_row(d, src);
             if (which) {
                 ks[padded] = v;
                 kss += v * v;
@@ -217,7 +223,7 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
         float qf = 1.0f / sqrtf(sums.x + 1e-6f) * q_scale;
         float kf = 1.0f / sqrtf(sums.y + 1e-6f);
         for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
-            int which = c >= dk, d = c - which * dk, padded = d + d / src * 4;
+            int which = c >= dk, d = c - which * dk, padded = padded_row(d, src);
             if (which) ks[padded] = ks[padded] * kf;
             else qs[padded] = qs[padded] * qf;
         }
@@ -231,7 +237,7 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
 #pragma unroll
             for (int x = 0; x < 4; ++x) {
                 int i = 4 * m + x;
-                if (i < src && r0 + i < dk) {
+                if (group_has_row(i, src, r0, dk)) {
                     st.s[i] *= decay;
                     kv += st.s[i] * k4[x];
                 }
@@ -248,7 +254,7 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
 #pragma unroll
             for (int x = 0; x < 4; ++x) {
                 int i = 4 * m + x;
-                if (i < src && r0 + i < dk) {
+                if (group_has_row(i, src, r0, dk)) {
                     st.s[i] += k4[x] * u;
                     o += st.s[i] * q4[x];
                 }
@@ -259,7 +265,7 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
             float* snap = rec_snap + (long long)(row.snapshot_base + n) * state_len + (long long)h * head_len + (long long)r0 * dv + j;
 #pragma unroll
             for (int i = 0; i < MAX_DK / REC_GROUPS; ++i) {
-                if (i < src && r0 + i < dk) snap[(long long)i * dv] = st.s[i];
+                if (group_has_row(i, src, r0, dk)) snap[(long long)i * dv] = st.s[i];
             }
         }
         float ss = block_sum(col_ok && rg == 0 ? o * o : 0.0f, scratch);

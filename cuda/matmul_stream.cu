@@ -117,18 +117,7 @@ __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int
 // Sum over the 256 threads of the k-slice warps (the producer warp is busy elsewhere):
 // block_sum's arithmetic at 256 threads.
 __device__ __forceinline__ float k_slices_sum(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
-    if (lane == 0) scratch[warp] = v;
-    asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
-    if (warp == 0) {
-        float t = lane < KSLICES ? scratch[lane] : 0.0f;
-        t = warp_sum(t);
-        if (lane == 0) scratch[32] = t;
-    }
-    asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
-    return scratch[32];
+    return warps_sum(v, scratch, KSLICES, [] { asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory"); });
 }
 
 // 1 / rms of each of the `rows` rows of x (width K, a multiple of 4, at most RMS_VECS float4s
@@ -136,16 +125,9 @@ __device__ __forceinline__ float k_slices_sum(float v, float* scratch) {
 // threads, so the same bits.
 __device__ __forceinline__ void stream_row_norms(const float* x, int rows, int K, float eps, float* row_inv) {
     __shared__ float scratch[33];
-    int nvec = K >> 2;
     for (int r = 0; r < rows; ++r) {
-        const float4* x4 = (const float4*)(x + (long long)r * K);
         float4 v[RMS_VECS];
-#pragma unroll
-        for (int i = 0; i < RMS_VECS; ++i) {
-            int c = threadIdx.x + i * 32 * KSLICES;
-            float4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
-            v[i] = c < nvec ? x4[c] : zero;
-        }
+        row_float4s(v, (const float4*)(x + (long long)r * K), K >> 2, 32 * KSLICES);
         float ss = k_slices_sum(rms_partial(v), scratch);
         if (threadIdx.x == 0) row_inv[r] = 1.0f / sqrtf(ss / (float)K + eps);
     }

@@ -69,6 +69,7 @@ fn norm_in_registers(be: &CudaBackend, norm: &CudaVector, h: usize) -> bool {
 
 /// The MoE's input rows: already normalized, or the residual stream (the accumulator itself)
 /// still to be normalized by this weight.
+#[derive(Clone, Copy)]
 enum MoeInput<'a> {
     Normed(&'a CudaTensor),
     Residual(&'a CudaVector, f32),
@@ -111,15 +112,17 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &Moe
     let router_launch = super::matmul::router_launch(be, t, w.router.rows, h, w.router.lo.is_some()).filter(|_| route_here);
     // The input rows: normalized inside the streaming router (which stores them for the
     // experts) where it can, else by the row norm first.
-    let (x_owned, router_norm) = match input {
-        MoeInput::Normed(_) => (None, None),
-        MoeInput::Residual(n, eps) if router_launch.as_ref().is_some_and(|l| l.stages > 0) && norm_in_registers(be, n, h) => (Some(be.tensor(t, h)), Some((n, eps))),
-        MoeInput::Residual(n, eps) => (Some(crate::backend::Backend::rms_norm(be, acc, n, eps)), None),
-    };
-    let x = match (&input, &x_owned) {
-        (MoeInput::Normed(x), _) => *x,
-        (_, Some(x)) => x,
-        (MoeInput::Residual(..), None) => unreachable!("a residual input always gets its normalized rows"),
+    let normed_input: CudaTensor;
+    let (x, router_norm) = match input {
+        MoeInput::Normed(x) => (x, None),
+        MoeInput::Residual(n, eps) if router_launch.as_ref().is_some_and(|l| l.stages > 0) && norm_in_registers(be, n, h) => {
+            normed_input = be.tensor(t, h);
+            (&normed_input, Some((n, eps)))
+        }
+        MoeInput::Residual(n, eps) => {
+            normed_input = crate::backend::Backend::rms_norm(be, acc, n, eps);
+            (&normed_input, None)
+        }
     };
     let mut parts = match router_launch {
         Some(_) => widths.iter().map(|&n| be.tensor(t, n)).collect(),
