@@ -274,8 +274,8 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
 }
 
 #define GDN_RECURRENT_KERNEL(NAME, DK, DV, KW)                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(512) NAME(float* out, const float* z, const float* norm_w, float eps, const float* mixed,                   \
-            const float* conv_state, const float* conv_w, float* conv_snap, const float* a, const float* b, const float* neg_a, const float* dt_bias,          \
+    extern "C" __global__ void __launch_bounds__(512) NAME(float* out, const float* z, const float* norm_w, float eps, float* conv_snap,                     \
+            const float* mixed, const float* conv_state, const float* conv_w, const float* a, const float* b, const float* neg_a, const float* dt_bias,        \
             const float* rec, float* rec_snap, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim, int kw, int state_early) { \
         RecurrentStart st = recurrent_start<DK, DV>(state_early, rec, rows, row_ids, nv, dk, dv);                                                          \
         wait_for_inputs();                                                                                                                                  \

@@ -47,6 +47,8 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
     let (rec, rec_snap) = (be.ptr(&cache.rec[layer]), be.ptr(&cache.rec_snap[layer]));
 
     let out = be.tensor(t, value_dim);
+    // What the conv and the gates read, in both kernels' argument order.
+    let conv_gate_inputs = [be.ptr(&x.mixed.data), conv_state, be.ptr(&x.conv_weight.data), be.ptr(&x.a.data), be.ptr(&x.b.data), be.ptr(&x.neg_a.data), be.ptr(&x.dt_bias.data)].map(Arg::Ptr);
     let tail = |row_ids: u64| [Arg::Ptr(base), Arg::Ptr(row_ids), Arg::I32(nk as i32), Arg::I32(nv as i32), Arg::I32(dk as i32), Arg::I32(dv as i32), Arg::I32(conv_dim as i32)];
     // 1. Generate rows: conv, gates, delta rule and gated RMSNorm in one launch, right after the
     //    projections (before any prefill launch of this layer), so that it may read its state
@@ -65,17 +67,10 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
             Arg::Ptr(be.ptr(&x.z.data)),
             Arg::Ptr(be.ptr(&x.norm_weight.data)),
             Arg::F32(eps),
-            Arg::Ptr(be.ptr(&x.mixed.data)),
-            Arg::Ptr(conv_state),
-            Arg::Ptr(be.ptr(&x.conv_weight.data)),
             Arg::Ptr(conv_snap),
-            Arg::Ptr(be.ptr(&x.a.data)),
-            Arg::Ptr(be.ptr(&x.b.data)),
-            Arg::Ptr(be.ptr(&x.neg_a.data)),
-            Arg::Ptr(be.ptr(&x.dt_bias.data)),
-            Arg::Ptr(rec),
-            Arg::Ptr(rec_snap),
         ];
+        args.extend(conv_gate_inputs);
+        args.extend([Arg::Ptr(rec), Arg::Ptr(rec_snap)]);
         args.extend(tail(at(dl.generate_off)));
         args.extend([Arg::I32(kw as i32), Arg::I32(i32::from(state_early))]);
         be.launch(kernel, (dl.num_generate as u32, nv as u32, 1), threads, 0, &args);
@@ -91,34 +86,10 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
         let g = be.tensor(t, nv);
         let beta = be.tensor(t, nv);
         let value_blocks = value_dim.div_ceil(CONV_GATES_THREADS);
-        be.launch(
-            &be.k.gdn_conv_gates,
-            (t as u32, (nk + 1 + value_blocks) as u32, 1),
-            CONV_GATES_THREADS as u32,
-            0,
-            &[
-                Arg::Ptr(be.ptr(&conv_out.data)),
-                Arg::Ptr(conv_snap),
-                Arg::Ptr(be.ptr(&qn.data)),
-                Arg::Ptr(be.ptr(&kn.data)),
-                Arg::Ptr(be.ptr(&g.data)),
-                Arg::Ptr(be.ptr(&beta.data)),
-                Arg::Ptr(be.ptr(&x.mixed.data)),
-                Arg::Ptr(conv_state),
-                Arg::Ptr(be.ptr(&x.conv_weight.data)),
-                Arg::Ptr(be.ptr(&x.a.data)),
-                Arg::Ptr(be.ptr(&x.b.data)),
-                Arg::Ptr(be.ptr(&x.neg_a.data)),
-                Arg::Ptr(be.ptr(&x.dt_bias.data)),
-                Arg::Ptr(at(dl.tok_row_off)),
-                Arg::Ptr(base),
-                Arg::I32(nk as i32),
-                Arg::I32(nv as i32),
-                Arg::I32(dk as i32),
-                Arg::I32(conv_dim as i32),
-                Arg::I32(kw as i32),
-            ],
-        );
+        let mut args = vec![Arg::Ptr(be.ptr(&conv_out.data)), Arg::Ptr(conv_snap), Arg::Ptr(be.ptr(&qn.data)), Arg::Ptr(be.ptr(&kn.data)), Arg::Ptr(be.ptr(&g.data)), Arg::Ptr(be.ptr(&beta.data))];
+        args.extend(conv_gate_inputs);
+        args.extend([Arg::Ptr(at(dl.tok_row_off)), Arg::Ptr(base), Arg::I32(nk as i32), Arg::I32(nv as i32), Arg::I32(dk as i32), Arg::I32(conv_dim as i32), Arg::I32(kw as i32)]);
+        be.launch(&be.k.gdn_conv_gates, (t as u32, (nk + 1 + value_blocks) as u32, 1), CONV_GATES_THREADS as u32, 0, &args);
         let n = dl.num_prefill * conv_dim;
         be.launch(
             &be.k.gdn_conv_state,
