@@ -81,8 +81,8 @@ __device__ __forceinline__ void stream_issue(const StreamRing& r, const bf16_t* 
 
 // The ring's barriers, and (weights known before the inputs: a plain launch, or a grouped one
 // whose routing is two or more launches back, see prefetch_small) the producer's first
-// `stages` column blocks, all before the block waits for its inputs: weight rows land in
-// shared memory while the previous kernel finishes.
+// STREAM_EARLY_STAGES column blocks, all before the block waits for its inputs: weight rows
+// land in shared memory while the previous kernel finishes.
 template <int NT>
 __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int K, const u64* group_w, const int* active, int lists_ready, int stages, const Epilogue& e) {
     extern __shared__ __align__(128) unsigned char stream_smem[];
@@ -114,10 +114,13 @@ __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int
     return r;
 }
 
+// Barrier of the k-slice warps only (named barrier 1; the producer warp is not part of it).
+__device__ __forceinline__ void k_slices_sync() { asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory"); }
+
 // Sum over the 256 threads of the k-slice warps (the producer warp is busy elsewhere):
 // block_sum's arithmetic at 256 threads.
 __device__ __forceinline__ float k_slices_sum(float v, float* scratch) {
-    return warps_sum(v, scratch, KSLICES, [] { asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory"); });
+    return warps_sum(v, scratch, KSLICES, [] { k_slices_sync(); });
 }
 
 // 1 / rms of each of the `rows` rows of x (width K, a multiple of 4, at most RMS_VECS float4s
@@ -131,7 +134,7 @@ __device__ __forceinline__ void stream_row_norms(const float* x, int rows, int K
         float ss = k_slices_sum(rms_partial(v), scratch);
         if (threadIdx.x == 0) row_inv[r] = 1.0f / sqrtf(ss / (float)K + eps);
     }
-    asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
+    k_slices_sync();
 }
 
 // NORM: the activation rows are RMS-normalized by `norm_w` (when given) as they are split,
@@ -193,7 +196,7 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
         *(uint4*)(xs + (long long)r * xstride + k) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
         *(uint4*)(xs + lo_off + (long long)r * xstride + k) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
-    asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
+    k_slices_sync();
     const bf16_t* h0 = g < grp.rows ? xs + (long long)g * xstride : 0;
     const bf16_t* h1 = g + 8 < grp.rows ? xs + (long long)(g + 8) * xstride : 0;
     bool two = 8 < grp.rows;
@@ -224,8 +227,7 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
         for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) rb[warp][j][lane][e] = c[j][e];
-        // The k-slice warps only (the producer warp is not part of this barrier).
-        asm volatile("bar.sync 1, %0;" ::"n"(32 * KSLICES) : "memory");
+        k_slices_sync();
         if (warp == 0) {
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
