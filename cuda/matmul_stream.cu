@@ -137,11 +137,53 @@ __device__ __forceinline__ void stream_row_norms(const float* x, int rows, int K
     k_slices_sync();
 }
 
-// NORM: the activation rows are RMS-normalized by `norm_w` (when given) as they are split,
-// and the first block also stores the normalized rows to `normed` (ungrouped launches only).
-template <int NT, bool NORM>
+// The rows a plain launch starts from (`mc`, each of K a multiple of 4 and at most RMS_VECS
+// float4s per k-slice thread): the residual rows plus the MoE's sum (moe_combined4), stored by
+// the first block to `mc.resid_out`, then RMS-normalized by `norm_w` (rms_norm_row_registers'
+// partition, reduction and expression) and split into the bf16 halves at `xs`: the bits
+// moe_combine_norm then the split give, without the combine's launch.
+__device__ __forceinline__ void stream_combine_rows(const MoeCombine& mc, int rows, int K, const float* norm_w, float eps, bf16_t* xs, int xstride, long long lo_off) {
+    __shared__ float scratch[33];
+    int nvec = K >> 2;
+    for (int t = 0; t < rows; ++t) {
+        float scale = mc.shared ? shared_scale(mc.shared_gate, t) : 1.0f;
+        const float4* resid = (const float4*)(mc.resid + (long long)t * K);
+        float4 v[RMS_VECS];
+#pragma unroll
+        for (int i = 0; i < RMS_VECS; ++i) {
+            int c = threadIdx.x + i * 32 * KSLICES;
+            float4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
+            v[i] = c < nvec ? moe_combined4(resid[c], mc.y, mc.topk_w, mc.shared, scale, t, c, K, mc.k, mc.slots, mc.shared_stride) : zero;
+        }
+        float ss = k_slices_sum(rms_partial(v), scratch);
+        float inv = 1.0f / sqrtf(ss / (float)K + eps);
+#pragma unroll
+        for (int i = 0; i < RMS_VECS; ++i) {
+            int c = threadIdx.x + i * 32 * KSLICES;
+            if (c >= nvec) continue;
+            if (blockIdx.x == 0) ((float4*)(mc.resid_out + (long long)t * K))[c] = v[i];
+            float4 wv = ((const float4*)norm_w)[c];
+            float n[8] = {v[i].x * inv * wv.x, v[i].y * inv * wv.y, v[i].z * inv * wv.z, v[i].w * inv * wv.w, 0.0f, 0.0f, 0.0f, 0.0f};
+            u32 hi[4], lo[4];
+            split8(n, hi, lo);
+            *(uint2*)(xs + (long long)t * xstride + 4 * c) = make_uint2(hi[0], hi[1]);
+            *(uint2*)(xs + lo_off + (long long)t * xstride + 4 * c) = make_uint2(lo[0], lo[1]);
+        }
+    }
+}
+
+// What a streaming launch does to its activation rows before splitting them.
+#define STREAM_INPUT_PLAIN 0
+// RMS-normalized by `norm_w` (when given) as they are split; the first block also stores the
+// normalized rows to `normed` (ungrouped launches only).
+#define STREAM_INPUT_NORM 1
+// Made from the MoE's sum by stream_combine_rows (ungrouped launches only; x is unused).
+#define STREAM_INPUT_COMBINE 2
+
+template <int NT, int INPUT>
 __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float* out, const float* x, const bf16_t* whi_, int rows, int N, int K, const u64* group_w,
-        const int* counts, const int* lists, int list_stride, int a_div, const int* active, const Epilogue& epi, const float* norm_w, float eps, float* normed) {
+        const int* counts, const int* lists, int list_stride, int a_div, const int* active, const Epilogue& epi, const float* norm_w, float eps, float* normed,
+        const MoeCombine* mc) {
     // Two reduction buffers, alternating by column block: one barrier per column block, and
     // warp 0 adds up and stores one column block while the others start on the next.
     __shared__ float red[2][KSLICES][NT][32][4];
@@ -172,10 +214,11 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
     int xstride = ring.row_bytes / 2;
     long long lo_off = (long long)rows * xstride;
     bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)S * per * ring.row_bytes);
-    __shared__ float row_inv[NORM ? 16 : 1];
-    bool norm = NORM && norm_w;
+    __shared__ float row_inv[INPUT == STREAM_INPUT_NORM ? 16 : 1];
+    bool norm = INPUT == STREAM_INPUT_NORM && norm_w;
+    if (INPUT == STREAM_INPUT_COMBINE) stream_combine_rows(*mc, grp.rows, K, norm_w, eps, xs, xstride, lo_off);
     if (norm) stream_row_norms(x, grp.rows, K, eps, row_inv);
-    for (int c = threadIdx.x; c < grp.rows * (K / 8); c += 32 * KSLICES) {
+    for (int c = threadIdx.x; INPUT != STREAM_INPUT_COMBINE && c < grp.rows * (K / 8); c += 32 * KSLICES) {
         int r = c / (K / 8), k = (c % (K / 8)) * 8;
         float v[8];
         load8_f32(x + (long long)(grp.list ? grp.list[r] / a_div : r) * K, k, K, true, v);
@@ -250,11 +293,28 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
             int lists_ready, int stages) {                                                                                                            \
         StreamRing ring = stream_start<NT>(whi, N, K, group_w, active, lists_ready, stages, epi);                                                    \
         wait_for_inputs();                                                                                                                           \
-        matmul_stream_body<NT, false>(ring, out, x, whi, rows, N, K, group_w, counts, lists, list_stride, a_div, active, epi, 0, 0.0f, 0);          \
+        matmul_stream_body<NT, STREAM_INPUT_PLAIN>(ring, out, x, whi, rows, N, K, group_w, counts, lists, list_stride, a_div, active, epi, 0, 0.0f, 0, 0); \
     }
 STREAM_KERNEL(matmul_stream_nt1, 1)
 STREAM_KERNEL(matmul_stream_nt2, 2)
 STREAM_KERNEL(matmul_stream_nt4, 4)
+
+// A plain streaming launch whose rows are the MoE's sum into the residual stream, normalized by
+// `norm_w` (stream_combine_rows): the next layer's input projection does the MoE's last pass,
+// one launch fewer per layer, and its weights stream in while it adds up the experts' rows.
+// Arguments: the plain streaming kernel's, less the activations and the grouping, then the
+// MoE's rows, the norm's weight and epsilon. Dynamic shared memory as the plain kernel's; two
+// blocks per SM, as the plain kernel has (the row sums' registers would otherwise take one).
+#define STREAM_COMBINE_KERNEL(NAME, NT)                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 2) NAME(float* out, const bf16_t* whi, int rows, int N, int K, Epilogue epi, int stages, \
+            MoeCombine mc, const float* norm_w, float eps) {                                                                                          \
+        StreamRing ring = stream_start<NT>(whi, N, K, 0, 0, 0, stages, epi);                                                                         \
+        wait_for_inputs();                                                                                                                           \
+        matmul_stream_body<NT, STREAM_INPUT_COMBINE>(ring, out, 0, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi, norm_w, eps, 0, &mc);                     \
+    }
+STREAM_COMBINE_KERNEL(matmul_stream_combine_nt1, 1)
+STREAM_COMBINE_KERNEL(matmul_stream_combine_nt2, 2)
+STREAM_COMBINE_KERNEL(matmul_stream_combine_nt4, 4)
 
 // matmul_router with the weights streamed (matmul_stream_nt1's arithmetic, the same logits):
 // the router's rows land in shared memory while the kernel before it runs. Arguments:
@@ -268,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) matmul_router_strea
         int* counts, int* active, int slots, int fold, const float* norm_w, float eps, float* normed) {
     StreamRing ring = stream_start<1>(whi, N, K, 0, 0, 0, stages, epi);
     wait_for_inputs();
-    matmul_stream_body<1, true>(ring, out, x, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi, norm_w, eps, normed);
+    matmul_stream_body<1, STREAM_INPUT_NORM>(ring, out, x, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi, norm_w, eps, normed, 0);
     // The producer warp left the body early; every warp takes part in the count.
     route_in_last_block(done, topk_idx, topk_w, logits, T, E, k, renormalize, lists, counts, active, slots, fold);
 }

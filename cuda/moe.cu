@@ -63,7 +63,7 @@ extern "C" __global__ void moe_group_few(int* topk_idx, float* topk_w, const flo
 
 // The MoE output for (token t, column d): sum_s w[t,s] * y[t*slots+s, d] (s < k, in order),
 // then + scale * shared[t * shared_stride + d] with scale = sigmoid(shared_gate[t]) (1 without
-// a gate). Both combine kernels use it, so they give the same bits.
+// a gate): moe_combined4's sum for one column, so that both give the same bits.
 __device__ __forceinline__ float moe_output(const float* y, const float* topk_w, const float* shared, float scale, int t, int d, int H, int k, int slots, long long shared_stride) {
     float acc = 0.0f;
     // Unrolled so that the k loads are in flight together; the sum stays in slot order.
@@ -71,10 +71,6 @@ __device__ __forceinline__ float moe_output(const float* y, const float* topk_w,
     for (int s = 0; s < k; ++s) acc += topk_w[t * k + s] * y[((long long)t * slots + s) * H + d];
     if (shared) acc += scale * shared[t * shared_stride + d];
     return acc;
-}
-
-__device__ __forceinline__ float shared_scale(const float* shared_gate, int t) {
-    return shared_gate ? 1.0f / (1.0f + expf(-shared_gate[t])) : 1.0f;
 }
 
 // acc[t] += the MoE output (moe_output): added into the residual stream, as add_assign would.
@@ -91,10 +87,10 @@ extern "C" __global__ void moe_combine(float* out, const float* y, const float* 
 
 // moe_combine for whole rows, then the RMSNorm of each updated row by `w` into `normed` (the
 // next layer's input, bitwise what rms_norm_rows gives on the updated row): one block of 256
-// threads per token, one launch fewer per layer. Four columns per thread, with float4 loads
-// all issued before the sums; each column's sum is moe_output's expression (the GPU tests
-// check the bits against moe_combine). The host takes this path only where the row norm takes
-// its register path (rms_row_in_registers).
+// threads per token, one launch fewer per layer. Four columns per thread (moe_combined4, with
+// the float4 loads all issued before the sums); each column's sum is moe_output's expression
+// (the GPU tests check the bits against moe_combine). The host takes this path only where the
+// row norm takes its register path (rms_row_in_registers).
 // Arguments: moe_combine's, then the norm's output, weight and epsilon.
 extern "C" __global__ void moe_combine_norm(float* out, const float* y, const float* topk_w, const float* shared, const float* shared_gate, int T, int H, int k, int slots,
         long long shared_stride, float* normed, const float* w, float eps) {
@@ -112,30 +108,8 @@ extern "C" __global__ void moe_combine_norm(float* out, const float* y, const fl
         v[i] = zero;
         wv[i] = zero;
         if (c < nvec) {
-            float4 acc = zero;
-#pragma unroll 8
-            for (int s = 0; s < k; ++s) {
-                float ws = topk_w[t * k + s];
-                float4 yv = ((const float4*)(y + ((long long)t * slots + s) * H))[c];
-                acc.x += ws * yv.x;
-                acc.y += ws * yv.y;
-                acc.z += ws * yv.z;
-                acc.w += ws * yv.w;
-            }
-            if (shared) {
-                float4 sv = ((const float4*)(shared + t * shared_stride))[c];
-                acc.x += scale * sv.x;
-                acc.y += scale * sv.y;
-                acc.z += scale * sv.z;
-                acc.w += scale * sv.w;
-            }
-            float4 r = row[c];
-            r.x = r.x + acc.x;
-            r.y = r.y + acc.y;
-            r.z = r.z + acc.z;
-            r.w = r.w + acc.w;
-            row[c] = r;
-            v[i] = r;
+            v[i] = moe_combined4(row[c], y, topk_w, shared, scale, t, c, H, k, slots, shared_stride);
+            row[c] = v[i];
             wv[i] = ((const float4*)w)[c];
         }
     }

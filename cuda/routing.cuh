@@ -1,5 +1,6 @@
-// MoE routing shared by cuda/moe.cu and cuda/matmul.cu (whose router matmul routes in its
-// last block): both modules are compiled with this text in front of them.
+// MoE routing and the MoE's weighted sum, shared by cuda/moe.cu and cuda/matmul.cu (whose
+// router matmul routes in its last block, and whose streaming matmuls can start from the
+// MoE's sum): both modules are compiled with this text in front of them.
 
 // Most experts routing supports: each lane keeps E / 32 probabilities in registers.
 #define ROUTE_MAX_PER_LANE 16
@@ -144,3 +145,53 @@ __device__ __forceinline__ void route_and_group_few(int* ex, int* topk_idx, floa
     }
     if (tid == 0) active[0] = base_out;
 }
+
+__device__ __forceinline__ float shared_scale(const float* shared_gate, int t) {
+    return shared_gate ? 1.0f / (1.0f + expf(-shared_gate[t])) : 1.0f;
+}
+
+// The updated residual float4 c of token t: r (the residual's float4 before the MoE) plus
+// sum_s w[t,s] * y[t*slots+s] (s < k, in order) plus scale * shared[t * shared_stride]. Every
+// kernel that adds the MoE output into whole rows uses it, so they give the same bits.
+__device__ __forceinline__ float4 moe_combined4(float4 r, const float* y, const float* topk_w, const float* shared, float scale, int t, int c, int H, int k, int slots,
+        long long shared_stride) {
+    float4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
+    // Unrolled so that the k loads are in flight together; the sum stays in slot order.
+#pragma unroll 8
+    for (int s = 0; s < k; ++s) {
+        float ws = topk_w[t * k + s];
+        float4 yv = ((const float4*)(y + ((long long)t * slots + s) * H))[c];
+        acc.x += ws * yv.x;
+        acc.y += ws * yv.y;
+        acc.z += ws * yv.z;
+        acc.w += ws * yv.w;
+    }
+    if (shared) {
+        float4 sv = ((const float4*)(shared + t * shared_stride))[c];
+        acc.x += scale * sv.x;
+        acc.y += scale * sv.y;
+        acc.z += scale * sv.z;
+        acc.w += scale * sv.w;
+    }
+    r.x = r.x + acc.x;
+    r.y = r.y + acc.y;
+    r.z = r.z + acc.z;
+    r.w = r.w + acc.w;
+    return r;
+}
+
+// A streaming matmul's input when it starts from the MoE's sum (matmul_stream_combine_*):
+// the residual rows before the MoE, the expert rows, their weights, the shared expert's rows
+// and gate (null: none), and where the updated residual rows go. Passed by value; the host's
+// `MoeCombine` in backend/cuda/matmul.rs has the same layout.
+struct MoeCombine {
+    const float* resid;
+    const float* y;
+    const float* topk_w;
+    const float* shared;
+    const float* shared_gate;
+    float* resid_out;
+    long long shared_stride;
+    int k;
+    int slots;
+};

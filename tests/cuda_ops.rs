@@ -411,7 +411,7 @@ fn moe_matches_cpu_and_tokens_are_independent() {
     let Some(gpu) = gpu() else { return };
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(seed());
-    for (h, e, k, inter, shared, renorm, dtype) in [(64, 8, 2, 48, 32, true, Dtype::F32), (96, 16, 5, 40, 0, false, Dtype::F32), (128, 64, 8, 64, 64, true, Dtype::BF16), (256, 16, 4, 96, 64, true, Dtype::BF16)] {
+    for (h, e, k, inter, shared, renorm, dtype) in [(64, 8, 2, 48, 32, true, Dtype::F32), (96, 16, 5, 40, 0, false, Dtype::F32), (128, 64, 8, 64, 64, true, Dtype::BF16), (256, 16, 4, 96, 64, true, Dtype::BF16), (1024, 8, 2, 32, 32, true, Dtype::BF16), (2048, 8, 2, 32, 32, true, Dtype::BF16)] {
         let cfg = MoeConfig { num_experts: e, top_k: k, expert_intermediate: inter, shared_intermediate: shared, norm_topk_prob: renorm };
         let m = |rng: &mut Rng, r, c| random_matrix(rng, r, c, dtype);
         let router = m(&mut rng, e, h);
@@ -450,6 +450,8 @@ fn moe_matches_cpu_and_tokens_are_independent() {
         // 8 bf16 tokens, the next layer's norm in the combine pass): the residual stream and
         // its norm are bitwise those of the separate ops.
         let (pre_norm, norm) = (gpu.upload_vector(&rng.vec(h, 1.0)).unwrap(), gpu.upload_vector(&rng.vec(h, 1.0)).unwrap());
+        let widths = [40, 24, 72];
+        let proj = gpu.upload_stacked(&widths.map(|n| random_matrix(&mut rng, n, h, Dtype::BF16))).unwrap();
         for t in [1, 5, 150] {
             let res = &x[..t * h];
             let mut fused = gpu.from_host(res, t, h);
@@ -460,6 +462,16 @@ fn moe_matches_cpu_and_tokens_are_independent() {
             let want = gpu.rms_norm(&separate, &norm, 1e-6);
             assert!(bitwise_equal(&gpu.to_host(&fused), &gpu.to_host(&separate)), "moe_residual E{e} with {t} tokens: residual stream differs from the separate ops");
             assert!(bitwise_equal(&gpu.to_host(&normed), &gpu.to_host(&want)), "moe_residual E{e} with {t} tokens: norm differs from rms_norm");
+            // Then the next layer's input projection (bf16, three parts): up to 16 tokens the
+            // streaming projection adds up the experts' rows and normalizes them itself. Its
+            // parts and the residual stream are bitwise those of the separate ops.
+            let mut projected = gpu.from_host(res, t, h);
+            let parts = gpu.moe_residual_project(&mut projected, &pre_norm, &gw, &cfg, &norm, 1e-6, &proj, &widths);
+            let want_parts = gpu.matmul_parts(&want, &proj, &widths);
+            assert!(bitwise_equal(&gpu.to_host(&projected), &gpu.to_host(&separate)), "moe_residual_project E{e} h{h} with {t} tokens: residual stream differs from the separate ops");
+            for (i, (got, want)) in parts.iter().zip(&want_parts).enumerate() {
+                assert!(bitwise_equal(&gpu.to_host(got), &gpu.to_host(want)), "moe_residual_project E{e} h{h} with {t} tokens: part {i} differs from matmul_parts of the norm");
+            }
         }
     }
 }

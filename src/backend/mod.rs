@@ -302,6 +302,26 @@ pub trait Backend: Send + Sync {
         self.rms_norm(acc, next_norm, eps)
     }
 
+    /// [`Backend::moe_residual`], then the next layer's input projection on its result:
+    /// `proj` (row-stacked) cut into `widths`, bitwise `matmul_parts` of the normalized rows. A
+    /// device backend adds up the experts' rows and normalizes them inside the projection's
+    /// launch, so the normalized rows are not returned.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_residual_project(
+        &self,
+        acc: &mut Self::Tensor,
+        pre_norm: &Self::Vector,
+        w: &MoeWeights<Self>,
+        cfg: &MoeConfig,
+        next_norm: &Self::Vector,
+        eps: f32,
+        proj: &Self::Matrix,
+        widths: &[usize],
+    ) -> Vec<Self::Tensor> {
+        let h = self.moe_residual(acc, pre_norm, w, cfg, next_norm, eps);
+        self.matmul_parts(&h, proj, widths)
+    }
+
     /// One token per row of `logits` (`[N, vocab]`), drawn by position-keyed sampling
     /// ([`sample_at_position`]) with `rows[i]` for row `i`. A device backend draws on the device
     /// so that only the tokens come back; this default copies the logits to the host.

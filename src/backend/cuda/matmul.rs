@@ -118,6 +118,55 @@ impl Epilogue {
     }
 }
 
+/// The MoE's rows a streaming launch starts from (`struct MoeCombine` in cuda/routing.cuh,
+/// passed by value): the residual rows before the MoE, the experts' rows and weights, the
+/// shared expert's rows and gate (0: none), and where the updated residual rows go.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MoeCombine {
+    pub resid: u64,
+    pub y: u64,
+    pub topk_w: u64,
+    pub shared: u64,
+    pub shared_gate: u64,
+    pub resid_out: u64,
+    pub shared_stride: i64,
+    pub k: i32,
+    pub slots: i32,
+}
+
+/// `rms_norm(resid + moe, norm) @ w^T` cut into parts of `widths`, the sum and the norm made
+/// inside the streaming launch (`matmul_stream_combine_*`, cuda/matmul_stream.cu), which also
+/// writes the updated residual rows; bitwise moe_combine_norm then [`matmul_parts`]. None
+/// (nothing launched) where the streaming kernels do not take the shape: the caller runs those.
+pub(super) fn matmul_parts_after_moe(be: &CudaBackend, combine: MoeCombine, rows: usize, norm: &super::CudaVector, eps: f32, w: &CudaMatrix, widths: &[usize]) -> Option<Vec<CudaTensor>> {
+    assert_eq!(widths.iter().sum::<usize>(), w.rows, "matmul_parts_after_moe: widths {widths:?} do not add up to {} rows", w.rows);
+    if w.lo.is_some() || rows == 0 {
+        return None;
+    }
+    let sk = be.stream_kernels.as_ref().filter(|sk| sk.moe_combine)?;
+    let shape = sk.shape(rows, w.cols)?;
+    let kernel = [&be.k.matmul_stream_combine_nt1, &be.k.matmul_stream_combine_nt2, &be.k.matmul_stream_combine_nt4][shape.variant];
+    let outs: Vec<CudaTensor> = widths.iter().map(|&n| be.tensor(rows, n)).collect();
+    let parts: Vec<(u64, usize)> = outs.iter().zip(widths).map(|(t, &n)| (be.ptr(&t.data), n)).collect();
+    let args = [
+        Arg::Ptr(parts[0].0),
+        Arg::Ptr(be.ptr(&w.hi)),
+        Arg::I32(rows as i32),
+        Arg::I32(w.rows as i32),
+        Arg::I32(w.cols as i32),
+        Arg::Epilogue(Epilogue::parts(&parts)),
+        Arg::I32(shape.stages as i32),
+        Arg::MoeCombine(combine),
+        Arg::Ptr(be.ptr(&norm.data)),
+        Arg::F32(eps),
+    ];
+    let blocks_per_sm = shape.blocks_per_sm.min(sk.combine_blocks_per_sm[shape.variant]);
+    let col_blocks = w.rows.div_ceil(8 * shape.nt).min(blocks_per_sm * be.sm_count);
+    be.launch(kernel, (col_blocks as u32, 1, 1), STREAM_THREADS, shape.smem, &args);
+    Some(outs)
+}
+
 /// Row lists of a grouped (per-expert) launch.
 pub(super) struct Grouped {
     /// Device table `[groups][hi, lo]` of weight pointers.
@@ -231,6 +280,12 @@ pub(super) struct StreamKernels {
     /// dynamic shared memory, most dynamic shared memory.
     pub static_smem: [usize; 3],
     pub blocks_per_sm: [usize; 3],
+    /// Resident blocks per SM of the MoE-combine twins (`matmul_stream_combine_*`) without
+    /// dynamic shared memory.
+    pub combine_blocks_per_sm: [usize; 3],
+    /// Whether MoE layers hand their combine pass to the next input projection
+    /// ([`matmul_parts_after_moe`]; `KESTREL_CUDA_STREAM_COMBINE=0` turns it off for A/B runs).
+    pub moe_combine: bool,
     pub max_dynamic: [usize; 3],
     pub smem_per_sm: usize,
     /// Narrowest variant a launch takes (0: by K alone; `KESTREL_CUDA_STREAM_NT=2` or `4` for
@@ -347,7 +402,7 @@ mod tests {
     #[test]
     fn stream_shapes_fit_shared_memory_or_fall_back() {
         // An H100: 227 KB per block at most, 228 KB per SM.
-        let sk = StreamKernels { ring_bytes: 96 * 1024, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024, min_variant: 0 };
+        let sk = StreamKernels { ring_bytes: 96 * 1024, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], combine_blocks_per_sm: [2, 2, 1], moe_combine: true, max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024, min_variant: 0 };
         // A decode step's expert gate/up (K = 2048): one n tile, rows of 4096 + 64 bytes, two
         // stages beside the split activation row; two blocks per SM.
         let s = sk.shape(1, 2048).expect("K = 2048 streams");

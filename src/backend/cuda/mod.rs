@@ -83,6 +83,8 @@ pub(super) enum Arg {
     I64(i64),
     /// What a matmul stores (matmul::Epilogue, `struct Epilogue` in cuda/matmul.cu).
     Epilogue(matmul::Epilogue),
+    /// A streaming matmul's MoE input (matmul::MoeCombine, `struct MoeCombine` in cuda/routing.cuh).
+    MoeCombine(matmul::MoeCombine),
 }
 
 macro_rules! kernel_table {
@@ -113,7 +115,7 @@ macro_rules! kernel_table {
 
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth, read_bandwidth],
-    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_router, matmul_router_stream, matmul_tiled, matmul_pipelined, split_activations],
+    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_stream_combine_nt1, matmul_stream_combine_nt2, matmul_stream_combine_nt4, matmul_router, matmul_router_stream, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core, attn_combine],
     "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunked, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
@@ -250,6 +252,8 @@ impl CudaBackend {
                 ring_bytes: std::env::var("KESTREL_CUDA_STREAM_RING").ok().and_then(|v| v.parse().ok()).unwrap_or(96 * 1024),
                 static_smem: [0; 3],
                 blocks_per_sm: [0; 3],
+                combine_blocks_per_sm: [0; 3],
+                moe_combine: std::env::var("KESTREL_CUDA_STREAM_COMBINE").map_or(true, |v| v != "0"),
                 max_dynamic: [0; 3],
                 smem_per_sm,
                 min_variant: match std::env::var("KESTREL_CUDA_STREAM_NT").as_deref() {
@@ -258,11 +262,18 @@ impl CudaBackend {
                     _ => 0,
                 },
             };
-            for (i, f) in [&k.matmul_stream_nt1, &k.matmul_stream_nt2, &k.matmul_stream_nt4].into_iter().enumerate() {
-                let fixed = open_dynamic_smem(f)?;
-                sk.static_smem[i] = fixed.max(0) as usize;
-                sk.max_dynamic[i] = (optin - fixed).max(0) as usize;
-                sk.blocks_per_sm[i] = f.occupancy_max_active_blocks_per_multiprocessor(matmul::STREAM_THREADS, 0, None).map_err(driver)?.max(1) as usize;
+            // A variant's shapes fit both its plain kernel and its MoE-combine twin (which one
+            // a launch takes is decided after the shape); each keeps its own occupancy.
+            let variants = [[&k.matmul_stream_nt1, &k.matmul_stream_combine_nt1], [&k.matmul_stream_nt2, &k.matmul_stream_combine_nt2], [&k.matmul_stream_nt4, &k.matmul_stream_combine_nt4]];
+            for (i, fs) in variants.into_iter().enumerate() {
+                sk.max_dynamic[i] = usize::MAX;
+                for (j, f) in fs.into_iter().enumerate() {
+                    let fixed = open_dynamic_smem(f)?;
+                    sk.static_smem[i] = sk.static_smem[i].max(fixed.max(0) as usize);
+                    sk.max_dynamic[i] = sk.max_dynamic[i].min((optin - fixed).max(0) as usize);
+                    let blocks = f.occupancy_max_active_blocks_per_multiprocessor(matmul::STREAM_THREADS, 0, None).map_err(driver)?.max(1) as usize;
+                    [&mut sk.blocks_per_sm, &mut sk.combine_blocks_per_sm][j][i] = blocks;
+                }
             }
             // The streaming router takes the one-n-tile shapes, beside its routing's static memory.
             let fixed = open_dynamic_smem(&k.matmul_router_stream)?;
@@ -368,6 +379,7 @@ impl CudaBackend {
                 Arg::F32(v) => (v as *const f32).cast_mut().cast(),
                 Arg::I64(v) => (v as *const i64).cast_mut().cast(),
                 Arg::Epilogue(v) => (v as *const matmul::Epilogue).cast_mut().cast(),
+                Arg::MoeCombine(v) => (v as *const matmul::MoeCombine).cast_mut().cast(),
             };
         }
         // SAFETY: an all-zero launch attribute is a valid (empty) value of the C union.

@@ -2,7 +2,7 @@
 //! expert matmuls (one launch per projection for all experts), and the weighted sum.
 
 use super::matmul::{launch_matmul, Epilogue, Grouped};
-use super::{ck, Arg, CudaBackend, CudaTensor, CudaVector, ExpertTables};
+use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, CudaVector, ExpertTables};
 use crate::backend::MoeWeights;
 use crate::model::config::MoeConfig;
 use std::sync::Arc;
@@ -44,17 +44,44 @@ fn expert_tables(be: &CudaBackend, w: &MoeWeights<CudaBackend>, with_shared: boo
 }
 
 pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig) {
-    moe_add_then(be, acc, MoeInput::Normed(x), w, cfg, None);
+    moe_experts(be, acc, MoeInput::Normed(x), w, cfg).add(be, acc);
 }
 
 /// `acc += moe(rms_norm(acc, pre_norm))`, then the RMSNorm of the updated residual stream by
 /// `next_norm`: the input norm inside the streaming router launch and the output norm in the
 /// combine pass, where the row norm's register path applies (two launches fewer per layer).
 pub(super) fn moe_residual(be: &CudaBackend, acc: &mut CudaTensor, pre_norm: &CudaVector, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig, next_norm: &CudaVector, eps: f32) -> CudaTensor {
-    match moe_add_then(be, acc, MoeInput::Residual(pre_norm, eps), w, cfg, Some((next_norm, eps))) {
-        Some(normed) => normed,
-        None => crate::backend::Backend::rms_norm(be, acc, next_norm, eps),
+    moe_experts(be, acc, MoeInput::Residual(pre_norm, eps), w, cfg).add_norm(be, acc, next_norm, eps)
+}
+
+/// [`moe_residual`], then the normalized rows through `proj` cut into `widths`: where the
+/// streaming matmul takes the shape, the projection's launch does the combine pass and the norm
+/// itself (one launch fewer per layer) and the normalized rows are never stored.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn moe_residual_project(
+    be: &CudaBackend,
+    acc: &mut CudaTensor,
+    pre_norm: &CudaVector,
+    w: &MoeWeights<CudaBackend>,
+    cfg: &MoeConfig,
+    next_norm: &CudaVector,
+    eps: f32,
+    proj: &CudaMatrix,
+    widths: &[usize],
+) -> Vec<CudaTensor> {
+    let pending = moe_experts(be, acc, MoeInput::Residual(pre_norm, eps), w, cfg);
+    if norm_in_registers(be, next_norm, acc.cols) {
+        // The updated residual rows go to a new tensor: every block of the launch reads the
+        // rows before the MoE, so none of them may be overwritten.
+        let resid_out = be.tensor(acc.rows, acc.cols);
+        let combine = pending.device_args(be, acc, &resid_out);
+        if let Some(parts) = super::matmul::matmul_parts_after_moe(be, combine, acc.rows, next_norm, eps, proj, widths) {
+            *acc = resid_out;
+            return parts;
+        }
     }
+    let normed = pending.add_norm(be, acc, next_norm, eps);
+    super::matmul::matmul_parts(be, &normed, proj, widths)
 }
 
 /// Most float4s per thread of the row norm's register path (RMS_VECS in cuda/common.cuh), at
@@ -75,9 +102,81 @@ enum MoeInput<'a> {
     Residual(&'a CudaVector, f32),
 }
 
-/// The MoE into `acc`; with `norm`, also the normalized rows when the combine pass could make
-/// them (None otherwise: the caller normalizes).
-fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig, norm: Option<(&CudaVector, f32)>) -> Option<CudaTensor> {
+/// The MoE's rows, routed and through the experts, waiting for their weighted sum into the
+/// residual stream: the tensors the combine pass reads (kept alive until it is enqueued) and
+/// its scalars.
+struct PendingCombine {
+    y: CudaTensor,
+    /// Routing words; the top-k weights sit at `topk_w`.
+    _routing: cudarc::driver::CudaSlice<i32>,
+    topk_w: u64,
+    /// The shared expert's rows where it ran on its own, and its gate.
+    _separate: Option<CudaTensor>,
+    _shared_gate: Option<CudaTensor>,
+    shared: u64,
+    gate: u64,
+    shared_stride: usize,
+    k: usize,
+    slots: usize,
+}
+
+impl PendingCombine {
+    /// moe_combine's and moe_combine_norm's arguments, from the output row pointer on.
+    fn args(&self, acc: &CudaTensor, be: &CudaBackend) -> Vec<Arg> {
+        vec![
+            Arg::Ptr(be.ptr(&acc.data)),
+            Arg::Ptr(be.ptr(&self.y.data)),
+            Arg::Ptr(self.topk_w),
+            Arg::Ptr(self.shared),
+            Arg::Ptr(self.gate),
+            Arg::I32(acc.rows as i32),
+            Arg::I32(acc.cols as i32),
+            Arg::I32(self.k as i32),
+            Arg::I32(self.slots as i32),
+            Arg::I64(self.shared_stride as i64),
+        ]
+    }
+
+    /// `acc += the MoE output`.
+    fn add(self, be: &CudaBackend, acc: &mut CudaTensor) {
+        be.launch(&be.k.moe_combine, ((acc.rows * acc.cols).div_ceil(256) as u32, 1, 1), 256, 0, &self.args(acc, be));
+    }
+
+    /// `acc += the MoE output`, then the updated rows normalized by `norm`: in the combine pass
+    /// where the row norm's register path applies (16-byte aligned rows and weight), else by
+    /// the row norm after it.
+    fn add_norm(self, be: &CudaBackend, acc: &mut CudaTensor, norm: &CudaVector, eps: f32) -> CudaTensor {
+        if !norm_in_registers(be, norm, acc.cols) {
+            self.add(be, acc);
+            return crate::backend::Backend::rms_norm(be, acc, norm, eps);
+        }
+        let normed = be.tensor(acc.rows, acc.cols);
+        let mut args = self.args(acc, be);
+        args.extend([Arg::Ptr(be.ptr(&normed.data)), Arg::Ptr(be.ptr(&norm.data)), Arg::F32(eps)]);
+        be.launch(&be.k.moe_combine_norm, (acc.rows as u32, 1, 1), 256, 0, &args);
+        normed
+    }
+
+    /// The combine pass's inputs for a streaming launch that starts from them: the rows of
+    /// `acc` plus the MoE output, written to `resid_out`.
+    fn device_args(&self, be: &CudaBackend, acc: &CudaTensor, resid_out: &CudaTensor) -> super::matmul::MoeCombine {
+        super::matmul::MoeCombine {
+            resid: be.ptr(&acc.data),
+            y: be.ptr(&self.y.data),
+            topk_w: self.topk_w,
+            shared: self.shared,
+            shared_gate: self.gate,
+            resid_out: be.ptr(&resid_out.data),
+            shared_stride: self.shared_stride as i64,
+            k: self.k as i32,
+            slots: self.slots as i32,
+        }
+    }
+}
+
+/// Routing and the experts' rows for the MoE on `acc`'s rows (the combine pass is left to the
+/// caller: [`PendingCombine`]).
+fn moe_experts(be: &CudaBackend, acc: &CudaTensor, input: MoeInput, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig) -> PendingCombine {
     let (t, h) = (acc.rows, acc.cols);
     let (e, k, inter) = (cfg.num_experts, cfg.top_k, cfg.expert_intermediate);
     assert_eq!(w.experts.len(), e, "moe: {} experts loaded, config says {e}", w.experts.len());
@@ -234,26 +333,5 @@ fn moe_add_then(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &Moe
         (None, false) => (0, 0),
     };
     let gate = shared_gate.as_ref().filter(|_| shared != 0).map_or(0, |s| be.ptr(&s.data));
-    let mut args = vec![
-        Arg::Ptr(be.ptr(&acc.data)),
-        Arg::Ptr(be.ptr(&y.data)),
-        Arg::Ptr(topk_w),
-        Arg::Ptr(shared),
-        Arg::Ptr(gate),
-        Arg::I32(t as i32),
-        Arg::I32(h as i32),
-        Arg::I32(k as i32),
-        Arg::I32(slots as i32),
-        Arg::I64(shared_stride as i64),
-    ];
-    // The kernel's register path needs 16-byte aligned rows and weight (rms_row_in_registers).
-    let norm = norm.filter(|(n, _)| norm_in_registers(be, n, h));
-    if let Some((n, eps)) = norm {
-        let normed = be.tensor(t, h);
-        args.extend([Arg::Ptr(be.ptr(&normed.data)), Arg::Ptr(be.ptr(&n.data)), Arg::F32(eps)]);
-        be.launch(&be.k.moe_combine_norm, (t as u32, 1, 1), 256, 0, &args);
-        return Some(normed);
-    }
-    be.launch(&be.k.moe_combine, ((t * h).div_ceil(256) as u32, 1, 1), 256, 0, &args);
-    None
+    PendingCombine { y, _routing: routing, topk_w, _separate: separate, _shared_gate: shared_gate, shared, gate, shared_stride, k, slots }
 }

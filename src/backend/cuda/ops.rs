@@ -282,6 +282,21 @@ impl Backend for CudaBackend {
         super::moe::moe_residual(self, acc, pre_norm, w, cfg, next_norm, eps)
     }
 
+    fn moe_residual_project(
+        &self,
+        acc: &mut CudaTensor,
+        pre_norm: &CudaVector,
+        w: &MoeWeights<Self>,
+        cfg: &MoeConfig,
+        next_norm: &CudaVector,
+        eps: f32,
+        proj: &CudaMatrix,
+        widths: &[usize],
+    ) -> Vec<CudaTensor> {
+        let _span = self.span("moe");
+        super::moe::moe_residual_project(self, acc, pre_norm, w, cfg, next_norm, eps, proj, widths)
+    }
+
     fn set_random_weights(&self, seed: Option<u64>) -> Result<(), BackendError> {
         *self.random_weights.lock().unwrap_or_else(|p| p.into_inner()) = seed;
         Ok(())

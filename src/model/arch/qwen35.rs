@@ -123,6 +123,33 @@ pub(crate) struct DecoderLayer<B: Backend> {
     mlp: Mlp<B>,
 }
 
+/// What a layer hands the next: the next layer's input rows (the residual stream normalized by
+/// its input norm), or, where the MoE half did the next layer's input projection too
+/// ([`Backend::moe_residual_project`]), that projection's parts.
+pub(crate) enum LayerInput<T> {
+    Normed(T),
+    Projected(Vec<T>),
+}
+
+impl<T> LayerInput<T> {
+    /// The normalized rows; only layers without a stacked input projection take them, and no
+    /// layer projects for those.
+    pub(crate) fn normed(self) -> T {
+        match self {
+            LayerInput::Normed(h) => h,
+            LayerInput::Projected(_) => unreachable!("a projected input for a layer without a stacked input projection"),
+        }
+    }
+
+    /// The parts of `w` (row-stacked) cut into `widths`.
+    fn project<B: Backend<Tensor = T>>(self, b: &B, w: &B::Matrix, widths: &[usize]) -> Vec<T> {
+        match self {
+            LayerInput::Normed(h) => b.matmul_parts(&h, w, widths),
+            LayerInput::Projected(parts) => parts,
+        }
+    }
+}
+
 /// Output of one forward step.
 pub struct ForwardOutput<B: Backend> {
     /// Final-normed hidden state of every token `[T, H]` (what the MTP head consumes).
@@ -216,14 +243,17 @@ impl<B: Backend> Qwen35<B> {
         let eps = self.config.rms_norm_eps;
         let mut x = b.embed(&self.embed, ids);
         // Each layer hands the next its normalized input (the last one the final norm's).
-        let mut h = match self.layers.first() {
+        let mut input = LayerInput::Normed(match self.layers.first() {
             Some(first) => b.rms_norm(&x, &first.input_norm, eps),
             None => b.rms_norm(&x, &self.final_norm, eps),
-        };
+        });
         for (i, layer) in self.layers.iter().enumerate() {
-            let next_norm = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
-            h = layer.forward(self, b, &mut x, &h, next_norm, layout, cache);
+            let next = self.layers.get(i + 1);
+            let next_norm = next.map_or(&self.final_norm, |l| &l.input_norm);
+            input = layer.forward(self, b, &mut x, input, next_norm, next.and_then(DecoderLayer::input_projection), layout, cache);
         }
+        // The last layer has no next projection: its output is the final-normed rows.
+        let h = input.normed();
         let logits = b.matmul(&b.gather_rows(&h, logit_rows), self.lm_head());
         ForwardOutput { hidden: h, logits }
     }
@@ -241,23 +271,46 @@ impl<B: Backend> DecoderLayer<B> {
         })
     }
 
-    /// The layer on the residual stream `x`, whose normalization by this layer's input norm is
-    /// `h`; returns the updated stream normalized by `next_norm`.
+    /// The layer's first matmul where it is one row-stacked weight cut into parts (what the
+    /// layer before may compute for it: [`LayerInput::Projected`]).
+    pub(crate) fn input_projection(&self) -> Option<(&B::Matrix, &[usize])> {
+        match &self.mixer {
+            Mixer::Linear(GdnLayer { proj: GdnProjection::Stacked { qkvzba, widths }, .. }) => Some((qkvzba, widths)),
+            Mixer::Linear(_) => None,
+            Mixer::Full(att) => Some((&att.qkv_proj, &att.qkv_widths)),
+        }
+    }
+
+    /// The layer on the residual stream `x`, whose normalization by this layer's input norm
+    /// (or its input projection) is `input`; returns the updated stream normalized by
+    /// `next_norm`, or, given the next layer's input projection `next_proj`, where the MoE half
+    /// can do it, that projection's parts.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn forward(&self, m: &Qwen35<B>, b: &B, x: &mut B::Tensor, h: &B::Tensor, next_norm: &B::Vector, layout: &BatchLayout, cache: &mut B::Cache) -> B::Tensor {
+    pub(crate) fn forward(
+        &self,
+        m: &Qwen35<B>,
+        b: &B,
+        x: &mut B::Tensor,
+        input: LayerInput<B::Tensor>,
+        next_norm: &B::Vector,
+        next_proj: Option<(&B::Matrix, &[usize])>,
+        layout: &BatchLayout,
+        cache: &mut B::Cache,
+    ) -> LayerInput<B::Tensor> {
         let c = &m.config;
         // The output projections add into the residual stream in their store.
         match &self.mixer {
             Mixer::Linear(g) => {
                 let (mixed, z, bb, a) = match &g.proj {
                     GdnProjection::Stacked { qkvzba, widths } => {
-                        let mut p = b.matmul_parts(h, qkvzba, widths).into_iter();
+                        let mut p = input.project(b, qkvzba, widths).into_iter();
                         let mut next = || p.next().expect("four projection parts");
                         (next(), next(), next(), next())
                     }
                     GdnProjection::Packed { qkvz, ba, mixed_cols, z_cols, b_cols, a_cols } => {
-                        let p = b.matmul(h, qkvz);
-                        let q = b.matmul(h, ba);
+                        let h = input.normed();
+                        let p = b.matmul(&h, qkvz);
+                        let q = b.matmul(&h, ba);
                         (b.gather_cols(&p, mixed_cols), b.gather_cols(&p, z_cols), b.gather_cols(&q, b_cols), b.gather_cols(&q, a_cols))
                     }
                 };
@@ -265,7 +318,7 @@ impl<B: Backend> DecoderLayer<B> {
                 b.matmul_add(x, &o, &g.out_proj);
             }
             Mixer::Full(att) => {
-                let o = att.attend(m, b, h, layout, cache);
+                let o = att.attend(m, b, input, layout, cache);
                 b.matmul_add(x, &o, &att.o_proj);
             }
         }
@@ -273,17 +326,23 @@ impl<B: Backend> DecoderLayer<B> {
             Mlp::Dense { gate_up, down } => {
                 let h = b.rms_norm(x, &self.post_norm, c.rms_norm_eps);
                 b.matmul_add(x, &b.matmul_swiglu(&h, gate_up), down);
-                b.rms_norm(x, next_norm, c.rms_norm_eps)
+                LayerInput::Normed(b.rms_norm(x, next_norm, c.rms_norm_eps))
             }
-            Mlp::Moe(w) => b.moe_residual(x, &self.post_norm, w, c.moe.as_ref().expect("MoE layer without MoE config"), next_norm, c.rms_norm_eps),
+            Mlp::Moe(w) => {
+                let cfg = c.moe.as_ref().expect("MoE layer without MoE config");
+                match next_proj {
+                    Some((proj, widths)) => LayerInput::Projected(b.moe_residual_project(x, &self.post_norm, w, cfg, next_norm, c.rms_norm_eps, proj, widths)),
+                    None => LayerInput::Normed(b.moe_residual(x, &self.post_norm, w, cfg, next_norm, c.rms_norm_eps)),
+                }
+            }
         }
     }
 }
 
 impl<B: Backend> AttnLayer<B> {
     /// The attention output before the output projection.
-    fn attend(&self, m: &Qwen35<B>, b: &B, h: &B::Tensor, layout: &BatchLayout, cache: &mut B::Cache) -> B::Tensor {
-        let mut p = b.matmul_parts(h, &self.qkv_proj, &self.qkv_widths).into_iter();
+    fn attend(&self, m: &Qwen35<B>, b: &B, input: LayerInput<B::Tensor>, layout: &BatchLayout, cache: &mut B::Cache) -> B::Tensor {
+        let mut p = input.project(b, &self.qkv_proj, &self.qkv_widths).into_iter();
         let mut next = || p.next().expect("three projection parts");
         let (qg, k, v) = (next(), next(), next());
         b.gated_attention(&qg, &k, &v, &self.q_norm, &self.k_norm, &m.attention_dims(), layout, cache, self.attention_index)
