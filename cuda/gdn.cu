@@ -113,8 +113,8 @@ __device__ __forceinline__ int padded_row(int d, int src) { return d + d / src *
 
 // What a block of gdn_recurrent loads before its inputs are ready: its row and the state rows
 // it keeps in registers. With `state_early` it does so before waiting: the canonical state was
-// written by commit_states, reset_states or a prefill launch, and the host passes 0 when that
-// launch is the one just before (a kernel starts only once the launch two back has finished,
+// written by commit_states, reset_states, a prefill launch or (one-token rows) this kernel, and
+// the host passes 0 when that launch is the one just before (a kernel starts only once the launch two back has finished,
 // so anything older is complete). The step's row table is older still.
 struct RecurrentStart {
     RowInfo row;
@@ -159,7 +159,8 @@ __device__ __forceinline__ void group_rows4(const float* g, int m, float* out) {
 // Generate rows: grid (rows listed in row_ids, nv), REC_GROUPS * dv threads. Thread (column j,
 // group r) keeps its state rows (recurrent_start) in registers; the 4 groups of a column
 // combine their sums over the rows with a fixed butterfly (every lane gets the same bits).
-// Writes the state after every token to its snapshot slot. Four threads per column rather than
+// Writes the state after every token to its snapshot slot (a row of one token: to its canonical
+// slot, delta_state_in_place in backend/mod.rs). Four threads per column rather than
 // one: a decode step has only nv blocks, and each needs enough warps in flight.
 //
 // A generate token's conv (with its window snapshot), gates and normalized q/k are computed
@@ -175,8 +176,8 @@ __device__ __forceinline__ void group_rows4(const float* g, int m, float* out) {
 // constant offsets (`DK`, `DV`, `KW` 0: taken from the arguments).
 template <int DK, int DV, int KW>
 __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* out, const float* z, const float* norm_w, float eps, const float* mixed,
-        const float* conv_state, const float* conv_w, float* conv_snap, const float* a, const float* b, const float* neg_a, const float* dt_bias, float* rec_snap,
-        int nk, int nv, int dk_, int dv_, int conv_dim, int kw_) {
+        const float* conv_state, const float* conv_w, float* conv_snap, const float* a, const float* b, const float* neg_a, const float* dt_bias, float* rec,
+        float* rec_snap, int nk, int nv, int dk_, int dv_, int conv_dim, int kw_) {
     const int dk = DK ? DK : dk_, dv = DV ? DV : dv_, kw = KW ? KW : kw_, src = (dk + REC_GROUPS - 1) / REC_GROUPS;
     __shared__ float scratch[66];
     // The normalized k and q, each group's rows padded by 4 floats: the 4 groups of a warp
@@ -262,7 +263,10 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
         }
         o = row_group_sum(o);
         if (col_ok) {
-            float* snap = rec_snap + (long long)(row.snapshot_base + n) * state_len + (long long)h * head_len + (long long)r0 * dv + j;
+            // A row of one token writes the canonical state itself (delta_state_in_place in
+            // backend/mod.rs); this block's thread read those rows before and nothing else does.
+            float* dst = row.num_tokens == 1 ? rec + row.state_slot * state_len : rec_snap + (long long)(row.snapshot_base + n) * state_len;
+            float* snap = dst + (long long)h * head_len + (long long)r0 * dv + j;
 #pragma unroll
             for (int i = 0; i < MAX_DK / REC_GROUPS; ++i) {
                 if (group_has_row(i, src, r0, dk)) snap[(long long)i * dv] = st.s[i];
@@ -276,10 +280,10 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
 #define GDN_RECURRENT_KERNEL(NAME, DK, DV, KW)                                                                                                              \
     extern "C" __global__ void __launch_bounds__(512) NAME(float* out, const float* z, const float* norm_w, float eps, float* conv_snap,                     \
             const float* mixed, const float* conv_state, const float* conv_w, const float* a, const float* b, const float* neg_a, const float* dt_bias,        \
-            const float* rec, float* rec_snap, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim, int kw, int state_early) { \
+            float* rec, float* rec_snap, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim, int kw, int state_early) {     \
         RecurrentStart st = recurrent_start<DK, DV>(state_early, rec, rows, row_ids, nv, dk, dv);                                                          \
         wait_for_inputs();                                                                                                                                  \
-        gdn_recurrent_body<DK, DV, KW>(st, out, z, norm_w, eps, mixed, conv_state, conv_w, conv_snap, a, b, neg_a, dt_bias, rec_snap, nk, nv, dk, dv,     \
+        gdn_recurrent_body<DK, DV, KW>(st, out, z, norm_w, eps, mixed, conv_state, conv_w, conv_snap, a, b, neg_a, dt_bias, rec, rec_snap, nk, nv, dk, dv, \
                                        conv_dim, kw);                                                                                                       \
     }
 GDN_RECURRENT_KERNEL(gdn_recurrent, 0, 0, 0)
@@ -468,15 +472,16 @@ __device__ __forceinline__ void zero_floats(float* dst, long long n) {
     for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = 0.0f;
 }
 
-// pairs[2i] = canonical slot, pairs[2i + 1] = snapshot slot.
+// commits[3i] = canonical slot, commits[3i + 1] = snapshot slot, commits[3i + 2] = whether the
+// conv window only (the row wrote its delta-rule state in place).
 extern "C" __global__ void commit_states(const u64* conv_layers, const u64* rec_layers, const u64* conv_snap_layers, const u64* rec_snap_layers,
-        const int* pairs, long long conv_len, long long rec_len) {
+        const int* commits, long long conv_len, long long rec_len) {
     wait_for_inputs();
     int p = blockIdx.x, layer = blockIdx.y, chunk = blockIdx.z;
-    long long slot = pairs[2 * p], snap = pairs[2 * p + 1];
+    long long slot = commits[3 * p], snap = commits[3 * p + 1];
     long long per = (rec_len / STATE_CHUNKS + 3) & ~3LL;
     long long lo = min((long long)chunk * per, rec_len), hi = min(lo + per, rec_len);
-    copy_floats((float*)rec_layers[layer] + slot * rec_len + lo, (const float*)rec_snap_layers[layer] + snap * rec_len + lo, hi - lo);
+    if (!commits[3 * p + 2]) copy_floats((float*)rec_layers[layer] + slot * rec_len + lo, (const float*)rec_snap_layers[layer] + snap * rec_len + lo, hi - lo);
     if (chunk == 0) copy_floats((float*)conv_layers[layer] + slot * conv_len, (const float*)conv_snap_layers[layer] + snap * conv_len, conv_len);
 }
 

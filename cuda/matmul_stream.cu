@@ -123,37 +123,26 @@ __device__ __forceinline__ float k_slices_sum(float v, float* scratch) {
     return warps_sum(v, scratch, KSLICES, [] { k_slices_sync(); });
 }
 
-// 1 / rms of each of the `rows` rows of x (width K, a multiple of 4, at most RMS_VECS float4s
-// per thread) into row_inv, by the k-slice warps: rms_norm_rows' register path at its 256
-// threads, so the same bits.
-__device__ __forceinline__ void stream_row_norms(const float* x, int rows, int K, float eps, float* row_inv) {
-    __shared__ float scratch[33];
-    for (int r = 0; r < rows; ++r) {
-        float4 v[RMS_VECS];
-        row_float4s(v, (const float4*)(x + (long long)r * K), K >> 2, 32 * KSLICES);
-        float ss = k_slices_sum(rms_partial(v), scratch);
-        if (threadIdx.x == 0) row_inv[r] = 1.0f / sqrtf(ss / (float)K + eps);
-    }
-    k_slices_sync();
-}
-
-// The rows a plain launch starts from (`mc`, each of K a multiple of 4 and at most RMS_VECS
-// float4s per k-slice thread): the residual rows plus the MoE's sum (moe_combined4), stored by
-// the first block to `mc.resid_out`, then RMS-normalized by `norm_w` (rms_norm_row_registers'
-// partition, reduction and expression) and split into the bf16 halves at `xs`: the bits
-// moe_combine_norm then the split give, without the combine's launch.
-__device__ __forceinline__ void stream_combine_rows(const MoeCombine& mc, int rows, int K, const float* norm_w, float eps, bf16_t* xs, int xstride, long long lo_off) {
+// The rows a plain launch starts from, normalized by `norm_w` in registers and split into the
+// bf16 halves at `xs`: the rows of x, or (`mc` given) the residual rows plus the MoE's sum
+// (moe_combined4). Each k-slice thread keeps float4s threadIdx.x + i * 256 (K a multiple of 4,
+// at most RMS_VECS float4s per thread), so the sums, the reduction tree and the expression are
+// rms_norm_row_registers' at its 256 threads: the same bits as the row norm (after
+// moe_combine_norm's sum), then the split. The first block stores the normalized rows to
+// `normed` and the updated residual rows to `mc->resid_out` (where given).
+__device__ __forceinline__ void stream_norm_rows(const float* x, const MoeCombine* mc, int rows, int K, const float* norm_w, float eps, float* normed, bf16_t* xs, int xstride,
+        long long lo_off) {
     __shared__ float scratch[33];
     int nvec = K >> 2;
     for (int t = 0; t < rows; ++t) {
-        float scale = mc.shared ? shared_scale(mc.shared_gate, t) : 1.0f;
-        const float4* resid = (const float4*)(mc.resid + (long long)t * K);
+        float scale = mc && mc->shared ? shared_scale(mc->shared_gate, t) : 1.0f;
+        const float4* row = (const float4*)((mc ? mc->resid : x) + (long long)t * K);
         float4 v[RMS_VECS];
 #pragma unroll
         for (int i = 0; i < RMS_VECS; ++i) {
             int c = threadIdx.x + i * 32 * KSLICES;
             float4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
-            v[i] = c < nvec ? moe_combined4(resid[c], mc.y, mc.topk_w, mc.shared, scale, t, c, K, mc.k, mc.slots, mc.shared_stride) : zero;
+            v[i] = c >= nvec ? zero : mc ? moe_combined4(row[c], mc->y, mc->topk_w, mc->shared, scale, t, c, K, mc->k, mc->slots, mc->shared_stride) : row[c];
         }
         float ss = k_slices_sum(rms_partial(v), scratch);
         float inv = 1.0f / sqrtf(ss / (float)K + eps);
@@ -161,9 +150,11 @@ __device__ __forceinline__ void stream_combine_rows(const MoeCombine& mc, int ro
         for (int i = 0; i < RMS_VECS; ++i) {
             int c = threadIdx.x + i * 32 * KSLICES;
             if (c >= nvec) continue;
-            if (blockIdx.x == 0) ((float4*)(mc.resid_out + (long long)t * K))[c] = v[i];
             float4 wv = ((const float4*)norm_w)[c];
-            float n[8] = {v[i].x * inv * wv.x, v[i].y * inv * wv.y, v[i].z * inv * wv.z, v[i].w * inv * wv.w, 0.0f, 0.0f, 0.0f, 0.0f};
+            float4 n4 = {v[i].x * inv * wv.x, v[i].y * inv * wv.y, v[i].z * inv * wv.z, v[i].w * inv * wv.w};
+            if (blockIdx.x == 0 && mc && mc->resid_out) ((float4*)(mc->resid_out + (long long)t * K))[c] = v[i];
+            if (blockIdx.x == 0 && normed) ((float4*)(normed + (long long)t * K))[c] = n4;
+            float n[8] = {n4.x, n4.y, n4.z, n4.w, 0.0f, 0.0f, 0.0f, 0.0f};
             u32 hi[4], lo[4];
             split8(n, hi, lo);
             *(uint2*)(xs + (long long)t * xstride + 4 * c) = make_uint2(hi[0], hi[1]);
@@ -174,10 +165,11 @@ __device__ __forceinline__ void stream_combine_rows(const MoeCombine& mc, int ro
 
 // What a streaming launch does to its activation rows before splitting them.
 #define STREAM_INPUT_PLAIN 0
-// RMS-normalized by `norm_w` (when given) as they are split; the first block also stores the
-// normalized rows to `normed` (ungrouped launches only).
+// RMS-normalized by `norm_w` (when given) by stream_norm_rows, which also stores the normalized
+// rows to `normed` (ungrouped launches only).
 #define STREAM_INPUT_NORM 1
-// Made from the MoE's sum by stream_combine_rows (ungrouped launches only; x is unused).
+// The MoE's sum into the residual rows (`mc`), normalized by stream_norm_rows (ungrouped
+// launches only; x is unused).
 #define STREAM_INPUT_COMBINE 2
 
 template <int NT, int INPUT>
@@ -214,26 +206,13 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
     int xstride = ring.row_bytes / 2;
     long long lo_off = (long long)rows * xstride;
     bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)S * per * ring.row_bytes);
-    __shared__ float row_inv[INPUT == STREAM_INPUT_NORM ? 16 : 1];
-    bool norm = INPUT == STREAM_INPUT_NORM && norm_w;
-    if (INPUT == STREAM_INPUT_COMBINE) stream_combine_rows(*mc, grp.rows, K, norm_w, eps, xs, xstride, lo_off);
-    if (norm) stream_row_norms(x, grp.rows, K, eps, row_inv);
-    for (int c = threadIdx.x; INPUT != STREAM_INPUT_COMBINE && c < grp.rows * (K / 8); c += 32 * KSLICES) {
+    // Rows normalized on the way in: in registers, by stream_norm_rows.
+    bool norm_in = INPUT == STREAM_INPUT_COMBINE || (INPUT == STREAM_INPUT_NORM && norm_w);
+    if (norm_in) stream_norm_rows(x, mc, grp.rows, K, norm_w, eps, normed, xs, xstride, lo_off);
+    for (int c = threadIdx.x; !norm_in && c < grp.rows * (K / 8); c += 32 * KSLICES) {
         int r = c / (K / 8), k = (c % (K / 8)) * 8;
         float v[8];
         load8_f32(x + (long long)(grp.list ? grp.list[r] / a_div : r) * K, k, K, true, v);
-        if (norm) {
-            // rms_norm_row_registers' expression.
-            float w8[8];
-            load8_f32(norm_w, k, K, true, w8);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) v[e] = v[e] * row_inv[r] * w8[e];
-            if (blockIdx.x == 0) {
-                float* dst = normed + (long long)r * K + k;
-                *(float4*)dst = make_float4(v[0], v[1], v[2], v[3]);
-                *(float4*)(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
-            }
-        }
         u32 hi[4], lo[4];
         split8(v, hi, lo);
         *(uint4*)(xs + (long long)r * xstride + k) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
@@ -300,7 +279,7 @@ STREAM_KERNEL(matmul_stream_nt2, 2)
 STREAM_KERNEL(matmul_stream_nt4, 4)
 
 // A plain streaming launch whose rows are the MoE's sum into the residual stream, normalized by
-// `norm_w` (stream_combine_rows): the next layer's input projection does the MoE's last pass,
+// `norm_w` (stream_norm_rows): the next layer's input projection does the MoE's last pass,
 // one launch fewer per layer, and its weights stream in while it adds up the experts' rows.
 // Arguments: the plain streaming kernel's, less the activations and the grouping, then the
 // MoE's rows, the norm's weight and epsilon. Dynamic shared memory as the plain kernel's; two

@@ -261,7 +261,9 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: &Bandwidt
         let layout = BatchLayout { rows };
         let step_ids: Vec<u32> = std::iter::once(next).chain(ids(nrows - 1, i as u32)).collect();
         let logit_rows: Vec<u32> = (0..nrows as u32).collect();
-        let commits: Vec<kestrel::backend::StateCommit> = (0..nrows).map(|r| kestrel::backend::StateCommit { slot: r, snapshot: r }).collect();
+        // Decode rows of one token: their delta-rule state is written in place, the conv window
+        // comes from the snapshot (as the engine commits them).
+        let commits: Vec<kestrel::backend::StateCommit> = layout.rows.iter().map(|row| kestrel::backend::StateCommit { slot: row.state_slot, snapshot: row.snapshot_base, conv_only: kestrel::backend::delta_state_in_place(row.kind, row.num_tokens) }).collect();
         let profiled = o.profile_step == Some(i);
         if profiled {
             gpu.synchronize();

@@ -7,7 +7,7 @@ use cuda_support::*;
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::cuda::CudaBackend;
 use kestrel::model::dummy;
-use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout, StateCommit};
+use kestrel::backend::{delta_state_in_place, Backend, BatchLayout, RowKind, RowLayout, StateCommit};
 use kestrel::engine::request::{Request, RequestEvent, SpecMethod};
 use kestrel::engine::sampler::SamplingParams;
 use kestrel::engine::{Engine, EngineConfig};
@@ -210,7 +210,7 @@ fn run_invariance(gpu: &CudaBackend, model: &Qwen35<CudaBackend>, others: usize,
             match row.kind {
                 RowKind::Prefill => r.prefilled += row.num_tokens,
                 RowKind::Generate => {
-                    gpu.commit_states(&mut cache, &[StateCommit { slot: row.state_slot, snapshot: row.snapshot_base + row.num_tokens - 1 }]);
+                    gpu.commit_states(&mut cache, &[StateCommit { slot: row.state_slot, snapshot: row.snapshot_base + row.num_tokens - 1, conv_only: delta_state_in_place(row.kind, row.num_tokens) }]);
                     r.generated += row.num_tokens;
                 }
             }

@@ -367,9 +367,11 @@ fn gated_delta_net_matches_cpu() {
         for (step, rows) in cache_steps().iter().enumerate() {
             if step == 2 {
                 // Accept the second of sequence 1's three generated tokens; start over on slot 2.
-                // Slot 0 takes snapshot 2 in the same launch (any snapshot works for the
-                // comparison; two commits at once exercise the batched kernel).
-                let commits = [StateCommit { slot: 1, snapshot: 1 }, StateCommit { slot: 0, snapshot: 2 }];
+                // Slot 0 takes snapshot 2's conv window in the same launch (any snapshot works
+                // for the comparison; two commits at once exercise the batched kernel, one of
+                // them a one-token row's). The last step's one-token rows write their delta-rule
+                // state in place, which the comparison after it checks.
+                let commits = [StateCommit { slot: 1, snapshot: 1, conv_only: false }, StateCommit { slot: 0, snapshot: 2, conv_only: true }];
                 gpu.commit_states(&mut gcache, &commits);
                 cpu.commit_states(&mut ccache, &commits);
                 gpu.reset_states(&mut gcache, &[2]);

@@ -9,7 +9,8 @@
 //! where its attention blocks and recurrent-state slot are, and whether it is a prefill chunk
 //! (chunked delta rule, writes the canonical state) or a generate row (one decode token or a
 //! verify row of 1 + k tokens: recurrent delta rule, writes one state snapshot per token and
-//! leaves the canonical state alone until [`Backend::commit_states`]).
+//! leaves the canonical state alone until [`Backend::commit_states`]; a row of one token, which
+//! is always committed, writes its delta-rule state in place: [`delta_state_in_place`]).
 
 pub mod cpu;
 pub mod cuda;
@@ -364,7 +365,8 @@ pub trait Backend: Send + Sync {
     }
 
     /// For each commit, makes snapshot `snapshot` the canonical recurrent state (conv window and
-    /// delta-rule state) of `slot`, in every linear layer. The slots are distinct.
+    /// delta-rule state; the conv window only with `conv_only`) of `slot`, in every linear
+    /// layer. The slots are distinct.
     fn commit_states(&self, cache: &mut Self::Cache, commits: &[StateCommit]);
     /// Zeroes the recurrent state of each slot (new sequences).
     fn reset_states(&self, cache: &mut Self::Cache, slots: &[usize]);
@@ -375,6 +377,19 @@ pub trait Backend: Send + Sync {
 pub struct StateCommit {
     pub slot: usize,
     pub snapshot: usize,
+    /// The row wrote its delta-rule state in place ([`delta_state_in_place`]): only its conv
+    /// window comes from the snapshot.
+    pub conv_only: bool,
+}
+
+/// Whether a row writes its delta-rule state straight to its canonical slot: a generate row of
+/// one token (a decode step with no drafts to verify), whose token is always accepted. Copying
+/// that state from a snapshot would move the layer's largest state twice per step; every other
+/// generate row writes a snapshot per token and waits for [`Backend::commit_states`]. Its conv
+/// window still goes to the snapshot: on a device, blocks of other value heads of the same key
+/// head read the window while the row runs.
+pub fn delta_state_in_place(kind: RowKind, num_tokens: usize) -> bool {
+    kind == RowKind::Generate && num_tokens == 1
 }
 
 /// Per-layer constants of a Gated DeltaNet block.

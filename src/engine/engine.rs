@@ -9,7 +9,7 @@ use super::spec::ngram::{propose_ngram, NgramConfig};
 use super::plan::StepPlan;
 use super::spec::verify::accept_drafts;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
-use crate::backend::{Backend, BackendError, GraphInputs, GraphKey, RowKind, RowSampling, StateCommit, StepLimits};
+use crate::backend::{delta_state_in_place, Backend, BackendError, GraphInputs, GraphKey, RowKind, RowSampling, StateCommit, StepLimits};
 use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -266,7 +266,11 @@ impl<B: Backend> Engine<B> {
                     let outcome = accept_drafts(&sampled[l..=l + row.drafts.len()], &row.drafts).expect("the plan gives every draft a logits row");
                     // Invariant 1: the state at the last accepted token becomes canonical (below,
                     // for every row at once, before the step ends).
-                    commits.push(StateCommit { slot: layout.state_slot, snapshot: layout.snapshot_base + row.committed - 1 + outcome.accepted });
+                    commits.push(StateCommit {
+                        slot: layout.state_slot,
+                        snapshot: layout.snapshot_base + row.committed - 1 + outcome.accepted,
+                        conv_only: delta_state_in_place(layout.kind, layout.num_tokens),
+                    });
                     committed_now = row.committed + outcome.accepted;
                     seq.num_computed += committed_now;
                     if seq.spec.record_step(row.drafts.len(), outcome.accepted).is_err() {
@@ -276,7 +280,7 @@ impl<B: Backend> Engine<B> {
                 }
                 (RowKind::Generate, None) => {
                     // Replay of committed tokens after a recompute: no sampling.
-                    commits.push(StateCommit { slot: layout.state_slot, snapshot: layout.snapshot_base + row.committed - 1 });
+                    commits.push(StateCommit { slot: layout.state_slot, snapshot: layout.snapshot_base + row.committed - 1, conv_only: delta_state_in_place(layout.kind, layout.num_tokens) });
                     seq.num_computed += row.committed;
                 }
             }

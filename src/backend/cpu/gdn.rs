@@ -5,7 +5,7 @@
 //! (the Hugging Face layout), in f32.
 
 use super::{CpuCache, CpuTensor};
-use crate::backend::{BatchLayout, RowKind};
+use crate::backend::{delta_state_in_place, BatchLayout, RowKind};
 use crate::model::config::LinearAttnConfig;
 use rayon::prelude::*;
 
@@ -143,6 +143,9 @@ pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnConfig, eps: f32,
         let row = &layout.rows[ri];
         match row.kind {
             RowKind::Prefill => cache.rec[layer][row.state_slot * rec_len + h * head_len..][..head_len].copy_from_slice(&res.states),
+            RowKind::Generate if delta_state_in_place(row.kind, row.num_tokens) => {
+                cache.rec[layer][row.state_slot * rec_len + h * head_len..][..head_len].copy_from_slice(&res.states[..head_len]);
+            }
             RowKind::Generate => {
                 for i in 0..row.num_tokens {
                     let snap = row.snapshot_base + i;

@@ -288,11 +288,13 @@ impl Backend for CpuBackend {
     fn commit_states(&self, cache: &mut CpuCache, commits: &[StateCommit]) {
         let conv_len = cache.spec.linear.conv_state_len();
         let rec_len = cache.spec.linear.recurrent_state_len();
-        for (&StateCommit { slot, snapshot }, layer) in commits.iter().flat_map(|c| std::iter::repeat(c).zip(0..cache.spec.linear_layers)) {
+        for (&StateCommit { slot, snapshot, conv_only }, layer) in commits.iter().flat_map(|c| std::iter::repeat(c).zip(0..cache.spec.linear_layers)) {
             let (src, dst) = (&cache.conv_snap[layer][snapshot * conv_len..][..conv_len], &mut cache.conv[layer][slot * conv_len..][..conv_len]);
             dst.copy_from_slice(src);
-            let (src, dst) = (&cache.rec_snap[layer][snapshot * rec_len..][..rec_len], &mut cache.rec[layer][slot * rec_len..][..rec_len]);
-            dst.copy_from_slice(src);
+            if !conv_only {
+                let (src, dst) = (&cache.rec_snap[layer][snapshot * rec_len..][..rec_len], &mut cache.rec[layer][slot * rec_len..][..rec_len]);
+                dst.copy_from_slice(src);
+            }
         }
     }
 

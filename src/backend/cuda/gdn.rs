@@ -60,7 +60,7 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnCon
         // The models' head dims and conv width have an instantiation with them built in.
         let kernel = if (dk, dv, kw) == (128, 128, 4) { &be.k.gdn_recurrent_128 } else { &be.k.gdn_recurrent };
         // The state and windows may be read early unless the launch just before wrote them.
-        let writers = [&be.k.commit_states, &be.k.reset_states, &be.k.gdn_chunked, &be.k.gdn_conv_state];
+        let writers = [&be.k.commit_states, &be.k.reset_states, &be.k.gdn_chunked, &be.k.gdn_conv_state, &be.k.gdn_recurrent, &be.k.gdn_recurrent_128];
         let state_early = !writers.iter().any(|f| be.last_launch_was(f));
         let mut args = vec![
             Arg::Ptr(be.ptr(&out.data)),
