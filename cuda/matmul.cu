@@ -130,11 +130,14 @@ struct Group {
 __device__ __forceinline__ Group group_of(const bf16_t* whi, const bf16_t* wlo, int rows, const u64* group_w, const int* counts, const int* lists, int list_stride, const int* active) {
     Group g;
     if (group_w) {
-        if ((int)blockIdx.z >= active[0]) {
+        // Both loads in flight at once (slice blockIdx.z < the launch's group bound, within the
+        // active list's length): the expert launch after the router starts its copies one
+        // round trip sooner.
+        int n = active[0], z = active[1 + blockIdx.z];
+        if ((int)blockIdx.z >= n) {
             g.whi = 0; g.wlo = 0; g.rows = 0; g.list = 0;
             return g;
         }
-        int z = active[1 + blockIdx.z];
         g.whi = (const bf16_t*)group_w[2 * z];
         g.wlo = (const bf16_t*)group_w[2 * z + 1];
         g.rows = counts[z];
