@@ -456,7 +456,7 @@ extern "C" __global__ void gdn_out_norm(float* out, const float* core, const flo
 
 // Recurrent-state bookkeeping of a whole step in one launch each. The cache keeps one buffer
 // per linear layer; `*_layers` are tables of their base addresses. Grid (requests, layers,
-// STATE_CHUNKS): chunk z copies its share of the delta-rule state, chunk 0 also the conv window.
+// STATE_CHUNKS): chunk z copies its share of the delta-rule state and of the conv window.
 #define STATE_CHUNKS 16
 
 __device__ __forceinline__ void copy_floats(float* dst, const float* src, long long n) {
@@ -482,7 +482,9 @@ extern "C" __global__ void commit_states(const u64* conv_layers, const u64* rec_
     long long per = (rec_len / STATE_CHUNKS + 3) & ~3LL;
     long long lo = min((long long)chunk * per, rec_len), hi = min(lo + per, rec_len);
     if (!commits[3 * p + 2]) copy_floats((float*)rec_layers[layer] + slot * rec_len + lo, (const float*)rec_snap_layers[layer] + snap * rec_len + lo, hi - lo);
-    if (chunk == 0) copy_floats((float*)conv_layers[layer] + slot * conv_len, (const float*)conv_snap_layers[layer] + snap * conv_len, conv_len);
+    long long cper = (conv_len / STATE_CHUNKS + 3) & ~3LL;
+    long long clo = min((long long)chunk * cper, conv_len), chi = min(clo + cper, conv_len);
+    copy_floats((float*)conv_layers[layer] + slot * conv_len + clo, (const float*)conv_snap_layers[layer] + snap * conv_len + clo, chi - clo);
 }
 
 extern "C" __global__ void reset_states(const u64* conv_layers, const u64* rec_layers, const int* slots, long long conv_len, long long rec_len) {
@@ -492,5 +494,7 @@ extern "C" __global__ void reset_states(const u64* conv_layers, const u64* rec_l
     long long per = (rec_len / STATE_CHUNKS + 3) & ~3LL;
     long long lo = min((long long)chunk * per, rec_len), hi = min(lo + per, rec_len);
     zero_floats((float*)rec_layers[layer] + slot * rec_len + lo, hi - lo);
-    if (chunk == 0) zero_floats((float*)conv_layers[layer] + slot * conv_len, conv_len);
+    long long cper = (conv_len / STATE_CHUNKS + 3) & ~3LL;
+    long long clo = min((long long)chunk * cper, conv_len), chi = min(clo + cper, conv_len);
+    zero_floats((float*)conv_layers[layer] + slot * conv_len + clo, chi - clo);
 }

@@ -168,9 +168,11 @@ __device__ __forceinline__ void stream_norm_rows(const float* x, const MoeCombin
 // RMS-normalized by `norm_w` (when given) by stream_norm_rows, which also stores the normalized
 // rows to `normed` (ungrouped launches only).
 #define STREAM_INPUT_NORM 1
+// The rows of x, normalized by stream_norm_rows (ungrouped launches only).
+#define STREAM_INPUT_ROWS_NORMED 2
 // The MoE's sum into the residual rows (`mc`), normalized by stream_norm_rows (ungrouped
-// launches only; x is unused).
-#define STREAM_INPUT_COMBINE 2
+// launches only).
+#define STREAM_INPUT_COMBINE 3
 
 template <int NT, int INPUT>
 __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float* out, const float* x, const bf16_t* whi_, int rows, int N, int K, const u64* group_w,
@@ -207,7 +209,7 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
     long long lo_off = (long long)rows * xstride;
     bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)S * per * ring.row_bytes);
     // Rows normalized on the way in: in registers, by stream_norm_rows.
-    bool norm_in = INPUT == STREAM_INPUT_COMBINE || (INPUT == STREAM_INPUT_NORM && norm_w);
+    bool norm_in = INPUT == STREAM_INPUT_ROWS_NORMED || INPUT == STREAM_INPUT_COMBINE || (INPUT == STREAM_INPUT_NORM && norm_w);
     if (norm_in) stream_norm_rows(x, mc, grp.rows, K, norm_w, eps, normed, xs, xstride, lo_off);
     for (int c = threadIdx.x; !norm_in && c < grp.rows * (K / 8); c += 32 * KSLICES) {
         int r = c / (K / 8), k = (c % (K / 8)) * 8;
@@ -278,22 +280,28 @@ STREAM_KERNEL(matmul_stream_nt1, 1)
 STREAM_KERNEL(matmul_stream_nt2, 2)
 STREAM_KERNEL(matmul_stream_nt4, 4)
 
-// A plain streaming launch whose rows are the MoE's sum into the residual stream, normalized by
-// `norm_w` (stream_norm_rows): the next layer's input projection does the MoE's last pass,
-// one launch fewer per layer, and its weights stream in while it adds up the experts' rows.
-// Arguments: the plain streaming kernel's, less the activations and the grouping, then the
-// MoE's rows, the norm's weight and epsilon. Dynamic shared memory as the plain kernel's; two
-// blocks per SM, as the plain kernel has (the row sums' registers would otherwise take one).
-#define STREAM_COMBINE_KERNEL(NAME, NT)                                                                                                              \
+// A plain streaming launch that normalizes its rows itself (stream_norm_rows): the rows of the
+// residual stream `mc.resid` (matmul_stream_norm_*), or those plus the MoE's sum, written to
+// `mc.resid_out` (matmul_stream_combine_*), RMS-normalized by `norm_w`. The layer's norm (and
+// the MoE's last pass) cost no launch of their own, and the weights stream in while the rows
+// are made. Two families rather than a run-time switch: the sum's registers and branches cost
+// the plain norm 1 µs per launch on the H100. Arguments: the plain streaming kernel's, less the
+// activations and the grouping, then the rows, the norm's weight and epsilon. Dynamic shared
+// memory as the plain kernel's; two blocks per SM, as the plain kernel has (the row sums'
+// registers would otherwise take one).
+#define STREAM_NORM_KERNEL(NAME, NT, INPUT)                                                                                                          \
     extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 2) NAME(float* out, const bf16_t* whi, int rows, int N, int K, Epilogue epi, int stages, \
             MoeCombine mc, const float* norm_w, float eps) {                                                                                          \
         StreamRing ring = stream_start<NT>(whi, N, K, 0, 0, 0, stages, epi);                                                                         \
         wait_for_inputs();                                                                                                                           \
-        matmul_stream_body<NT, STREAM_INPUT_COMBINE>(ring, out, 0, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi, norm_w, eps, 0, &mc);                     \
+        matmul_stream_body<NT, INPUT>(ring, out, mc.resid, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi, norm_w, eps, 0, INPUT == STREAM_INPUT_COMBINE ? &mc : 0); \
     }
-STREAM_COMBINE_KERNEL(matmul_stream_combine_nt1, 1)
-STREAM_COMBINE_KERNEL(matmul_stream_combine_nt2, 2)
-STREAM_COMBINE_KERNEL(matmul_stream_combine_nt4, 4)
+STREAM_NORM_KERNEL(matmul_stream_norm_nt1, 1, STREAM_INPUT_ROWS_NORMED)
+STREAM_NORM_KERNEL(matmul_stream_norm_nt2, 2, STREAM_INPUT_ROWS_NORMED)
+STREAM_NORM_KERNEL(matmul_stream_norm_nt4, 4, STREAM_INPUT_ROWS_NORMED)
+STREAM_NORM_KERNEL(matmul_stream_combine_nt1, 1, STREAM_INPUT_COMBINE)
+STREAM_NORM_KERNEL(matmul_stream_combine_nt2, 2, STREAM_INPUT_COMBINE)
+STREAM_NORM_KERNEL(matmul_stream_combine_nt4, 4, STREAM_INPUT_COMBINE)
 
 // matmul_router with the weights streamed (matmul_stream_nt1's arithmetic, the same logits):
 // the router's rows land in shared memory while the kernel before it runs. Arguments:

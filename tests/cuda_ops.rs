@@ -103,7 +103,7 @@ fn fused_projections_equal_the_separate_ops_bitwise() {
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(seed());
     // Odd part widths; totals past 8320 columns take the pipelined kernel from 17 rows.
-    for (inputs, widths) in [(96, vec![37, 64, 1, 3]), (264, vec![130, 6]), (128, vec![8192, 100, 32, 32])] {
+    for (inputs, widths) in [(96, vec![37, 64, 1, 3]), (264, vec![130, 6]), (128, vec![8192, 100, 32, 32]), (2048, vec![40, 24, 16, 8])] {
         for dtype in [Dtype::F32, Dtype::BF16] {
             let parts: Vec<_> = widths.iter().map(|&n| random_matrix(&mut rng, n, inputs, dtype)).collect();
             let stacked = gpu.upload_stacked(&parts).unwrap();
@@ -138,6 +138,17 @@ fn fused_projections_equal_the_separate_ops_bitwise() {
                 let mut want = gpu.from_host(&acc0, rows, i);
                 gpu.add_assign(&mut want, &gpu.matmul(&gx, &gate));
                 assert!(bitwise_equal(&gpu.to_host(&acc), &gpu.to_host(&want)), "matmul_add: {what}");
+                // The norm inside the projection's launch (bf16 weights up to 16 rows, K in
+                // whole 32-wide blocks: the streaming kernels normalize the rows themselves).
+                let norm = gpu.upload_vector(&rng.vec(inputs, 1.0)).unwrap();
+                let h = gpu.rms_norm(&gx, &norm, 1e-6);
+                let want: Vec<Vec<f32>> = gpu.matmul_parts(&h, &stacked, &widths).iter().map(|t| gpu.to_host(t)).collect();
+                let got = gpu.rms_norm_matmul_parts(&gx, &norm, 1e-6, &stacked, &widths);
+                for (p, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(bitwise_equal(&gpu.to_host(g), w), "rms_norm_matmul_parts part {p}: {what}");
+                }
+                let got = gpu.rms_norm_matmul_swiglu(&gx, &norm, 1e-6, &swiglu_w);
+                assert!(bitwise_equal(&gpu.to_host(&got), &gpu.to_host(&gpu.matmul_swiglu(&h, &swiglu_w))), "rms_norm_matmul_swiglu: {what}");
             }
         }
     }

@@ -238,6 +238,16 @@ pub trait Backend: Send + Sync {
         let (gate, up) = (parts.next().expect("two parts"), parts.next().expect("two parts"));
         self.silu_mul(&gate, &up)
     }
+    /// `matmul_parts(rms_norm(x, norm), w, widths)`, bitwise. A device backend normalizes the
+    /// rows inside the matmul's launch (one launch fewer per layer norm).
+    fn rms_norm_matmul_parts(&self, x: &Self::Tensor, norm: &Self::Vector, eps: f32, w: &Self::Matrix, widths: &[usize]) -> Vec<Self::Tensor> {
+        self.matmul_parts(&self.rms_norm(x, norm, eps), w, widths)
+    }
+    /// `matmul_swiglu(rms_norm(x, norm), w)`, bitwise; the norm as in
+    /// [`Backend::rms_norm_matmul_parts`].
+    fn rms_norm_matmul_swiglu(&self, x: &Self::Tensor, norm: &Self::Vector, eps: f32, w: &Self::Matrix) -> Self::Tensor {
+        self.matmul_swiglu(&self.rms_norm(x, norm, eps), w)
+    }
     /// Output rows of a matrix (`out` of `[out, in]`).
     fn matrix_rows(&self, w: &Self::Matrix) -> usize;
     /// `silu(gate) * up`.

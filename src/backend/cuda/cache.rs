@@ -69,10 +69,7 @@ pub(super) fn commit(be: &CudaBackend, cache: &mut CudaCache, commits: &[StateCo
         list.extend([c.slot as i32, c.snapshot as i32, i32::from(c.conv_only)]);
     }
     let t = &cache.tables;
-    // Conv windows only (decode rows of one token): chunk 0 copies them, the other chunks'
-    // blocks would have nothing to do.
-    let chunks = if commits.iter().all(|c| c.conv_only) { 1 } else { STATE_CHUNKS };
-    launch_per_request(be, cache, &be.k.commit_states, &list, commits.len(), chunks, &[be.ptr(&t.conv), be.ptr(&t.rec), be.ptr(&t.conv_snap), be.ptr(&t.rec_snap)]);
+    launch_per_request(be, cache, &be.k.commit_states, &list, commits.len(), &[be.ptr(&t.conv), be.ptr(&t.rec), be.ptr(&t.conv_snap), be.ptr(&t.rec_snap)]);
 }
 
 pub(super) fn reset(be: &CudaBackend, cache: &mut CudaCache, slots: &[usize]) {
@@ -81,13 +78,12 @@ pub(super) fn reset(be: &CudaBackend, cache: &mut CudaCache, slots: &[usize]) {
     }
     let list: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
     let t = &cache.tables;
-    launch_per_request(be, cache, &be.k.reset_states, &list, slots.len(), STATE_CHUNKS, &[be.ptr(&t.conv), be.ptr(&t.rec)]);
+    launch_per_request(be, cache, &be.k.reset_states, &list, slots.len(), &[be.ptr(&t.conv), be.ptr(&t.rec)]);
 }
 
-/// One launch of a state kernel over `requests` requests, every linear layer and `chunks` of
-/// the delta-rule state (at most STATE_CHUNKS): its arguments are the layer tables, the
-/// request list and the conv / delta-rule state lengths.
-fn launch_per_request(be: &CudaBackend, cache: &CudaCache, f: &cudarc::driver::CudaFunction, list: &[i32], requests: usize, chunks: u32, tables: &[u64]) {
+/// One launch of a state kernel over `requests` requests and every linear layer: its
+/// arguments are the layer tables, the request list and the conv / delta-rule state lengths.
+fn launch_per_request(be: &CudaBackend, cache: &CudaCache, f: &cudarc::driver::CudaFunction, list: &[i32], requests: usize, tables: &[u64]) {
     if requests == 0 || cache.spec.linear_layers == 0 {
         return;
     }
@@ -95,7 +91,7 @@ fn launch_per_request(be: &CudaBackend, cache: &CudaCache, f: &cudarc::driver::C
     let (conv, rec) = (cache.spec.linear.conv_state_len(), cache.spec.linear.recurrent_state_len());
     let mut args: Vec<Arg> = tables.iter().map(|&p| Arg::Ptr(p)).collect();
     args.extend([Arg::Ptr(be.ptr(&list)), Arg::I64(conv as i64), Arg::I64(rec as i64)]);
-    be.launch(f, (requests as u32, cache.spec.linear_layers as u32, chunks), STATE_THREADS, 0, &args);
+    be.launch(f, (requests as u32, cache.spec.linear_layers as u32, STATE_CHUNKS), STATE_THREADS, 0, &args);
 }
 
 impl CudaBackend {

@@ -1,7 +1,7 @@
 //! Launches of the batch-invariant matmul kernels (cuda/matmul.cu). All of them run the same
 //! per-element instruction sequence, so picking one by row count or width changes speed only.
 
-use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, Kernels};
+use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, CudaVector, Kernels};
 use cudarc::driver::CudaFunction;
 
 /// Up to this many rows (per group) go to the small-row kernels, which stream the weights
@@ -135,36 +135,78 @@ pub(crate) struct MoeCombine {
     pub slots: i32,
 }
 
-/// `rms_norm(resid + moe, norm) @ w^T` cut into parts of `widths`, the sum and the norm made
-/// inside the streaming launch (`matmul_stream_combine_*`, cuda/matmul_stream.cu), which also
-/// writes the updated residual rows; bitwise moe_combine_norm then [`matmul_parts`]. None
-/// (nothing launched) where the streaming kernels do not take the shape: the caller runs those.
-pub(super) fn matmul_parts_after_moe(be: &CudaBackend, combine: MoeCombine, rows: usize, norm: &super::CudaVector, eps: f32, w: &CudaMatrix, widths: &[usize]) -> Option<Vec<CudaTensor>> {
-    assert_eq!(widths.iter().sum::<usize>(), w.rows, "matmul_parts_after_moe: widths {widths:?} do not add up to {} rows", w.rows);
-    if w.lo.is_some() || rows == 0 {
-        return None;
+/// `rms_norm(x, norm) @ w^T` stored by `epi` at `out`, the norm made inside the streaming launch
+/// (`matmul_stream_norm_*`, cuda/matmul_stream.cu): `combine.resid` holds the rows of x, or,
+/// with `combine.y` set, the residual rows before the MoE, whose sum the launch adds first
+/// (`matmul_stream_combine_*`, writing the updated rows to `combine.resid_out`). Bitwise rms_norm (after
+/// moe_combine_norm's sum) then the matmul. False (nothing launched) where the streaming kernels
+/// do not take the shape or the norm would not take the row norm's register path: the caller
+/// runs the separate ops.
+pub(super) fn launch_normed(be: &CudaBackend, out: u64, combine: MoeCombine, rows: usize, norm: &CudaVector, eps: f32, w: &CudaMatrix, epi: Epilogue) -> bool {
+    let Some(sk) = be.stream_kernels.as_ref().filter(|sk| sk.norm_in_matmul) else { return false };
+    if w.lo.is_some() || rows == 0 || !super::moe::norm_in_registers(be, norm, w.cols) {
+        return false;
     }
-    let sk = be.stream_kernels.as_ref().filter(|sk| sk.moe_combine)?;
-    let shape = sk.shape(rows, w.cols)?;
-    let kernel = [&be.k.matmul_stream_combine_nt1, &be.k.matmul_stream_combine_nt2, &be.k.matmul_stream_combine_nt4][shape.variant];
-    let outs: Vec<CudaTensor> = widths.iter().map(|&n| be.tensor(rows, n)).collect();
-    let parts: Vec<(u64, usize)> = outs.iter().zip(widths).map(|(t, &n)| (be.ptr(&t.data), n)).collect();
+    let Some(shape) = sk.shape(rows, w.cols) else { return false };
+    let kernel = if combine.y != 0 {
+        [&be.k.matmul_stream_combine_nt1, &be.k.matmul_stream_combine_nt2, &be.k.matmul_stream_combine_nt4][shape.variant]
+    } else {
+        [&be.k.matmul_stream_norm_nt1, &be.k.matmul_stream_norm_nt2, &be.k.matmul_stream_norm_nt4][shape.variant]
+    };
     let args = [
-        Arg::Ptr(parts[0].0),
+        Arg::Ptr(out),
         Arg::Ptr(be.ptr(&w.hi)),
         Arg::I32(rows as i32),
         Arg::I32(w.rows as i32),
         Arg::I32(w.cols as i32),
-        Arg::Epilogue(Epilogue::parts(&parts)),
+        Arg::Epilogue(epi),
         Arg::I32(shape.stages as i32),
         Arg::MoeCombine(combine),
         Arg::Ptr(be.ptr(&norm.data)),
         Arg::F32(eps),
     ];
-    let blocks_per_sm = shape.blocks_per_sm.min(sk.combine_blocks_per_sm[shape.variant]);
+    let blocks_per_sm = shape.blocks_per_sm.min(sk.norm_blocks_per_sm[shape.variant]);
     let col_blocks = w.rows.div_ceil(8 * shape.nt).min(blocks_per_sm * be.sm_count);
     be.launch(kernel, (col_blocks as u32, 1, 1), STREAM_THREADS, shape.smem, &args);
-    Some(outs)
+    true
+}
+
+/// The rows of `x` as a normalizing launch's input (no MoE sum).
+fn plain_rows(be: &CudaBackend, x: &CudaTensor) -> MoeCombine {
+    MoeCombine { resid: be.ptr(&x.data), y: 0, topk_w: 0, shared: 0, shared_gate: 0, resid_out: 0, shared_stride: 0, k: 0, slots: 0 }
+}
+
+/// Output tensors of `widths` for `rows` rows and the parts epilogue that writes them.
+fn part_outputs(be: &CudaBackend, rows: usize, w: &CudaMatrix, widths: &[usize]) -> (Vec<CudaTensor>, Epilogue) {
+    assert_eq!(widths.iter().sum::<usize>(), w.rows, "matmul parts: widths {widths:?} do not add up to {} rows", w.rows);
+    let outs: Vec<CudaTensor> = widths.iter().map(|&n| be.tensor(rows, n)).collect();
+    let parts: Vec<(u64, usize)> = outs.iter().zip(widths).map(|(t, &n)| (be.ptr(&t.data), n)).collect();
+    (outs, Epilogue::parts(&parts))
+}
+
+/// [`launch_normed`] into parts of `widths` (the MoE's sum first, per `combine`); None where it
+/// does not apply.
+pub(super) fn matmul_parts_normed(be: &CudaBackend, combine: MoeCombine, rows: usize, norm: &CudaVector, eps: f32, w: &CudaMatrix, widths: &[usize]) -> Option<Vec<CudaTensor>> {
+    let (outs, epi) = part_outputs(be, rows, w, widths);
+    launch_normed(be, be.ptr(&outs[0].data), combine, rows, norm, eps, w, epi).then_some(outs)
+}
+
+/// `rms_norm(x, norm) @ w^T` cut into parts, the norm in the matmul's launch where it can be.
+pub(super) fn rms_norm_matmul_parts(be: &CudaBackend, x: &CudaTensor, norm: &CudaVector, eps: f32, w: &CudaMatrix, widths: &[usize]) -> Vec<CudaTensor> {
+    assert_eq!(x.cols, w.cols, "rms_norm_matmul_parts: activation has {} columns, weight has {} inputs", x.cols, w.cols);
+    matmul_parts_normed(be, plain_rows(be, x), x.rows, norm, eps, w, widths).unwrap_or_else(|| matmul_parts(be, &crate::backend::Backend::rms_norm(be, x, norm, eps), w, widths))
+}
+
+/// `silu(h @ gate^T) * (h @ up^T)` for `h = rms_norm(x, norm)`, the norm in the matmul's launch
+/// where it can be.
+pub(super) fn rms_norm_matmul_swiglu(be: &CudaBackend, x: &CudaTensor, norm: &CudaVector, eps: f32, w: &CudaMatrix) -> CudaTensor {
+    assert_eq!(x.cols, w.cols, "rms_norm_matmul_swiglu: activation has {} columns, weight has {} inputs", x.cols, w.cols);
+    assert!(w.rows.is_multiple_of(2), "rms_norm_matmul_swiglu: {} rows is not gate over up", w.rows);
+    let out = be.tensor(x.rows, w.rows / 2);
+    if launch_normed(be, be.ptr(&out.data), plain_rows(be, x), x.rows, norm, eps, w, Epilogue::SWIGLU) {
+        return out;
+    }
+    matmul_swiglu(be, &crate::backend::Backend::rms_norm(be, x, norm, eps), w)
 }
 
 /// Row lists of a grouped (per-expert) launch.
@@ -280,12 +322,12 @@ pub(super) struct StreamKernels {
     /// dynamic shared memory, most dynamic shared memory.
     pub static_smem: [usize; 3],
     pub blocks_per_sm: [usize; 3],
-    /// Resident blocks per SM of the MoE-combine twins (`matmul_stream_combine_*`) without
-    /// dynamic shared memory.
-    pub combine_blocks_per_sm: [usize; 3],
-    /// Whether MoE layers hand their combine pass to the next input projection
-    /// ([`matmul_parts_after_moe`]; `KESTREL_CUDA_STREAM_COMBINE=0` turns it off for A/B runs).
-    pub moe_combine: bool,
+    /// Resident blocks per SM of the normalizing twins (`matmul_stream_norm_*`,
+    /// `matmul_stream_combine_*`) without dynamic shared memory.
+    pub norm_blocks_per_sm: [usize; 3],
+    /// Whether input norms (and MoE combine passes) run inside the next matmul's launch
+    /// ([`launch_normed`]; `KESTREL_CUDA_STREAM_NORM=0` turns it off for A/B runs).
+    pub norm_in_matmul: bool,
     pub max_dynamic: [usize; 3],
     pub smem_per_sm: usize,
     /// Narrowest variant a launch takes (0: by K alone; `KESTREL_CUDA_STREAM_NT=2` or `4` for
@@ -402,7 +444,7 @@ mod tests {
     #[test]
     fn stream_shapes_fit_shared_memory_or_fall_back() {
         // An H100: 227 KB per block at most, 228 KB per SM.
-        let sk = StreamKernels { ring_bytes: 96 * 1024, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], combine_blocks_per_sm: [2, 2, 1], moe_combine: true, max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024, min_variant: 0 };
+        let sk = StreamKernels { ring_bytes: 96 * 1024, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], norm_blocks_per_sm: [2, 2, 1], norm_in_matmul: true, max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024, min_variant: 0 };
         // A decode step's expert gate/up (K = 2048): one n tile, rows of 4096 + 64 bytes, two
         // stages beside the split activation row; two blocks per SM.
         let s = sk.shape(1, 2048).expect("K = 2048 streams");

@@ -115,7 +115,7 @@ macro_rules! kernel_table {
 
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth, read_bandwidth],
-    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_stream_combine_nt1, matmul_stream_combine_nt2, matmul_stream_combine_nt4, matmul_router, matmul_router_stream, matmul_tiled, matmul_pipelined, split_activations],
+    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_stream_norm_nt1, matmul_stream_norm_nt2, matmul_stream_norm_nt4, matmul_stream_combine_nt1, matmul_stream_combine_nt2, matmul_stream_combine_nt4, matmul_router, matmul_router_stream, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core, attn_combine],
     "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunked, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
@@ -252,8 +252,8 @@ impl CudaBackend {
                 ring_bytes: std::env::var("KESTREL_CUDA_STREAM_RING").ok().and_then(|v| v.parse().ok()).unwrap_or(96 * 1024),
                 static_smem: [0; 3],
                 blocks_per_sm: [0; 3],
-                combine_blocks_per_sm: [0; 3],
-                moe_combine: std::env::var("KESTREL_CUDA_STREAM_COMBINE").map_or(true, |v| v != "0"),
+                norm_blocks_per_sm: [0; 3],
+                norm_in_matmul: std::env::var("KESTREL_CUDA_STREAM_NORM").map_or(true, |v| v != "0"),
                 max_dynamic: [0; 3],
                 smem_per_sm,
                 min_variant: match std::env::var("KESTREL_CUDA_STREAM_NT").as_deref() {
@@ -262,17 +262,27 @@ impl CudaBackend {
                     _ => 0,
                 },
             };
-            // A variant's shapes fit both its plain kernel and its MoE-combine twin (which one
-            // a launch takes is decided after the shape); each keeps its own occupancy.
-            let variants = [[&k.matmul_stream_nt1, &k.matmul_stream_combine_nt1], [&k.matmul_stream_nt2, &k.matmul_stream_combine_nt2], [&k.matmul_stream_nt4, &k.matmul_stream_combine_nt4]];
+            // A variant's shapes fit its plain kernel and its normalizing twins (which one a
+            // launch takes is decided after the shape); the plain kernel keeps its own
+            // occupancy, the twins share the lower of theirs.
+            let variants = [
+                [&k.matmul_stream_nt1, &k.matmul_stream_norm_nt1, &k.matmul_stream_combine_nt1],
+                [&k.matmul_stream_nt2, &k.matmul_stream_norm_nt2, &k.matmul_stream_combine_nt2],
+                [&k.matmul_stream_nt4, &k.matmul_stream_norm_nt4, &k.matmul_stream_combine_nt4],
+            ];
             for (i, fs) in variants.into_iter().enumerate() {
                 sk.max_dynamic[i] = usize::MAX;
+                sk.norm_blocks_per_sm[i] = usize::MAX;
                 for (j, f) in fs.into_iter().enumerate() {
                     let fixed = open_dynamic_smem(f)?;
                     sk.static_smem[i] = sk.static_smem[i].max(fixed.max(0) as usize);
                     sk.max_dynamic[i] = sk.max_dynamic[i].min((optin - fixed).max(0) as usize);
                     let blocks = f.occupancy_max_active_blocks_per_multiprocessor(matmul::STREAM_THREADS, 0, None).map_err(driver)?.max(1) as usize;
-                    [&mut sk.blocks_per_sm, &mut sk.combine_blocks_per_sm][j][i] = blocks;
+                    if j == 0 {
+                        sk.blocks_per_sm[i] = blocks;
+                    } else {
+                        sk.norm_blocks_per_sm[i] = sk.norm_blocks_per_sm[i].min(blocks);
+                    }
                 }
             }
             // The streaming router takes the one-n-tile shapes, beside its routing's static memory.

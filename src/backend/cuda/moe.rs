@@ -70,15 +70,13 @@ pub(super) fn moe_residual_project(
     widths: &[usize],
 ) -> Vec<CudaTensor> {
     let pending = moe_experts(be, acc, MoeInput::Residual(pre_norm, eps), w, cfg);
-    if norm_in_registers(be, next_norm, acc.cols) {
-        // The updated residual rows go to a new tensor: every block of the launch reads the
-        // rows before the MoE, so none of them may be overwritten.
-        let resid_out = be.tensor(acc.rows, acc.cols);
-        let combine = pending.device_args(be, acc, &resid_out);
-        if let Some(parts) = super::matmul::matmul_parts_after_moe(be, combine, acc.rows, next_norm, eps, proj, widths) {
-            *acc = resid_out;
-            return parts;
-        }
+    // The updated residual rows go to a new tensor: every block of the launch reads the rows
+    // before the MoE, so none of them may be overwritten.
+    let resid_out = be.tensor(acc.rows, acc.cols);
+    let combine = pending.device_args(be, acc, &resid_out);
+    if let Some(parts) = super::matmul::matmul_parts_normed(be, combine, acc.rows, next_norm, eps, proj, widths) {
+        *acc = resid_out;
+        return parts;
     }
     let normed = pending.add_norm(be, acc, next_norm, eps);
     super::matmul::matmul_parts(be, &normed, proj, widths)
@@ -90,7 +88,7 @@ const NORM_MAX_COLS: usize = 8 * 256 * 4;
 
 /// Whether a norm of rows `h` wide by `norm` takes the row norm's register path, which the
 /// fused norms reproduce (16-byte aligned rows and weight: rms_row_in_registers).
-fn norm_in_registers(be: &CudaBackend, norm: &CudaVector, h: usize) -> bool {
+pub(super) fn norm_in_registers(be: &CudaBackend, norm: &CudaVector, h: usize) -> bool {
     norm.len == h && h.is_multiple_of(4) && h <= NORM_MAX_COLS && be.ptr(&norm.data).is_multiple_of(16)
 }
 

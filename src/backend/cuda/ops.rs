@@ -174,6 +174,16 @@ impl Backend for CudaBackend {
         super::matmul::matmul_swiglu(self, x, w)
     }
 
+    fn rms_norm_matmul_parts(&self, x: &CudaTensor, norm: &CudaVector, eps: f32, w: &CudaMatrix, widths: &[usize]) -> Vec<CudaTensor> {
+        let _span = self.span("rms_norm_matmul");
+        super::matmul::rms_norm_matmul_parts(self, x, norm, eps, w, widths)
+    }
+
+    fn rms_norm_matmul_swiglu(&self, x: &CudaTensor, norm: &CudaVector, eps: f32, w: &CudaMatrix) -> CudaTensor {
+        let _span = self.span("rms_norm_matmul");
+        super::matmul::rms_norm_matmul_swiglu(self, x, norm, eps, w)
+    }
+
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) {
         let _span = self.span("add_assign");
         assert_eq!((x.rows, x.cols), (y.rows, y.cols), "add_assign: shapes differ");

@@ -243,10 +243,13 @@ impl<B: Backend> Qwen35<B> {
         let eps = self.config.rms_norm_eps;
         let mut x = b.embed(&self.embed, ids);
         // Each layer hands the next its normalized input (the last one the final norm's).
-        let mut input = LayerInput::Normed(match self.layers.first() {
-            Some(first) => b.rms_norm(&x, &first.input_norm, eps),
-            None => b.rms_norm(&x, &self.final_norm, eps),
-        });
+        let mut input = match self.layers.first() {
+            Some(first) => match first.input_projection() {
+                Some((proj, widths)) => LayerInput::Projected(b.rms_norm_matmul_parts(&x, &first.input_norm, eps, proj, widths)),
+                None => LayerInput::Normed(b.rms_norm(&x, &first.input_norm, eps)),
+            },
+            None => LayerInput::Normed(b.rms_norm(&x, &self.final_norm, eps)),
+        };
         for (i, layer) in self.layers.iter().enumerate() {
             let next = self.layers.get(i + 1);
             let next_norm = next.map_or(&self.final_norm, |l| &l.input_norm);
@@ -324,9 +327,12 @@ impl<B: Backend> DecoderLayer<B> {
         }
         match &self.mlp {
             Mlp::Dense { gate_up, down } => {
-                let h = b.rms_norm(x, &self.post_norm, c.rms_norm_eps);
-                b.matmul_add(x, &b.matmul_swiglu(&h, gate_up), down);
-                LayerInput::Normed(b.rms_norm(x, next_norm, c.rms_norm_eps))
+                let act = b.rms_norm_matmul_swiglu(x, &self.post_norm, c.rms_norm_eps, gate_up);
+                b.matmul_add(x, &act, down);
+                match next_proj {
+                    Some((proj, widths)) => LayerInput::Projected(b.rms_norm_matmul_parts(x, next_norm, c.rms_norm_eps, proj, widths)),
+                    None => LayerInput::Normed(b.rms_norm(x, next_norm, c.rms_norm_eps)),
+                }
             }
             Mlp::Moe(w) => {
                 let cfg = c.moe.as_ref().expect("MoE layer without MoE config");
