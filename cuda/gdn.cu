@@ -114,8 +114,9 @@ __device__ __forceinline__ int padded_row(int d, int src) { return d + d / src *
 // What a block of gdn_recurrent loads before its inputs are ready: its row and the state rows
 // it keeps in registers. With `state_early` it does so before waiting: the canonical state was
 // written by commit_states, reset_states, a prefill launch or (one-token rows) this kernel, and
-// the host passes 0 when that launch is the one just before (a kernel starts only once the launch two back has finished,
-// so anything older is complete). The step's row table is older still.
+// the host passes 0 when that launch is the one just before (a kernel starts only once the
+// launch two back has finished, so anything older is complete). The step's row table is older
+// still.
 struct RecurrentStart {
     RowInfo row;
     float s[MAX_DK / REC_GROUPS];
@@ -472,29 +473,32 @@ __device__ __forceinline__ void zero_floats(float* dst, long long n) {
     for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = 0.0f;
 }
 
+// Chunk blockIdx.z's share [lo, hi) of a state of `len` floats (whole float4s but the last).
+__device__ __forceinline__ void state_chunk(long long len, long long* lo, long long* hi) {
+    long long per = (len / STATE_CHUNKS + 3) & ~3LL;
+    *lo = min((long long)blockIdx.z * per, len);
+    *hi = min(*lo + per, len);
+}
+
 // commits[3i] = canonical slot, commits[3i + 1] = snapshot slot, commits[3i + 2] = whether the
 // conv window only (the row wrote its delta-rule state in place).
 extern "C" __global__ void commit_states(const u64* conv_layers, const u64* rec_layers, const u64* conv_snap_layers, const u64* rec_snap_layers,
         const int* commits, long long conv_len, long long rec_len) {
     wait_for_inputs();
-    int p = blockIdx.x, layer = blockIdx.y, chunk = blockIdx.z;
-    long long slot = commits[3 * p], snap = commits[3 * p + 1];
-    long long per = (rec_len / STATE_CHUNKS + 3) & ~3LL;
-    long long lo = min((long long)chunk * per, rec_len), hi = min(lo + per, rec_len);
+    int p = blockIdx.x, layer = blockIdx.y;
+    long long slot = commits[3 * p], snap = commits[3 * p + 1], lo, hi;
+    state_chunk(rec_len, &lo, &hi);
     if (!commits[3 * p + 2]) copy_floats((float*)rec_layers[layer] + slot * rec_len + lo, (const float*)rec_snap_layers[layer] + snap * rec_len + lo, hi - lo);
-    long long cper = (conv_len / STATE_CHUNKS + 3) & ~3LL;
-    long long clo = min((long long)chunk * cper, conv_len), chi = min(clo + cper, conv_len);
-    copy_floats((float*)conv_layers[layer] + slot * conv_len + clo, (const float*)conv_snap_layers[layer] + snap * conv_len + clo, chi - clo);
+    state_chunk(conv_len, &lo, &hi);
+    copy_floats((float*)conv_layers[layer] + slot * conv_len + lo, (const float*)conv_snap_layers[layer] + snap * conv_len + lo, hi - lo);
 }
 
 extern "C" __global__ void reset_states(const u64* conv_layers, const u64* rec_layers, const int* slots, long long conv_len, long long rec_len) {
     wait_for_inputs();
-    int p = blockIdx.x, layer = blockIdx.y, chunk = blockIdx.z;
-    long long slot = slots[p];
-    long long per = (rec_len / STATE_CHUNKS + 3) & ~3LL;
-    long long lo = min((long long)chunk * per, rec_len), hi = min(lo + per, rec_len);
+    int p = blockIdx.x, layer = blockIdx.y;
+    long long slot = slots[p], lo, hi;
+    state_chunk(rec_len, &lo, &hi);
     zero_floats((float*)rec_layers[layer] + slot * rec_len + lo, hi - lo);
-    long long cper = (conv_len / STATE_CHUNKS + 3) & ~3LL;
-    long long clo = min((long long)chunk * cper, conv_len), chi = min(clo + cper, conv_len);
-    zero_floats((float*)conv_layers[layer] + slot * conv_len + clo, chi - clo);
+    state_chunk(conv_len, &lo, &hi);
+    zero_floats((float*)conv_layers[layer] + slot * conv_len + lo, hi - lo);
 }

@@ -166,13 +166,11 @@ __device__ __forceinline__ void stream_norm_rows(const float* x, const MoeCombin
 // What a streaming launch does to its activation rows before splitting them.
 #define STREAM_INPUT_PLAIN 0
 // RMS-normalized by `norm_w` (when given) by stream_norm_rows, which also stores the normalized
-// rows to `normed` (ungrouped launches only).
+// rows to `normed` (where given; ungrouped launches only).
 #define STREAM_INPUT_NORM 1
-// The rows of x, normalized by stream_norm_rows (ungrouped launches only).
-#define STREAM_INPUT_ROWS_NORMED 2
 // The MoE's sum into the residual rows (`mc`), normalized by stream_norm_rows (ungrouped
 // launches only).
-#define STREAM_INPUT_COMBINE 3
+#define STREAM_INPUT_COMBINE 2
 
 template <int NT, int INPUT>
 __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float* out, const float* x, const bf16_t* whi_, int rows, int N, int K, const u64* group_w,
@@ -209,7 +207,7 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
     long long lo_off = (long long)rows * xstride;
     bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)S * per * ring.row_bytes);
     // Rows normalized on the way in: in registers, by stream_norm_rows.
-    bool norm_in = INPUT == STREAM_INPUT_ROWS_NORMED || INPUT == STREAM_INPUT_COMBINE || (INPUT == STREAM_INPUT_NORM && norm_w);
+    bool norm_in = INPUT == STREAM_INPUT_COMBINE || (INPUT == STREAM_INPUT_NORM && norm_w);
     if (norm_in) stream_norm_rows(x, mc, grp.rows, K, norm_w, eps, normed, xs, xstride, lo_off);
     for (int c = threadIdx.x; !norm_in && c < grp.rows * (K / 8); c += 32 * KSLICES) {
         int r = c / (K / 8), k = (c % (K / 8)) * 8;
@@ -296,9 +294,9 @@ STREAM_KERNEL(matmul_stream_nt4, 4)
         wait_for_inputs();                                                                                                                           \
         matmul_stream_body<NT, INPUT>(ring, out, mc.resid, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi, norm_w, eps, 0, INPUT == STREAM_INPUT_COMBINE ? &mc : 0); \
     }
-STREAM_NORM_KERNEL(matmul_stream_norm_nt1, 1, STREAM_INPUT_ROWS_NORMED)
-STREAM_NORM_KERNEL(matmul_stream_norm_nt2, 2, STREAM_INPUT_ROWS_NORMED)
-STREAM_NORM_KERNEL(matmul_stream_norm_nt4, 4, STREAM_INPUT_ROWS_NORMED)
+STREAM_NORM_KERNEL(matmul_stream_norm_nt1, 1, STREAM_INPUT_NORM)
+STREAM_NORM_KERNEL(matmul_stream_norm_nt2, 2, STREAM_INPUT_NORM)
+STREAM_NORM_KERNEL(matmul_stream_norm_nt4, 4, STREAM_INPUT_NORM)
 STREAM_NORM_KERNEL(matmul_stream_combine_nt1, 1, STREAM_INPUT_COMBINE)
 STREAM_NORM_KERNEL(matmul_stream_combine_nt2, 2, STREAM_INPUT_COMBINE)
 STREAM_NORM_KERNEL(matmul_stream_combine_nt4, 4, STREAM_INPUT_COMBINE)

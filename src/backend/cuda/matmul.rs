@@ -135,19 +135,32 @@ pub(crate) struct MoeCombine {
     pub slots: i32,
 }
 
+/// The streaming kernels and launch shape of a normalizing launch (`matmul_stream_norm_*`,
+/// `matmul_stream_combine_*`) of `rows` rows through `w` with `norm`, or None where it does not
+/// apply: the streaming kernels do not take the shape, or the norm would not take the row
+/// norm's register path, which the launch reproduces.
+fn normed_shape<'a>(be: &'a CudaBackend, rows: usize, norm: &CudaVector, w: &CudaMatrix) -> Option<(&'a StreamKernels, StreamShape)> {
+    let sk = be.stream_kernels.as_ref().filter(|sk| sk.norm_in_matmul)?;
+    if w.lo.is_some() || rows == 0 || !be.norm_in_registers(norm, w.cols) {
+        return None;
+    }
+    Some((sk, sk.shape(rows, w.cols)?))
+}
+
+/// Whether [`launch_normed`] takes `rows` rows through `w` with `norm` (otherwise the caller
+/// runs the separate ops).
+pub(super) fn normed_launch_fits(be: &CudaBackend, rows: usize, norm: &CudaVector, w: &CudaMatrix) -> bool {
+    normed_shape(be, rows, norm, w).is_some()
+}
+
 /// `rms_norm(x, norm) @ w^T` stored by `epi` at `out`, the norm made inside the streaming launch
 /// (`matmul_stream_norm_*`, cuda/matmul_stream.cu): `combine.resid` holds the rows of x, or,
 /// with `combine.y` set, the residual rows before the MoE, whose sum the launch adds first
-/// (`matmul_stream_combine_*`, writing the updated rows to `combine.resid_out`). Bitwise rms_norm (after
-/// moe_combine_norm's sum) then the matmul. False (nothing launched) where the streaming kernels
-/// do not take the shape or the norm would not take the row norm's register path: the caller
-/// runs the separate ops.
-pub(super) fn launch_normed(be: &CudaBackend, out: u64, combine: MoeCombine, rows: usize, norm: &CudaVector, eps: f32, w: &CudaMatrix, epi: Epilogue) -> bool {
-    let Some(sk) = be.stream_kernels.as_ref().filter(|sk| sk.norm_in_matmul) else { return false };
-    if w.lo.is_some() || rows == 0 || !super::moe::norm_in_registers(be, norm, w.cols) {
-        return false;
-    }
-    let Some(shape) = sk.shape(rows, w.cols) else { return false };
+/// (`matmul_stream_combine_*`, writing the updated rows to `combine.resid_out`). Bitwise
+/// rms_norm (after moe_combine_norm's sum) then the matmul. Only where
+/// [`normed_launch_fits`].
+fn launch_normed(be: &CudaBackend, out: u64, combine: MoeCombine, rows: usize, norm: &CudaVector, eps: f32, w: &CudaMatrix, epi: Epilogue) {
+    let (sk, shape) = normed_shape(be, rows, norm, w).expect("launch_normed: the caller checked normed_launch_fits");
     let kernel = if combine.y != 0 {
         [&be.k.matmul_stream_combine_nt1, &be.k.matmul_stream_combine_nt2, &be.k.matmul_stream_combine_nt4][shape.variant]
     } else {
@@ -168,7 +181,6 @@ pub(super) fn launch_normed(be: &CudaBackend, out: u64, combine: MoeCombine, row
     let blocks_per_sm = shape.blocks_per_sm.min(sk.norm_blocks_per_sm[shape.variant]);
     let col_blocks = w.rows.div_ceil(8 * shape.nt).min(blocks_per_sm * be.sm_count);
     be.launch(kernel, (col_blocks as u32, 1, 1), STREAM_THREADS, shape.smem, &args);
-    true
 }
 
 /// The rows of `x` as a normalizing launch's input (no MoE sum).
@@ -178,35 +190,40 @@ fn plain_rows(be: &CudaBackend, x: &CudaTensor) -> MoeCombine {
 
 /// Output tensors of `widths` for `rows` rows and the parts epilogue that writes them.
 fn part_outputs(be: &CudaBackend, rows: usize, w: &CudaMatrix, widths: &[usize]) -> (Vec<CudaTensor>, Epilogue) {
-    assert_eq!(widths.iter().sum::<usize>(), w.rows, "matmul parts: widths {widths:?} do not add up to {} rows", w.rows);
+    assert_eq!(widths.iter().sum::<usize>(), w.rows, "matmul_parts: widths {widths:?} do not add up to {} rows", w.rows);
     let outs: Vec<CudaTensor> = widths.iter().map(|&n| be.tensor(rows, n)).collect();
     let parts: Vec<(u64, usize)> = outs.iter().zip(widths).map(|(t, &n)| (be.ptr(&t.data), n)).collect();
     (outs, Epilogue::parts(&parts))
 }
 
-/// [`launch_normed`] into parts of `widths` (the MoE's sum first, per `combine`); None where it
-/// does not apply.
-pub(super) fn matmul_parts_normed(be: &CudaBackend, combine: MoeCombine, rows: usize, norm: &CudaVector, eps: f32, w: &CudaMatrix, widths: &[usize]) -> Option<Vec<CudaTensor>> {
+/// [`launch_normed`] into parts of `widths` (the MoE's sum first, per `combine`). Only where
+/// [`normed_launch_fits`].
+pub(super) fn matmul_parts_normed(be: &CudaBackend, combine: MoeCombine, rows: usize, norm: &CudaVector, eps: f32, w: &CudaMatrix, widths: &[usize]) -> Vec<CudaTensor> {
     let (outs, epi) = part_outputs(be, rows, w, widths);
-    launch_normed(be, be.ptr(&outs[0].data), combine, rows, norm, eps, w, epi).then_some(outs)
+    launch_normed(be, be.ptr(&outs[0].data), combine, rows, norm, eps, w, epi);
+    outs
 }
 
 /// `rms_norm(x, norm) @ w^T` cut into parts, the norm in the matmul's launch where it can be.
 pub(super) fn rms_norm_matmul_parts(be: &CudaBackend, x: &CudaTensor, norm: &CudaVector, eps: f32, w: &CudaMatrix, widths: &[usize]) -> Vec<CudaTensor> {
     assert_eq!(x.cols, w.cols, "rms_norm_matmul_parts: activation has {} columns, weight has {} inputs", x.cols, w.cols);
-    matmul_parts_normed(be, plain_rows(be, x), x.rows, norm, eps, w, widths).unwrap_or_else(|| matmul_parts(be, &crate::backend::Backend::rms_norm(be, x, norm, eps), w, widths))
+    if normed_launch_fits(be, x.rows, norm, w) {
+        return matmul_parts_normed(be, plain_rows(be, x), x.rows, norm, eps, w, widths);
+    }
+    matmul_parts(be, &crate::backend::Backend::rms_norm(be, x, norm, eps), w, widths)
 }
 
 /// `silu(h @ gate^T) * (h @ up^T)` for `h = rms_norm(x, norm)`, the norm in the matmul's launch
 /// where it can be.
 pub(super) fn rms_norm_matmul_swiglu(be: &CudaBackend, x: &CudaTensor, norm: &CudaVector, eps: f32, w: &CudaMatrix) -> CudaTensor {
     assert_eq!(x.cols, w.cols, "rms_norm_matmul_swiglu: activation has {} columns, weight has {} inputs", x.cols, w.cols);
+    if !normed_launch_fits(be, x.rows, norm, w) {
+        return matmul_swiglu(be, &crate::backend::Backend::rms_norm(be, x, norm, eps), w);
+    }
     assert!(w.rows.is_multiple_of(2), "rms_norm_matmul_swiglu: {} rows is not gate over up", w.rows);
     let out = be.tensor(x.rows, w.rows / 2);
-    if launch_normed(be, be.ptr(&out.data), plain_rows(be, x), x.rows, norm, eps, w, Epilogue::SWIGLU) {
-        return out;
-    }
-    matmul_swiglu(be, &crate::backend::Backend::rms_norm(be, x, norm, eps), w)
+    launch_normed(be, be.ptr(&out.data), plain_rows(be, x), x.rows, norm, eps, w, Epilogue::SWIGLU);
+    out
 }
 
 /// Row lists of a grouped (per-expert) launch.
@@ -422,10 +439,8 @@ pub(super) fn matmul_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor,
 
 /// `x @ w^T` cut into column parts of `widths`, each written to its own tensor by the store.
 pub(super) fn matmul_parts(be: &CudaBackend, x: &CudaTensor, w: &CudaMatrix, widths: &[usize]) -> Vec<CudaTensor> {
-    assert_eq!(widths.iter().sum::<usize>(), w.rows, "matmul_parts: widths {widths:?} do not add up to {} rows", w.rows);
-    let outs: Vec<CudaTensor> = widths.iter().map(|&n| be.tensor(x.rows, n)).collect();
-    let parts: Vec<(u64, usize)> = outs.iter().zip(widths).map(|(t, &n)| (be.ptr(&t.data), n)).collect();
-    launch_plain(be, parts[0].0, x, w, Epilogue::parts(&parts));
+    let (outs, epi) = part_outputs(be, x.rows, w, widths);
+    launch_plain(be, be.ptr(&outs[0].data), x, w, epi);
     outs
 }
 

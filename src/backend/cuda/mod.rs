@@ -443,6 +443,13 @@ impl CudaBackend {
         ck(self.host_timer.time(true, || unsafe { self.stream.alloc::<i32>(n.max(1)) }), "alloc")
     }
 
+    /// Whether a norm of rows `h` wide by `norm` takes the row norm's register path, which the
+    /// fused norms reproduce (16-byte aligned rows and weight: rms_row_in_registers in
+    /// cuda/common.cuh; at most RMS_VECS = 8 float4s per thread at 256 threads per row).
+    pub(super) fn norm_in_registers(&self, norm: &CudaVector, h: usize) -> bool {
+        norm.len == h && h.is_multiple_of(4) && h <= 8 * 256 * 4 && self.ptr(&norm.data).is_multiple_of(16)
+    }
+
     pub(super) fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
         CudaTensor { data: self.alloc_f32(rows * cols), rows, cols }
     }

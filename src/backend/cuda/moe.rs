@@ -70,26 +70,17 @@ pub(super) fn moe_residual_project(
     widths: &[usize],
 ) -> Vec<CudaTensor> {
     let pending = moe_experts(be, acc, MoeInput::Residual(pre_norm, eps), w, cfg);
-    // The updated residual rows go to a new tensor: every block of the launch reads the rows
-    // before the MoE, so none of them may be overwritten.
-    let resid_out = be.tensor(acc.rows, acc.cols);
-    let combine = pending.device_args(be, acc, &resid_out);
-    if let Some(parts) = super::matmul::matmul_parts_normed(be, combine, acc.rows, next_norm, eps, proj, widths) {
+    if super::matmul::normed_launch_fits(be, acc.rows, next_norm, proj) {
+        // The updated residual rows go to a new tensor: every block of the launch reads the
+        // rows before the MoE, so none of them may be overwritten.
+        let resid_out = be.tensor(acc.rows, acc.cols);
+        let combine = pending.device_args(be, acc, &resid_out);
+        let parts = super::matmul::matmul_parts_normed(be, combine, acc.rows, next_norm, eps, proj, widths);
         *acc = resid_out;
         return parts;
     }
     let normed = pending.add_norm(be, acc, next_norm, eps);
     super::matmul::matmul_parts(be, &normed, proj, widths)
-}
-
-/// Most float4s per thread of the row norm's register path (RMS_VECS in cuda/common.cuh), at
-/// 256 threads per row.
-const NORM_MAX_COLS: usize = 8 * 256 * 4;
-
-/// Whether a norm of rows `h` wide by `norm` takes the row norm's register path, which the
-/// fused norms reproduce (16-byte aligned rows and weight: rms_row_in_registers).
-pub(super) fn norm_in_registers(be: &CudaBackend, norm: &CudaVector, h: usize) -> bool {
-    norm.len == h && h.is_multiple_of(4) && h <= NORM_MAX_COLS && be.ptr(&norm.data).is_multiple_of(16)
 }
 
 /// The MoE's input rows: already normalized, or the residual stream (the accumulator itself)
@@ -144,7 +135,7 @@ impl PendingCombine {
     /// where the row norm's register path applies (16-byte aligned rows and weight), else by
     /// the row norm after it.
     fn add_norm(self, be: &CudaBackend, acc: &mut CudaTensor, norm: &CudaVector, eps: f32) -> CudaTensor {
-        if !norm_in_registers(be, norm, acc.cols) {
+        if !be.norm_in_registers(norm, acc.cols) {
             self.add(be, acc);
             return crate::backend::Backend::rms_norm(be, acc, norm, eps);
         }
@@ -212,7 +203,7 @@ fn moe_experts(be: &CudaBackend, acc: &CudaTensor, input: MoeInput, w: &MoeWeigh
     let normed_input: CudaTensor;
     let (x, router_norm) = match input {
         MoeInput::Normed(x) => (x, None),
-        MoeInput::Residual(n, eps) if router_launch.as_ref().is_some_and(|l| l.stages > 0) && norm_in_registers(be, n, h) => {
+        MoeInput::Residual(n, eps) if router_launch.as_ref().is_some_and(|l| l.stages > 0) && be.norm_in_registers(n, h) => {
             normed_input = be.tensor(t, h);
             (&normed_input, Some((n, eps)))
         }
