@@ -180,10 +180,10 @@ __device__ __forceinline__ float4 moe_combined4(float4 r, const float* y, const 
     return r;
 }
 
-// A streaming matmul's input when it starts from the MoE's sum (matmul_stream_combine_*):
-// the residual rows before the MoE, the expert rows, their weights, the shared expert's rows
-// and gate (null: none), and where the updated residual rows go. Passed by value; the host's
-// `MoeCombine` in backend/cuda/matmul.rs has the same layout.
+// The rows a normalizing streaming matmul starts from (matmul_stream_norm_*: `resid` only;
+// matmul_stream_combine_*: the residual rows before the MoE, the expert rows, their weights,
+// the shared expert's rows and gate (null: none), and where the updated residual rows go).
+// Passed by value; the host's `MoeCombine` in backend/cuda/matmul.rs has the same layout.
 struct MoeCombine {
     const float* resid;
     const float* y;

@@ -118,9 +118,10 @@ impl Epilogue {
     }
 }
 
-/// The MoE's rows a streaming launch starts from (`struct MoeCombine` in cuda/routing.cuh,
-/// passed by value): the residual rows before the MoE, the experts' rows and weights, the
-/// shared expert's rows and gate (0: none), and where the updated residual rows go.
+/// The rows a normalizing streaming launch starts from (`struct MoeCombine` in
+/// cuda/routing.cuh, passed by value): the residual rows (`resid`), and, where `y` is set, the
+/// experts' rows and weights, the shared expert's rows and gate (0: none) to add into them, and
+/// where the updated residual rows go. [`plain_rows`] leaves out the MoE.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct MoeCombine {
