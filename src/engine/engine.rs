@@ -255,6 +255,7 @@ impl<B: Backend> Engine<B> {
             let start = seq.num_computed;
             let mut emitted = Vec::new();
             let mut committed_now = row.committed;
+            let conv_only = delta_state_in_place(layout.kind, layout.num_tokens);
             match (row.kind, row.logits_start) {
                 (RowKind::Prefill, sample) => {
                     seq.num_computed += row.committed;
@@ -266,11 +267,7 @@ impl<B: Backend> Engine<B> {
                     let outcome = accept_drafts(&sampled[l..=l + row.drafts.len()], &row.drafts).expect("the plan gives every draft a logits row");
                     // Invariant 1: the state at the last accepted token becomes canonical (below,
                     // for every row at once, before the step ends).
-                    commits.push(StateCommit {
-                        slot: layout.state_slot,
-                        snapshot: layout.snapshot_base + row.committed - 1 + outcome.accepted,
-                        conv_only: delta_state_in_place(layout.kind, layout.num_tokens),
-                    });
+                    commits.push(StateCommit { slot: layout.state_slot, snapshot: layout.snapshot_base + row.committed - 1 + outcome.accepted, conv_only });
                     committed_now = row.committed + outcome.accepted;
                     seq.num_computed += committed_now;
                     if seq.spec.record_step(row.drafts.len(), outcome.accepted).is_err() {
@@ -280,7 +277,7 @@ impl<B: Backend> Engine<B> {
                 }
                 (RowKind::Generate, None) => {
                     // Replay of committed tokens after a recompute: no sampling.
-                    commits.push(StateCommit { slot: layout.state_slot, snapshot: layout.snapshot_base + row.committed - 1, conv_only: delta_state_in_place(layout.kind, layout.num_tokens) });
+                    commits.push(StateCommit { slot: layout.state_slot, snapshot: layout.snapshot_base + row.committed - 1, conv_only });
                     seq.num_computed += row.committed;
                 }
             }

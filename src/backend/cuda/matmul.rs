@@ -160,6 +160,7 @@ pub(super) fn normed_launch_fits(be: &CudaBackend, rows: usize, norm: &CudaVecto
 /// (`matmul_stream_combine_*`, writing the updated rows to `combine.resid_out`). Bitwise
 /// rms_norm (after moe_combine_norm's sum) then the matmul. Only where
 /// [`normed_launch_fits`].
+#[allow(clippy::too_many_arguments)]
 fn launch_normed(be: &CudaBackend, out: u64, combine: MoeCombine, rows: usize, norm: &CudaVector, eps: f32, w: &CudaMatrix, epi: Epilogue) {
     let (sk, shape) = normed_shape(be, rows, norm, w).expect("launch_normed: the caller checked normed_launch_fits");
     let kernel = if combine.y != 0 {

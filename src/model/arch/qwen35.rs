@@ -141,6 +141,15 @@ impl<T> LayerInput<T> {
         }
     }
 
+    /// The residual stream `x` normalized by `norm`, or, given the next layer's input projection
+    /// `proj`, that projection of it (the norm inside the projection's launch on a device).
+    fn from_residual<B: Backend<Tensor = T>>(b: &B, x: &T, norm: &B::Vector, eps: f32, proj: Option<(&B::Matrix, &[usize])>) -> Self {
+        match proj {
+            Some((w, widths)) => LayerInput::Projected(b.rms_norm_matmul_parts(x, norm, eps, w, widths)),
+            None => LayerInput::Normed(b.rms_norm(x, norm, eps)),
+        }
+    }
+
     /// The parts of `w` (row-stacked) cut into `widths`.
     fn project<B: Backend<Tensor = T>>(self, b: &B, w: &B::Matrix, widths: &[usize]) -> Vec<T> {
         match self {
@@ -243,13 +252,8 @@ impl<B: Backend> Qwen35<B> {
         let eps = self.config.rms_norm_eps;
         let mut x = b.embed(&self.embed, ids);
         // Each layer hands the next its normalized input (the last one the final norm's).
-        let mut input = match self.layers.first() {
-            Some(first) => match first.input_projection() {
-                Some((proj, widths)) => LayerInput::Projected(b.rms_norm_matmul_parts(&x, &first.input_norm, eps, proj, widths)),
-                None => LayerInput::Normed(b.rms_norm(&x, &first.input_norm, eps)),
-            },
-            None => LayerInput::Normed(b.rms_norm(&x, &self.final_norm, eps)),
-        };
+        let first = self.layers.first();
+        let mut input = LayerInput::from_residual(b, &x, first.map_or(&self.final_norm, |l| &l.input_norm), eps, first.and_then(DecoderLayer::input_projection));
         for (i, layer) in self.layers.iter().enumerate() {
             let next = self.layers.get(i + 1);
             let next_norm = next.map_or(&self.final_norm, |l| &l.input_norm);
@@ -329,10 +333,7 @@ impl<B: Backend> DecoderLayer<B> {
             Mlp::Dense { gate_up, down } => {
                 let act = b.rms_norm_matmul_swiglu(x, &self.post_norm, c.rms_norm_eps, gate_up);
                 b.matmul_add(x, &act, down);
-                match next_proj {
-                    Some((proj, widths)) => LayerInput::Projected(b.rms_norm_matmul_parts(x, next_norm, c.rms_norm_eps, proj, widths)),
-                    None => LayerInput::Normed(b.rms_norm(x, next_norm, c.rms_norm_eps)),
-                }
+                LayerInput::from_residual(b, x, next_norm, c.rms_norm_eps, next_proj)
             }
             Mlp::Moe(w) => {
                 let cfg = c.moe.as_ref().expect("MoE layer without MoE config");
