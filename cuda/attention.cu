@@ -79,6 +79,7 @@ extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cac
         dst[d] = val;
         if (vdst) vdst[d] = vsrc[d];
     }
+    if (threadIdx.x == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
 
 // grid (T, nq / heads_per_block, 1 or ATTN_SPLITS), 256 threads. A block serves
@@ -210,6 +211,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
             pm[0] = mrun[tid];
             pm[1] = lrun[tid];
         }
+        if (tid == 0) TRACE_MARK(TRACE_BLOCK_END);
         return;
     }
     // Merge this range into the running totals: every thread reads the old totals, then one
@@ -239,6 +241,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
         long long o = (long long)t * nq * hd + (long long)h0 * hd + e;
         out[o] = tot[i] / ltot[g] * sigmoidf_(gate[o]);
     }
+    if (tid == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
 
 // grid (T, nq), hd threads (rounded up to a warp): merges the ranges attn_core wrote to
@@ -270,4 +273,5 @@ extern "C" __global__ void attn_combine(float* out, const float* gate, const flo
         long long o = ((long long)t * nq + h) * hd + d;
         out[o] = ACC / L * sigmoidf_(gate[o]);
     }
+    if (d == 0) TRACE_MARK(TRACE_BLOCK_END);
 }

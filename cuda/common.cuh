@@ -34,6 +34,33 @@ __device__ __forceinline__ u64 global_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+
+// Marks of the kernel whose inputs were ready last (entry count - 1), after the entries: per
+// kernel, TRACE_MARKS times. Past its wait, a kernel is the only one running (the next waits
+// for its end), so the last entry is its own once block 0 has counted itself, which it does
+// first thing after the wait. Block ends are maxima over the blocks; the others are set once.
+#define TRACE_MARKS 4
+// Block 0's first weights landed (streaming matmuls).
+#define TRACE_FIRST_DATA 0
+// The latest block end.
+#define TRACE_BLOCK_END 1
+// Block 0's activation rows ready for its k loop (streaming matmuls).
+#define TRACE_ROWS_READY 2
+// Block 0 knows its group (grouped streaming matmuls); the router's last block got its ticket.
+#define TRACE_GROUP_KNOWN 3
+__device__ __forceinline__ void trace_mark(int which) {
+    if (!kestrel_trace) return;
+    u64 n = *(volatile u64*)kestrel_trace, cap = kestrel_trace[1];
+    if (n == 0 || n > cap) return;
+    u64* mark = kestrel_trace + 2 + 2 * cap + TRACE_MARKS * (n - 1) + which;
+    if (which == TRACE_BLOCK_END) atomicMax(mark, global_ns());
+    else *mark = global_ns();
+}
+#define TRACE_MARK(which) trace_mark(which)
+#else
+#define TRACE_MARK(which) \
+    do {                  \
+    } while (0)
 #endif
 
 // Programmatic dependent launch (sm_90 and later). Kernels are launched allowed to start before

@@ -286,6 +286,7 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
         wait_for_inputs();                                                                                                                                  \
         gdn_recurrent_body<DK, DV, KW>(st, out, z, norm_w, eps, mixed, conv_state, conv_w, conv_snap, a, b, neg_a, dt_bias, rec, rec_snap, nk, nv, dk, dv, \
                                        conv_dim, kw);                                                                                                       \
+        if (threadIdx.x == 0) TRACE_MARK(TRACE_BLOCK_END);                                                                                                  \
     }
 GDN_RECURRENT_KERNEL(gdn_recurrent, 0, 0, 0)
 GDN_RECURRENT_KERNEL(gdn_recurrent_128, 128, 128, 4)

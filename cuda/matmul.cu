@@ -427,8 +427,10 @@ __device__ __forceinline__ void route_in_last_block(unsigned* done, int* topk_id
     if (ticket != gridDim.x * gridDim.y * gridDim.z - 1) return;
     __threadfence();
     if (threadIdx.x == 0) *done = 0u;
+    if (threadIdx.x == 0) TRACE_MARK(TRACE_GROUP_KNOWN);
     extern __shared__ int route_smem[];
     route_and_group_few(route_smem, topk_idx, topk_w, logits, T, E, k, renormalize, lists, counts, active, 1, slots, fold);
+    if (threadIdx.x == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
 
 // The router matmul of a step of at most 8 tokens (matmul_small_nt1's arithmetic, so the same

@@ -19,6 +19,12 @@
 #ifndef STREAM_EARLY_STAGES
 #define STREAM_EARLY_STAGES 1
 #endif
+// Stages a block keeps in flight while it goes on filling the ring before its inputs are ready
+// (stream_start; 0: it stops after the early stages). `KESTREL_CUDA_DEFINES=STREAM_EARLY_PACED=n`
+// for A/B runs.
+#ifndef STREAM_EARLY_PACED
+#define STREAM_EARLY_PACED 1
+#endif
 
 // sm_90 instructions; the backend launches the streaming kernels only there (elsewhere these
 // trap, so that a launch by mistake cannot pass silently).
@@ -36,6 +42,14 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 }
 __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
     SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Whether the barrier's phase of parity `parity` has completed (without waiting).
+__device__ __forceinline__ bool mbar_done(u32 bar, u32 parity) {
+    u32 done = 1;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+#endif
+    return done != 0;
 }
 // Waits until the barrier's phase of parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
@@ -63,6 +77,8 @@ struct StreamRing {
     int stages, row_bytes, issued;
     // The weights the producer started copying before the inputs were ready (0: none).
     const bf16_t* early_w;
+    // Set by thread 0 once the block's inputs are ready (stream_inputs_ready).
+    volatile int* inputs_ready;
 };
 
 // The producer warp's copies of column block n0 (logical columns n0 .. n0 + 8NT - 1; past N
@@ -97,7 +113,10 @@ __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int
     r.row_bytes = 2 * K + ((2 * K) % 128 == 0 ? 64 : 0);
     r.issued = 0;
     __shared__ const bf16_t* early_w;
+    __shared__ int inputs_ready;
+    r.inputs_ready = &inputs_ready;
     if (threadIdx.x == 0) {
+        inputs_ready = 0;
         for (int s = 0; s < stages; ++s) {
             mbar_init(r.full + 8 * s, 1);
             mbar_init(r.empty + 8 * s, KSLICES);
@@ -110,8 +129,37 @@ __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int
     __syncthreads();
     r.early_w = early_w;
     if ((int)(threadIdx.x >> 5) != KSLICES || !r.early_w) return r;
-    for (int n0 = blockIdx.x * 8 * NT; n0 < N && r.issued < min(stages, STREAM_EARLY_STAGES); n0 += gridDim.x * 8 * NT) stream_issue<NT>(r, r.early_w, N, K, n0, r.issued++, e);
+    int n0 = blockIdx.x * 8 * NT, stride = gridDim.x * 8 * NT;
+    for (; n0 < N && r.issued < min(stages, STREAM_EARLY_STAGES); n0 += stride) stream_issue<NT>(r, r.early_w, N, K, n0, r.issued++, e);
+    // While the inputs are not ready, the rest of the ring, one stage at a time: the next
+    // stage is issued once the last one has landed, so that each block has at most one stage
+    // in flight and the kernel before, which may be bound by its chain of loads, does not wait
+    // behind a burst of weight copies (every block's whole ring at once made 35B-A3B's decode
+    // step slower, see STREAM_EARLY_STAGES). Lane 0 decides for the warp.
+    while (STREAM_EARLY_PACED && r.issued > 0 && n0 < N && r.issued < stages) {
+        int go = 0;
+        if ((threadIdx.x & 31) == 0) {
+            for (;;) {
+                if (*r.inputs_ready) break;
+                if (r.issued < STREAM_EARLY_PACED || mbar_done(r.full + 8 * (r.issued - STREAM_EARLY_PACED), 0)) {
+                    go = 1;
+                    break;
+                }
+                asm volatile("nanosleep.u32 100;");
+            }
+        }
+        if (!__shfl_sync(FULL_MASK, go, 0)) break;
+        stream_issue<NT>(r, r.early_w, N, K, n0, r.issued++, e);
+        n0 += stride;
+    }
     return r;
+}
+
+// Tells the producer warp, which may still be copying stages ahead, that the block's inputs
+// are ready: from then on the ring is refilled as the k-slice warps empty it. Called by every
+// thread after wait_for_inputs.
+__device__ __forceinline__ void stream_inputs_ready(const StreamRing& r) {
+    if (threadIdx.x == 0) *r.inputs_ready = 1;
 }
 
 // Barrier of the k-slice warps only (named barrier 1; the producer warp is not part of it).
@@ -186,6 +234,7 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
     if (ring.early_w && ring.early_w != grp.whi) __trap();
     // Inactive slices of a grouped launch (nothing was issued for them).
     if (grp.rows <= 0) return;
+    if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.z == 0) TRACE_MARK(TRACE_GROUP_KNOWN);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     int per = 8 * NT, stride = gridDim.x * per, S = ring.stages;
     if (warp == KSLICES) {
@@ -209,16 +258,32 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
     // Rows normalized on the way in: in registers, by stream_norm_rows.
     bool norm_in = INPUT == STREAM_INPUT_COMBINE || (INPUT == STREAM_INPUT_NORM && norm_w);
     if (norm_in) stream_norm_rows(x, mc, grp.rows, K, norm_w, eps, normed, xs, xstride, lo_off);
-    for (int c = threadIdx.x; !norm_in && c < grp.rows * (K / 8); c += 32 * KSLICES) {
-        int r = c / (K / 8), k = (c % (K / 8)) * 8;
-        float v[8];
-        load8_f32(x + (long long)(grp.list ? grp.list[r] / a_div : r) * K, k, K, true, v);
-        u32 hi[4], lo[4];
-        split8(v, hi, lo);
-        *(uint4*)(xs + (long long)r * xstride + k) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-        *(uint4*)(xs + lo_off + (long long)r * xstride + k) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    // ROW_BATCH chunks of 8 per thread loaded before any is split and stored: the stores to
+    // shared memory would otherwise keep the next chunk's loads from being issued early, and a
+    // wide row (K = 12288: six chunks per thread) would take six round trips.
+    const int ROW_BATCH = 4;
+    for (int c0 = threadIdx.x; !norm_in && c0 < grp.rows * (K / 8); c0 += ROW_BATCH * 32 * KSLICES) {
+        float v[ROW_BATCH][8];
+#pragma unroll
+        for (int b = 0; b < ROW_BATCH; ++b) {
+            int c = c0 + b * 32 * KSLICES;
+            if (c >= grp.rows * (K / 8)) break;
+            int r = c / (K / 8), k = (c % (K / 8)) * 8;
+            load8_f32(x + (long long)(grp.list ? grp.list[r] / a_div : r) * K, k, K, true, v[b]);
+        }
+#pragma unroll
+        for (int b = 0; b < ROW_BATCH; ++b) {
+            int c = c0 + b * 32 * KSLICES;
+            if (c >= grp.rows * (K / 8)) break;
+            int r = c / (K / 8), k = (c % (K / 8)) * 8;
+            u32 hi[4], lo[4];
+            split8(v[b], hi, lo);
+            *(uint4*)(xs + (long long)r * xstride + k) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            *(uint4*)(xs + lo_off + (long long)r * xstride + k) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        }
     }
     k_slices_sync();
+    if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.z == 0) TRACE_MARK(TRACE_ROWS_READY);
     const bf16_t* h0 = g < grp.rows ? xs + (long long)g * xstride : 0;
     const bf16_t* h1 = g + 8 < grp.rows ? xs + (long long)(g + 8) * xstride : 0;
     bool two = 8 < grp.rows;
@@ -232,6 +297,7 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
 #pragma unroll
         for (int j = 0; j < NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
         mbar_wait(ring.full + 8 * s, (u32)((i / S) & 1));
+        if (i == 0 && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.z == 0) TRACE_MARK(TRACE_FIRST_DATA);
         const unsigned char* st = ring.stage0 + (long long)s * per * ring.row_bytes + (long long)g * ring.row_bytes + q * 16;
         for (int kb = kb0; kb < kb1; ++kb) {
             uint4 bh[NT];
@@ -261,6 +327,7 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
             }
         }
     }
+    if (threadIdx.x == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
 
 // Arguments: the small-row kernels', then the ring's stage count. Dynamic shared memory: the
@@ -272,6 +339,7 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
             int lists_ready, int stages) {                                                                                                            \
         StreamRing ring = stream_start<NT>(whi, N, K, group_w, active, lists_ready, stages, epi);                                                    \
         wait_for_inputs();                                                                                                                           \
+        stream_inputs_ready(ring);                                                                                                                   \
         matmul_stream_body<NT, STREAM_INPUT_PLAIN>(ring, out, x, whi, rows, N, K, group_w, counts, lists, list_stride, a_div, active, epi, 0, 0.0f, 0, 0); \
     }
 STREAM_KERNEL(matmul_stream_nt1, 1)
@@ -292,6 +360,7 @@ STREAM_KERNEL(matmul_stream_nt4, 4)
             MoeCombine mc, const float* norm_w, float eps) {                                                                                          \
         StreamRing ring = stream_start<NT>(whi, N, K, 0, 0, 0, stages, epi);                                                                         \
         wait_for_inputs();                                                                                                                           \
+        stream_inputs_ready(ring);                                                                                                                   \
         matmul_stream_body<NT, INPUT>(ring, out, mc.resid, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi, norm_w, eps, 0, INPUT == STREAM_INPUT_COMBINE ? &mc : 0); \
     }
 STREAM_NORM_KERNEL(matmul_stream_norm_nt1, 1, STREAM_INPUT_NORM)
@@ -313,6 +382,7 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) matmul_router_strea
         int* counts, int* active, int slots, int fold, const float* norm_w, float eps, float* normed) {
     StreamRing ring = stream_start<1>(whi, N, K, 0, 0, 0, stages, epi);
     wait_for_inputs();
+    stream_inputs_ready(ring);
     matmul_stream_body<1, STREAM_INPUT_NORM>(ring, out, x, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi, norm_w, eps, normed, 0);
     // The producer warp left the body early; every warp takes part in the count.
     route_in_last_block(done, topk_idx, topk_w, logits, T, E, k, renormalize, lists, counts, active, slots, fold);

@@ -43,12 +43,26 @@ __device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, 
             int e = lane + 32 * i;
             if (p[i] > bv || (p[i] == bv && e < bi)) { bv = p[i]; bi = e; }
         }
+#if __CUDA_ARCH__ >= 800
+        // The warp's largest probability, then the lowest expert holding it, by two integer
+        // reductions instead of five rounds of paired shuffles: a probability is >= 0 or
+        // NEG_INF, so its bits plus one (0 for NEG_INF) order as unsigned integers as the
+        // floats do, and equal keys are equal probabilities. The same (value, index) as the
+        // butterfly below.
+        u32 key = bv >= 0.0f ? __float_as_uint(bv) + 1u : 0u, top, low;
+        asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(top) : "r"(key));
+        u32 mine_low = key == top ? (u32)bi : 0xffffffffu;
+        asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(low) : "r"(mine_low));
+        bv = top == 0u ? NEG_INF : __uint_as_float(top - 1u);
+        bi = (int)low;
+#else
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             float ov = __shfl_xor_sync(FULL_MASK, bv, o);
             int oi = __shfl_xor_sync(FULL_MASK, bi, o);
             if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
         }
+#endif
         float chosen = bv / sum;
         total += chosen;
         if ((s & 31) == lane) {

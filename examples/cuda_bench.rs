@@ -84,29 +84,56 @@ fn profile_json(report: &[(&'static str, f64, usize)], divide: usize) -> serde_j
     serde_json::Value::Object(report.iter().map(|(name, ms, n)| (name.to_string(), serde_json::json!({"ms": ms / d, "calls": *n as f64 / d}))).collect())
 }
 
+/// Microseconds from `from` to `to` (device ns), or NaN where the kernel left the mark unset.
+fn mark_us(from: u64, to: u64) -> f64 {
+    if to == 0 {
+        f64::NAN
+    } else {
+        to.saturating_sub(from) as f64 / 1e3
+    }
+}
+
+/// One kernel grid's totals over a traced step: share of the step, time resident before its
+/// inputs were ready, and (kernels that mark them) inputs-ready to block 0's first weights and
+/// to its last block's end, and that end to the next kernel's inputs-ready.
+#[derive(Default)]
+struct TraceTotals {
+    share: f64,
+    early: f64,
+    first_data: f64,
+    run: f64,
+    handoff: f64,
+    calls: usize,
+}
+
 /// The last decode step's kernel start trace (`KESTREL_CUDA_TRACE=1`): per kernel and grid,
 /// the time from its inputs being ready to the next kernel's (its share of the step when
-/// kernels overlap), and how long before that it was resident; largest share first.
+/// kernels overlap), how long before that it was resident, and where marked, how that share
+/// splits into running and handing over to the next kernel; largest share first.
 fn trace_summary(kernels: &[kestrel::backend::cuda::TracedKernel]) -> serde_json::Value {
     if kernels.len() < 2 {
         return serde_json::Value::Null;
     }
-    let mut by_kernel: Vec<(String, f64, f64, usize)> = Vec::new();
+    let mut by_kernel: Vec<(String, TraceTotals)> = Vec::new();
     for w in kernels.windows(2) {
         let (k, next) = (&w[0], &w[1]);
         let key = format!("{} {:?}", k.name, k.grid);
-        let share = next.ready_ns.saturating_sub(k.ready_ns) as f64 / 1e3;
-        let early = k.ready_ns.saturating_sub(k.resident_ns) as f64 / 1e3;
-        match by_kernel.iter_mut().find(|e| e.0 == key) {
-            Some(e) => {
-                e.1 += share;
-                e.2 += early;
-                e.3 += 1;
+        let i = match by_kernel.iter().position(|e| e.0 == key) {
+            Some(i) => i,
+            None => {
+                by_kernel.push((key, TraceTotals::default()));
+                by_kernel.len() - 1
             }
-            None => by_kernel.push((key, share, early, 1)),
-        }
+        };
+        let e = &mut by_kernel[i].1;
+        e.share += next.ready_ns.saturating_sub(k.ready_ns) as f64 / 1e3;
+        e.early += k.ready_ns.saturating_sub(k.resident_ns) as f64 / 1e3;
+        e.first_data += mark_us(k.ready_ns, k.first_data_ns);
+        e.run += mark_us(k.ready_ns, k.end_ns);
+        e.handoff += if k.end_ns == 0 { f64::NAN } else { next.ready_ns.saturating_sub(k.end_ns) as f64 / 1e3 };
+        e.calls += 1;
     }
-    by_kernel.sort_by(|a, b| b.1.total_cmp(&a.1));
+    by_kernel.sort_by(|a, b| b.1.share.total_cmp(&a.1.share));
     let span = (kernels[kernels.len() - 1].ready_ns - kernels[0].ready_ns) as f64 / 1e3;
     // The launches of the step's middle stretch in order (a layer or two), to see one layer's chain.
     let mid = kernels.len() / 2;
@@ -114,13 +141,34 @@ fn trace_summary(kernels: &[kestrel::backend::cuda::TracedKernel]) -> serde_json
         .windows(2)
         .skip(mid)
         .take(24)
-        .map(|w| format!("{:>7.1} us (resident {:>5.1} us early) {} {:?}", w[1].ready_ns.saturating_sub(w[0].ready_ns) as f64 / 1e3, w[0].ready_ns.saturating_sub(w[0].resident_ns) as f64 / 1e3, w[0].name, w[0].grid))
+        .map(|w| {
+            let (k, next) = (&w[0], &w[1]);
+            format!(
+                "{:>7.1} us (resident {:>5.1} us early; group {:>5.1}, rows {:>5.1}, first weights {:>5.1}, end {:>5.1}, handoff {:>5.1}) {} {:?}",
+                next.ready_ns.saturating_sub(k.ready_ns) as f64 / 1e3,
+                k.ready_ns.saturating_sub(k.resident_ns) as f64 / 1e3,
+                mark_us(k.ready_ns, k.group_known_ns),
+                mark_us(k.ready_ns, k.rows_ready_ns),
+                mark_us(k.ready_ns, k.first_data_ns),
+                mark_us(k.ready_ns, k.end_ns),
+                if k.end_ns == 0 { f64::NAN } else { next.ready_ns.saturating_sub(k.end_ns) as f64 / 1e3 },
+                k.name,
+                k.grid
+            )
+        })
         .collect();
     serde_json::json!({
         "sequence": sequence,
         "kernels": kernels.len(),
         "first_to_last_start_us": span,
-        "by_kernel": by_kernel.iter().map(|(k, us, early, n)| serde_json::json!({"kernel": k, "us": us, "calls": n, "resident_early_us": early / *n as f64})).collect::<Vec<_>>(),
+        "by_kernel": by_kernel
+            .iter()
+            .map(|(k, e)| {
+                let n = e.calls as f64;
+                // NaN (unmarked kernels) becomes null in the JSON.
+                serde_json::json!({"kernel": k, "us": e.share, "calls": e.calls, "resident_early_us": e.early / n, "first_data_us": e.first_data / n, "run_us": e.run / n, "handoff_us": e.handoff / n})
+            })
+            .collect::<Vec<_>>(),
     })
 }
 

@@ -145,7 +145,7 @@ fn normed_shape<'a>(be: &'a CudaBackend, rows: usize, norm: &CudaVector, w: &Cud
     if w.lo.is_some() || rows == 0 || !be.norm_in_registers(norm, w.cols) {
         return None;
     }
-    Some((sk, sk.shape(rows, w.cols)?))
+    Some((sk, sk.shape(rows, w.cols, false)?))
 }
 
 /// Whether [`launch_normed`] takes `rows` rows through `w` with `norm` (otherwise the caller
@@ -275,7 +275,7 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
     // kernel takes (bf16 weights, whole 32-wide k blocks); other weights past 16 rows go tiled.
     let small = rows <= 16 || (rows <= SMALL_MAX_ROWS && bf16_blocks && !wide);
     if rows <= 16 && !has_lo {
-        if let Some((kernel, shape)) = stream_plan(be, rows, k) {
+        if let Some((kernel, shape)) = stream_plan(be, rows, k, grouped.is_some()) {
             let mut args = vec![Arg::Ptr(out), Arg::Ptr(x), Arg::Ptr(whi), Arg::Ptr(wlo)];
             args.extend(tail);
             args.push(Arg::I64((x_rows * k) as i64));
@@ -370,10 +370,15 @@ impl StreamKernels {
     /// The streaming launch for `rows` (at most 16) rows and `k` inputs (bf16 weights), or None
     /// where it does not apply: K not in whole 32-wide blocks, or two stages of weight rows and
     /// the split activations do not fit in shared memory.
-    fn shape(&self, rows: usize, k: usize) -> Option<StreamShape> {
+    fn shape(&self, rows: usize, k: usize, grouped: bool) -> Option<StreamShape> {
         // A stage of about 8K weight columns' worth of bytes (32 KB at K = 2048): four n tiles
-        // at K <= 512, two at K <= 1024.
-        let variant = (if k <= 512 { 2 } else if k <= 1024 { 1 } else { 0 }).max(self.min_variant);
+        // at K <= 512, two at K <= 1024. Grouped launches take one n tile whatever K is: a
+        // group's few blocks (a wave shared by all groups) walk its column blocks, and the
+        // narrowest column blocks share them out most evenly (35B-A3B's expert down projection,
+        // 64 column blocks of 32 over 29 blocks, took 3 rounds for an average of 2.2; with
+        // 256 of 8, 9 rounds for 8.8: 3.86-3.89 -> 3.81 ms per step on the H100).
+        let by_k = if grouped { 0 } else if k <= 512 { 2 } else if k <= 1024 { 1 } else { 0 };
+        let variant = by_k.max(self.min_variant);
         self.shape_of_variant(rows, k, variant)
     }
 
@@ -401,8 +406,8 @@ impl StreamKernels {
 
 /// The streaming kernel and its launch shape for `rows` rows over `k` inputs, where the backend
 /// has the streaming kernels (sm_90 and later, not turned off) and the shape fits.
-fn stream_plan(be: &CudaBackend, rows: usize, k: usize) -> Option<(&CudaFunction, StreamShape)> {
-    let shape = be.stream_kernels.as_ref()?.shape(rows, k)?;
+fn stream_plan(be: &CudaBackend, rows: usize, k: usize, grouped: bool) -> Option<(&CudaFunction, StreamShape)> {
+    let shape = be.stream_kernels.as_ref()?.shape(rows, k, grouped)?;
     Some(([&be.k.matmul_stream_nt1, &be.k.matmul_stream_nt2, &be.k.matmul_stream_nt4][shape.variant], shape))
 }
 
@@ -464,22 +469,25 @@ mod tests {
         let sk = StreamKernels { ring_bytes: 96 * 1024, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], norm_blocks_per_sm: [2, 2, 1], norm_in_matmul: true, max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024, min_variant: 0 };
         // A decode step's expert gate/up (K = 2048): one n tile, rows of 4096 + 64 bytes, two
         // stages beside the split activation row; two blocks per SM.
-        let s = sk.shape(1, 2048).expect("K = 2048 streams");
+        let s = sk.shape(1, 2048, true).expect("K = 2048 streams");
         assert_eq!((s.variant, s.nt, s.stages), (0, 1, 2));
         assert_eq!(s.smem, 2 * 8 * 4160 + 2 * 4160);
         assert_eq!(s.blocks_per_sm, 2);
-        // The experts' down projections (K = 512): four n tiles; K = 1024: two.
-        assert_eq!(sk.shape(1, 512).map(|s| (s.nt, s.stages)), Some((4, 2)));
-        assert_eq!(sk.shape(4, 1024).map(|s| s.nt), Some(2));
+        // Plain launches at K = 512: four n tiles; K = 1024: two.
+        assert_eq!(sk.shape(1, 512, false).map(|s| (s.nt, s.stages)), Some((4, 2)));
+        assert_eq!(sk.shape(4, 1024, false).map(|s| s.nt), Some(2));
+        // Grouped launches (the experts' down projections, K = 512) take one n tile at any K,
+        // with the ring's stages to match.
+        assert_eq!(sk.shape(1, 512, true).map(|s| (s.nt, s.stages)), Some((1, STREAM_MAX_STAGES)));
         // A short K fills the ring with more stages, up to the most the kernel has barriers for.
-        assert_eq!(sk.shape(1, 32).map(|s| s.stages), Some(STREAM_MAX_STAGES));
+        assert_eq!(sk.shape(1, 32, false).map(|s| s.stages), Some(STREAM_MAX_STAGES));
         // 2K not a multiple of 128: no padding.
-        assert_eq!(sk.shape(1, 96).map(|s| s.smem % (2 * 96)), Some(0));
+        assert_eq!(sk.shape(1, 96, false).map(|s| s.smem % (2 * 96)), Some(0));
         // Shapes that do not fit or do not apply fall back to the small-row kernels.
-        assert_eq!(sk.shape(1, 12288), None, "two stages of 8 rows of K = 12288 exceed shared memory");
-        assert_eq!(sk.shape(16, 4096), None, "16 split activation rows of K = 4096 beside the ring");
-        assert_eq!(sk.shape(1, 100), None, "K not in whole 32-wide blocks");
-        assert_eq!(sk.shape(17, 512), None, "one m tile only");
+        assert_eq!(sk.shape(1, 12288, false), None, "two stages of 8 rows of K = 12288 exceed shared memory");
+        assert_eq!(sk.shape(16, 4096, false), None, "16 split activation rows of K = 4096 beside the ring");
+        assert_eq!(sk.shape(1, 100, false), None, "K not in whole 32-wide blocks");
+        assert_eq!(sk.shape(17, 512, false), None, "one m tile only");
     }
 
     #[test]

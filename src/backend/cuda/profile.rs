@@ -136,17 +136,31 @@ pub(super) struct Tracer {
     launched: Mutex<Vec<(&'static str, (u32, u32, u32))>>,
 }
 
-/// One traced launch: kernel name, and when (device ns) it became resident and its inputs were ready.
+/// Marks per traced launch (TRACE_MARKS in cuda/common.cuh).
+const TRACE_MARKS: usize = 4;
+
+/// One traced launch: kernel name, and when (device ns) it became resident and its inputs were
+/// ready; for the kernels that set them (0 otherwise), the marks of cuda/common.cuh.
 pub struct TracedKernel {
     pub name: &'static str,
     pub grid: (u32, u32, u32),
     pub resident_ns: u64,
     pub ready_ns: u64,
+    /// Block 0's first weights landed (streaming matmuls).
+    pub first_data_ns: u64,
+    /// The last block ended.
+    pub end_ns: u64,
+    /// Block 0's activation rows were ready for its k loop (streaming matmuls).
+    pub rows_ready_ns: u64,
+    /// Block 0 knew its group (grouped streaming matmuls), or the router's last block got its
+    /// ticket.
+    pub group_known_ns: u64,
 }
 
 impl Tracer {
     pub fn new(stream: &Arc<CudaStream>, modules: &[Arc<CudaModule>], names: Vec<(usize, &'static str)>) -> Result<Self, DriverError> {
-        let mut header = vec![0u64; 2 + 2 * TRACE_CAPACITY];
+        // Header, entries, then the marks (trace_mark in cuda/common.cuh).
+        let mut header = vec![0u64; 2 + (2 + TRACE_MARKS) * TRACE_CAPACITY];
         header[1] = TRACE_CAPACITY as u64;
         let buffer = stream.clone_htod(&header)?;
         let address = buffer.device_ptr(stream).0;
@@ -174,14 +188,27 @@ impl CudaBackend {
         self.synchronize();
         let names = std::mem::take(&mut *t.launched.lock().unwrap_or_else(|p| p.into_inner()));
         let mut buffer = t.buffer.lock().unwrap_or_else(|p| p.into_inner());
-        // The header and the entries of the launches made since the last call.
-        let used = 2 + 2 * names.len().min(TRACE_CAPACITY);
-        let Ok(words) = self.stream.clone_dtoh(&buffer.slice(0..used)) else { return Vec::new() };
+        let Ok(words) = self.stream.clone_dtoh(&*buffer) else { return Vec::new() };
         let count = (words[0] as usize).min(TRACE_CAPACITY).min(names.len());
-        let out = (0..count).map(|i| TracedKernel { name: names[i].0, grid: names[i].1, resident_ns: words[2 + 2 * i], ready_ns: words[3 + 2 * i] }).collect();
-        // Only the count needs resetting: entries are overwritten before they are read again.
+        let marks = 2 + 2 * TRACE_CAPACITY;
+        let out = (0..count)
+            .map(|i| TracedKernel {
+                name: names[i].0,
+                grid: names[i].1,
+                resident_ns: words[2 + 2 * i],
+                ready_ns: words[3 + 2 * i],
+                first_data_ns: words[marks + TRACE_MARKS * i],
+                end_ns: words[marks + TRACE_MARKS * i + 1],
+                rows_ready_ns: words[marks + TRACE_MARKS * i + 2],
+                group_known_ns: words[marks + TRACE_MARKS * i + 3],
+            })
+            .collect();
+        // The count and the marks (block ends are maxima) start again from zero; entries are
+        // overwritten before they are read again.
         let mut head = buffer.slice_mut(0..1);
         let _ = self.stream.memcpy_htod(&[0u64], &mut head);
+        let mut tail = buffer.slice_mut(marks..marks + TRACE_MARKS * TRACE_CAPACITY);
+        let _ = self.stream.memset_zeros(&mut tail);
         out
     }
 }
