@@ -131,9 +131,9 @@ __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int
     if ((int)(threadIdx.x >> 5) != KSLICES || !r.early_w) return r;
     int n0 = blockIdx.x * 8 * NT, stride = gridDim.x * 8 * NT;
     for (; n0 < N && r.issued < min(stages, STREAM_EARLY_STAGES); n0 += stride) stream_issue<NT>(r, r.early_w, N, K, n0, r.issued++, e);
-    // While the inputs are not ready, the rest of the ring, one stage at a time: the next
-    // stage is issued once the last one has landed, so that each block has at most one stage
-    // in flight and the kernel before, which may be bound by its chain of loads, does not wait
+    // While the inputs are not ready, the rest of the ring, paced: a stage is issued once the
+    // one STREAM_EARLY_PACED before it has landed, so that each block has that many stages in
+    // flight and the kernel before, which may be bound by its chain of loads, does not wait
     // behind a burst of weight copies (every block's whole ring at once made 35B-A3B's decode
     // step slower, see STREAM_EARLY_STAGES). Lane 0 decides for the warp.
     while (STREAM_EARLY_PACED && r.issued > 0 && n0 < N && r.issued < stages) {
