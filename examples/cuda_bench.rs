@@ -93,6 +93,16 @@ fn mark_us(from: u64, to: u64) -> f64 {
     }
 }
 
+/// Microseconds from kernel `k`'s last block's end to the next kernel's inputs being ready, or
+/// NaN where `k` does not mark its end.
+fn handoff_us(k: &kestrel::backend::cuda::TracedKernel, next: &kestrel::backend::cuda::TracedKernel) -> f64 {
+    if k.end_ns == 0 {
+        f64::NAN
+    } else {
+        next.ready_ns.saturating_sub(k.end_ns) as f64 / 1e3
+    }
+}
+
 /// One kernel grid's totals over a traced step: share of the step, time resident before its
 /// inputs were ready, and (kernels that mark them) inputs-ready to block 0's first weights and
 /// to its last block's end, and that end to the next kernel's inputs-ready.
@@ -130,7 +140,7 @@ fn trace_summary(kernels: &[kestrel::backend::cuda::TracedKernel]) -> serde_json
         e.early += k.ready_ns.saturating_sub(k.resident_ns) as f64 / 1e3;
         e.first_data += mark_us(k.ready_ns, k.first_data_ns);
         e.run += mark_us(k.ready_ns, k.end_ns);
-        e.handoff += if k.end_ns == 0 { f64::NAN } else { next.ready_ns.saturating_sub(k.end_ns) as f64 / 1e3 };
+        e.handoff += handoff_us(k, next);
         e.calls += 1;
     }
     by_kernel.sort_by(|a, b| b.1.share.total_cmp(&a.1.share));
@@ -151,7 +161,7 @@ fn trace_summary(kernels: &[kestrel::backend::cuda::TracedKernel]) -> serde_json
                 mark_us(k.ready_ns, k.rows_ready_ns),
                 mark_us(k.ready_ns, k.first_data_ns),
                 mark_us(k.ready_ns, k.end_ns),
-                if k.end_ns == 0 { f64::NAN } else { next.ready_ns.saturating_sub(k.end_ns) as f64 / 1e3 },
+                handoff_us(k, next),
                 k.name,
                 k.grid
             )
