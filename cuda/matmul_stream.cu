@@ -26,6 +26,17 @@
 #define STREAM_EARLY_PACED 1
 #endif
 
+// Whether a stage's weight rows are padded in shared memory (1) or copied whole (0, the
+// default). Padded rows keep a warp's fragment loads on distinct banks but take one bulk copy
+// per row (1 KB each at K = 512); unpadded, a stage's runs of consecutive rows go in one or two
+// copies, and the fragment loads of two rows share banks (two-way conflicts). On the H100,
+// unpadded: 9b decode 6.29, 6.28 against 6.45, 6.48 ms per step; 35B-A3B and 0.8b unchanged.
+// The host sizes rings for padded rows, so either fits. `KESTREL_CUDA_DEFINES=STREAM_ROW_PAD=1`
+// for A/B runs.
+#ifndef STREAM_ROW_PAD
+#define STREAM_ROW_PAD 0
+#endif
+
 // sm_90 instructions; the backend launches the streaming kernels only there (elsewhere these
 // trap, so that a launch by mistake cannot pass silently).
 #if __CUDA_ARCH__ >= 900
@@ -81,6 +92,13 @@ struct StreamRing {
     volatile int* inputs_ready;
 };
 
+// Where logical column c (0 .. 8NT-1) of a column block sits in its stage: in order, or (whole
+// unpadded copies of SwiGLU's gate and up runs) the gate rows first, then the up rows.
+template <int NT>
+__device__ __forceinline__ int stage_slot(const Epilogue& e, int c) {
+    return STREAM_ROW_PAD == 0 && e.mode == EPI_SWIGLU ? (c >> 1) + (c & 1) * 4 * NT : c;
+}
+
 // The producer warp's copies of column block n0 (logical columns n0 .. n0 + 8NT - 1; past N
 // they repeat row N-1, whose results are never written) into stage s.
 template <int NT>
@@ -89,9 +107,20 @@ __device__ __forceinline__ void stream_issue(const StreamRing& r, const bf16_t* 
     u32 bar = r.full + 8 * s;
     if (lane == 0) mbar_arrive_expect_tx(bar, 8u * NT * 2u * (u32)K);
     __syncwarp();
+    unsigned char* stage = r.stage0 + (long long)(s * 8 * NT) * r.row_bytes;
+    if (STREAM_ROW_PAD == 0 && n0 + 8 * NT <= N) {
+        // Whole runs of consecutive weight rows: SwiGLU's gate rows n0/2 .. and up rows
+        // N/2 + n0/2 .., else rows n0 ...
+        if (e.mode == EPI_SWIGLU) {
+            if (lane < 2) bulk_copy_weights(smem_u32(stage + (long long)lane * 4 * NT * r.row_bytes), w + ((long long)(n0 >> 1) + lane * (N >> 1)) * K, 4u * NT * 2u * (u32)K, bar);
+        } else if (lane == 0) {
+            bulk_copy_weights(smem_u32(stage), w + (long long)n0 * K, 8u * NT * 2u * (u32)K, bar);
+        }
+        return;
+    }
     if (lane < 8 * NT) {
         const bf16_t* src = w + weight_row(e, min(n0 + lane, N - 1), N) * K;
-        bulk_copy_weights(smem_u32(r.stage0 + (long long)(s * 8 * NT + lane) * r.row_bytes), src, 2u * (u32)K, bar);
+        bulk_copy_weights(smem_u32(stage + (long long)stage_slot<NT>(e, lane) * r.row_bytes), src, 2u * (u32)K, bar);
     }
 }
 
@@ -110,7 +139,7 @@ __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int
     r.stages = stages;
     // 2K bytes plus 64 when 2K is a multiple of 128: rows then start 64 bytes apart in the
     // banks, and the two rows of a quarter-warp's 16-byte loads cover all 32 banks.
-    r.row_bytes = 2 * K + ((2 * K) % 128 == 0 ? 64 : 0);
+    r.row_bytes = 2 * K + (STREAM_ROW_PAD && (2 * K) % 128 == 0 ? 64 : 0);
     r.issued = 0;
     __shared__ const bf16_t* early_w;
     __shared__ int inputs_ready;
@@ -298,11 +327,11 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
         for (int j = 0; j < NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
         mbar_wait(ring.full + 8 * s, (u32)((i / S) & 1));
         if (i == 0 && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.z == 0) TRACE_MARK(TRACE_FIRST_DATA);
-        const unsigned char* st = ring.stage0 + (long long)s * per * ring.row_bytes + (long long)g * ring.row_bytes + q * 16;
+        const unsigned char* st = ring.stage0 + (long long)s * per * ring.row_bytes + q * 16;
         for (int kb = kb0; kb < kb1; ++kb) {
             uint4 bh[NT];
 #pragma unroll
-            for (int j = 0; j < NT; ++j) bh[j] = *(const uint4*)(st + (long long)j * 8 * ring.row_bytes + kb * 64);
+            for (int j = 0; j < NT; ++j) bh[j] = *(const uint4*)(st + (long long)stage_slot<NT>(epi, j * 8 + g) * ring.row_bytes + kb * 64);
             small_kblock_split<NT>(c, h0, h1, lo_off, two, kb * 32 + q * 8, bh, zero);
         }
         // This warp's reads of the stage are done: the producer may refill it.
