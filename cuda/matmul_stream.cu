@@ -80,8 +80,9 @@ __device__ __forceinline__ void bulk_copy_weights(u32 dst, const void* src, u32 
 }
 
 // The ring of one block: stage s holds 8 * NT weight rows of `row_bytes` each (2K bytes of
-// data, padded so that the rows of a warp's 16-byte loads fall on different banks); full[s]
-// completes when its copies have landed, empty[s] when the k-slice warps are done with it.
+// data; with STREAM_ROW_PAD padded so that the rows of a warp's 16-byte loads fall on different
+// banks, see stage_slot for their order); full[s] completes when its copies have landed,
+// empty[s] when the k-slice warps are done with it.
 struct StreamRing {
     unsigned char* stage0;
     u32 full, empty;
@@ -137,8 +138,9 @@ __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int
     r.full = smem_u32(bars);
     r.empty = r.full + 8 * STREAM_MAX_STAGES;
     r.stages = stages;
-    // 2K bytes plus 64 when 2K is a multiple of 128: rows then start 64 bytes apart in the
-    // banks, and the two rows of a quarter-warp's 16-byte loads cover all 32 banks.
+    // 2K bytes, plus 64 with STREAM_ROW_PAD when 2K is a multiple of 128: rows then start 64
+    // bytes apart in the banks, and the two rows of a quarter-warp's 16-byte loads cover all 32
+    // banks.
     r.row_bytes = 2 * K + (STREAM_ROW_PAD && (2 * K) % 128 == 0 ? 64 : 0);
     r.issued = 0;
     __shared__ const bf16_t* early_w;
@@ -277,10 +279,10 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
         return;
     }
     // The group's activation rows split into bf16 hi and lo halves once, into shared memory
-    // after the ring (rows of K + pad values, the lo rows `lo_off` values after the hi rows; the
-    // same pad as the weight rows keeps a warp's fragment loads on distinct banks). The k loop
-    // then loads ready fragments, as the pre-split kernels do, instead of converting the
-    // activations again for every column block.
+    // after the ring (rows of K values plus the weight rows' pad, the lo rows `lo_off` values
+    // after the hi rows; where rows are padded, a warp's fragment loads fall on distinct
+    // banks). The k loop then loads ready fragments, as the pre-split kernels do, instead of
+    // converting the activations again for every column block.
     int xstride = ring.row_bytes / 2;
     long long lo_off = (long long)rows * xstride;
     bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)S * per * ring.row_bytes);

@@ -330,6 +330,10 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
 pub(super) const STREAM_THREADS: u32 = 288;
 /// Most stages of a streaming kernel's ring (STREAM_MAX_STAGES in cuda/matmul_stream.cu).
 const STREAM_MAX_STAGES: usize = 8;
+/// Shared memory a plain streaming launch's ring aims for ([`StreamKernels::ring_bytes`]).
+pub(super) const RING_BYTES: usize = 96 * 1024;
+/// The same for grouped launches ([`StreamKernels::grouped_ring_bytes`]).
+pub(super) const GROUPED_RING_BYTES: usize = 32 * 1024;
 
 /// The streaming kernels (`matmul_stream_nt*`, cuda/matmul_stream.cu) as the backend found them:
 /// how much shared memory each may take and how many blocks fit per SM without it.
@@ -337,13 +341,13 @@ pub(super) struct StreamKernels {
     /// Shared memory of the ring a launch aims for (bytes): two blocks of 96 KB share an
     /// SM's 228 KB. `KESTREL_CUDA_STREAM_RING` overrides it for experiments.
     pub ring_bytes: usize,
-    /// The same for grouped launches: 32 KB (`KESTREL_CUDA_GROUPED_RING` overrides it). The
-    /// experts' down projection then keeps three stages of 8.5 KB, and a block of it fits on an
-    /// SM beside two blocks of the gate/up launch before it, so that all its blocks are resident
-    /// and copying while the gate/up streams; with the plain ring it had eight stages and waited
-    /// for the gate/up's blocks to leave. The gate/up launch keeps its two stages either way. On
-    /// the H100, 35B-A3B decode: 3.73, 3.73, 3.72 ms per step against 3.79, 3.78, 3.78 (40 KB
-    /// 3.74-3.76, 48 KB 3.74-3.76, 24 KB 3.77-3.78).
+    /// The same for grouped launches: [`GROUPED_RING_BYTES`] (`KESTREL_CUDA_GROUPED_RING`
+    /// overrides it). The experts' down projection then keeps three stages of 8.5 KB, and a
+    /// block of it fits on an SM beside two blocks of the gate/up launch before it, so that all
+    /// its blocks are resident and copying while the gate/up streams; with the plain ring it had
+    /// eight stages and waited for the gate/up's blocks to leave. The gate/up launch keeps its
+    /// two stages either way. On the H100, 35B-A3B decode: 3.73, 3.73, 3.72 ms per step against
+    /// 3.79, 3.78, 3.78 (40 KB 3.74-3.76, 48 KB 3.74-3.76, 24 KB 3.77-3.78).
     pub grouped_ring_bytes: usize,
     /// Per variant (n tiles 1, 2, 4): static shared memory, resident blocks per SM without
     /// dynamic shared memory, most dynamic shared memory.
@@ -476,7 +480,7 @@ mod tests {
     #[test]
     fn stream_shapes_fit_shared_memory_or_fall_back() {
         // An H100: 227 KB per block at most, 228 KB per SM.
-        let sk = StreamKernels { ring_bytes: 96 * 1024, grouped_ring_bytes: 32 * 1024, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], norm_blocks_per_sm: [2, 2, 1], norm_in_matmul: true, max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024, min_variant: 0 };
+        let sk = StreamKernels { ring_bytes: RING_BYTES, grouped_ring_bytes: GROUPED_RING_BYTES, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], norm_blocks_per_sm: [2, 2, 1], norm_in_matmul: true, max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024, min_variant: 0 };
         // A decode step's expert gate/up (K = 2048): one n tile, rows of 4096 + 64 bytes, two
         // stages beside the split activation row; two blocks per SM.
         let s = sk.shape(1, 2048, true).expect("K = 2048 streams");

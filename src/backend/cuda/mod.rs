@@ -249,8 +249,8 @@ impl CudaBackend {
         let stream_kernels = if major >= 9 && std::env::var("KESTREL_CUDA_STREAM").map_or(true, |v| v != "0") {
             let smem_per_sm = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(driver)?.max(0) as usize;
             let mut sk = matmul::StreamKernels {
-                ring_bytes: std::env::var("KESTREL_CUDA_STREAM_RING").ok().and_then(|v| v.parse().ok()).unwrap_or(96 * 1024),
-                grouped_ring_bytes: std::env::var("KESTREL_CUDA_GROUPED_RING").ok().and_then(|v| v.parse().ok()).unwrap_or(32 * 1024),
+                ring_bytes: std::env::var("KESTREL_CUDA_STREAM_RING").ok().and_then(|v| v.parse().ok()).unwrap_or(matmul::RING_BYTES),
+                grouped_ring_bytes: std::env::var("KESTREL_CUDA_GROUPED_RING").ok().and_then(|v| v.parse().ok()).unwrap_or(matmul::GROUPED_RING_BYTES),
                 static_smem: [0; 3],
                 blocks_per_sm: [0; 3],
                 norm_blocks_per_sm: [0; 3],
