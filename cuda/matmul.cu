@@ -412,32 +412,6 @@ SMALL_KERNEL(matmul_small2_nt2, 2, 2, 2, true)
 SMALL_KERNEL(matmul_small4_nt1, 4, 1, 8, true)
 SMALL_KERNEL(matmul_small4_nt2, 4, 2, 4, true)
 
-// The routing of a router launch, in its last block to finish: route_and_group_few with
-// `route`, which moe_group_few would run as its own launch. The blocks count themselves in
-// `done`, which is zero between launches (the last block resets it). Dynamic shared memory:
-// T * k + E + fold ints (the matmul is done with its own by then).
-__device__ __forceinline__ void route_in_last_block(unsigned* done, int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists,
-        int* counts, int* active, int slots, int fold) {
-    __shared__ unsigned ticket;
-    // The block's logits, ordered before thread 0's count by the barrier, are released with it
-    // (acq_rel: no fence by every thread before the count); the last block's count acquires
-    // every block's, and its threads read after it (the barrier). On the H100 the router's
-    // count came 0.7 us sooner in each 35B-A3B layer than with a __threadfence on both sides.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned t;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(t) : "l"(done) : "memory");
-        ticket = t;
-    }
-    __syncthreads();
-    if (ticket != gridDim.x * gridDim.y * gridDim.z - 1) return;
-    if (threadIdx.x == 0) *done = 0u;
-    if (threadIdx.x == 0) TRACE_MARK(TRACE_GROUP_KNOWN);
-    extern __shared__ int route_smem[];
-    route_and_group_few(route_smem, topk_idx, topk_w, logits, T, E, k, renormalize, lists, counts, active, 1, slots, fold);
-    if (threadIdx.x == 0) TRACE_MARK(TRACE_BLOCK_END);
-}
-
 // The router matmul of a step of at most 8 tokens (matmul_small_nt1's arithmetic, so the same
 // logits), then the routing (route_in_last_block). Arguments: matmul_small_nt1's for a plain
 // launch, an unused stage count (matmul_router_stream's), then moe_group_few's.
