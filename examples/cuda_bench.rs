@@ -84,22 +84,12 @@ fn profile_json(report: &[(&'static str, f64, usize)], divide: usize) -> serde_j
     serde_json::Value::Object(report.iter().map(|(name, ms, n)| (name.to_string(), serde_json::json!({"ms": ms / d, "calls": *n as f64 / d}))).collect())
 }
 
-/// Microseconds from `from` to `to` (device ns), or NaN where the kernel left the mark unset.
+/// Microseconds from `from` to `to` (device ns), or NaN where a kernel left either mark unset.
 fn mark_us(from: u64, to: u64) -> f64 {
-    if to == 0 {
+    if from == 0 || to == 0 {
         f64::NAN
     } else {
         to.saturating_sub(from) as f64 / 1e3
-    }
-}
-
-/// Microseconds from kernel `k`'s last block's end to the next kernel's inputs being ready, or
-/// NaN where `k` does not mark its end.
-fn handoff_us(k: &kestrel::backend::cuda::TracedKernel, next: &kestrel::backend::cuda::TracedKernel) -> f64 {
-    if k.end_ns == 0 {
-        f64::NAN
-    } else {
-        next.ready_ns.saturating_sub(k.end_ns) as f64 / 1e3
     }
 }
 
@@ -140,7 +130,7 @@ fn trace_summary(kernels: &[kestrel::backend::cuda::TracedKernel]) -> serde_json
         e.early += k.ready_ns.saturating_sub(k.resident_ns) as f64 / 1e3;
         e.first_data += mark_us(k.ready_ns, k.first_data_ns);
         e.run += mark_us(k.ready_ns, k.end_ns);
-        e.handoff += handoff_us(k, next);
+        e.handoff += mark_us(k.end_ns, next.ready_ns);
         e.calls += 1;
     }
     by_kernel.sort_by(|a, b| b.1.share.total_cmp(&a.1.share));
@@ -161,7 +151,7 @@ fn trace_summary(kernels: &[kestrel::backend::cuda::TracedKernel]) -> serde_json
                 mark_us(k.ready_ns, k.rows_ready_ns),
                 mark_us(k.ready_ns, k.first_data_ns),
                 mark_us(k.ready_ns, k.end_ns),
-                handoff_us(k, next),
+                mark_us(k.end_ns, next.ready_ns),
                 k.name,
                 k.grid
             )

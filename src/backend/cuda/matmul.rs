@@ -497,7 +497,6 @@ mod tests {
         assert_eq!((down.nt, down.stages), (1, 3));
         assert!(2 * (s.smem + sk.static_smem[0] + 1024) + down.smem + sk.static_smem[0] + 1024 <= sk.smem_per_sm);
         // With the plain ring the same shape fills all the stages the kernel has barriers for.
-        assert_eq!(sk.shape(1, 512, false).map(|s| s.stages), Some(2));
         assert_eq!(sk.shape_of_variant(1, 512, 0, sk.ring_bytes).map(|s| s.stages), Some(STREAM_MAX_STAGES));
         // A short K fills the ring with more stages, up to the most the kernel has barriers for.
         assert_eq!(sk.shape(1, 32, false).map(|s| s.stages), Some(STREAM_MAX_STAGES));
