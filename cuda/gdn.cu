@@ -32,11 +32,14 @@ __device__ __forceinline__ float conv_channel(float* conv_snap, const float* mix
 
 // The decay and write gates of token t, value head v: g = -exp(A_log) * softplus(a + dt_bias),
 // beta = sigmoid(b).
-__device__ __forceinline__ void gdn_gates(const float* a, const float* b, const float* neg_a, const float* dt_bias, int t, int v, int nv, float* g, float* beta) {
-    float x = a[(long long)t * nv + v] + dt_bias[v];
+__device__ __forceinline__ void gdn_gate_values(float a, float b, float neg_a, float dt_bias, float* g, float* beta) {
+    float x = a + dt_bias;
     float sp = x > 20.0f ? x : log1pf(expf(x));
-    *g = neg_a[v] * sp;
-    *beta = 1.0f / (1.0f + expf(-b[(long long)t * nv + v]));
+    *g = neg_a * sp;
+    *beta = 1.0f / (1.0f + expf(-b));
+}
+__device__ __forceinline__ void gdn_gates(const float* a, const float* b, const float* neg_a, const float* dt_bias, int t, int v, int nv, float* g, float* beta) {
+    gdn_gate_values(a[(long long)t * nv + v], b[(long long)t * nv + v], neg_a[v], dt_bias[v], g, beta);
 }
 
 // The conv, the gates and the l2-normalized q/k of the prefill tokens of a step in one launch
@@ -96,6 +99,12 @@ extern "C" __global__ void gdn_conv_state(float* conv_state, const float* mixed,
 }
 
 #define REC_GROUPS 4   // threads per value column of the recurrent kernel
+// Whether a generate row's first token takes its conv weights, windows and gate parameters
+// from recurrent_start's registers (1) or loads them after the wait (0, for A/B runs through
+// `KESTREL_CUDA_DEFINES=GDN_FIRST_PRELOAD=0`).
+#ifndef GDN_FIRST_PRELOAD
+#define GDN_FIRST_PRELOAD 1
+#endif
 
 // Sum over the 4 consecutive lanes that hold one value column's state rows (the recurrent and
 // chunked kernels' row groups): a fixed butterfly, every lane of the 4 gets the same bits.
@@ -120,13 +129,21 @@ __device__ __forceinline__ int padded_row(int d, int src) { return d + d / src *
 struct RecurrentStart {
     RowInfo row;
     float s[MAX_DK / REC_GROUPS];
+    // With the conv width compiled in (KW == 4), also the head's gate parameters, the column's
+    // norm weight, and the conv weights and canonical window (the K-1 stored inputs) of the
+    // thread's value channel and q/k channel: the row's first token then waits after its
+    // inputs only for the fresh projections, which sit in L2, where these would each be a
+    // round trip to memory (the weights and windows of 30 layers do not stay in L2).
+    float neg_a, dt_bias, norm_w;
+    float wv[4], hv[3], wqk[4], hqk[3];
 };
 
 // Thread (column j = tid / 4, group r = tid % 4) of a recurrent block keeps the state rows
 // r * src + i, i < src = ceil(dk / 4), of its column: contiguous, so that with the head dims
 // known at compile time every state, snapshot and k/q address is a base plus a constant.
-template <int DK, int DV>
-__device__ __forceinline__ RecurrentStart recurrent_start(int state_early, const float* rec, const RowInfo* rows, const int* row_ids, int nv, int dk_, int dv_) {
+template <int DK, int DV, int KW>
+__device__ __forceinline__ RecurrentStart recurrent_start(int state_early, const float* rec, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk_, int dv_,
+        const float* conv_state, const float* conv_w, const float* neg_a, const float* dt_bias, const float* norm_w, int conv_dim) {
     const int dk = DK ? DK : dk_, dv = DV ? DV : dv_, src = (dk + REC_GROUPS - 1) / REC_GROUPS;
 #if __CUDA_ARCH__ >= 900
     if (!state_early) asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -138,7 +155,47 @@ __device__ __forceinline__ RecurrentStart recurrent_start(int state_early, const
     const float* sp = rec + st.row.state_slot * ((long long)nv * dk * dv) + (long long)blockIdx.y * dk * dv + (long long)rg * src * dv + j;
 #pragma unroll
     for (int i = 0; i < MAX_DK / REC_GROUPS; ++i) st.s[i] = (group_has_row(i, src, rg * src, dk) && col_ok) ? sp[(long long)i * dv] : 0.0f;
+    if (GDN_FIRST_PRELOAD && KW == 4) {
+        int h = blockIdx.y, kh = h / (nv / nk), key_dim = nk * dk;
+        const float* window = conv_state + (long long)st.row.state_slot * (KW - 1) * conv_dim;
+        st.neg_a = neg_a[h];
+        st.dt_bias = dt_bias[h];
+        st.norm_w = col_ok && rg == 0 ? norm_w[j] : 0.0f;
+        int cv = 2 * key_dim + h * dv + j;
+        bool has_v = col_ok && rg == 0;
+        int which = (int)threadIdx.x >= dk, cqk = which * key_dim + kh * dk + (threadIdx.x - which * dk);
+        bool has_qk = (int)threadIdx.x < 2 * dk;
+#pragma unroll
+        for (int x = 0; x < KW; ++x) {
+            st.wv[x] = has_v ? conv_w[cv * KW + x] : 0.0f;
+            st.wqk[x] = has_qk ? conv_w[cqk * KW + x] : 0.0f;
+        }
+#pragma unroll
+        for (int x = 0; x < KW - 1; ++x) {
+            st.hv[x] = has_v ? window[(long long)x * conv_dim + cv] : 0.0f;
+            st.hqk[x] = has_qk ? window[(long long)x * conv_dim + cqk] : 0.0f;
+        }
+    }
     return st;
+}
+
+// conv_channel of a row's first token from the channel's weights and canonical window in
+// registers (recurrent_start, KW == 4) and its input `m`: the same products and sums in the
+// same order, so the same bits. With `snapshot`, stores the window after the token as
+// conv_channel does.
+__device__ __forceinline__ float conv_channel_first(const float w[4], const float hist[3], float m, float* conv_snap, const RowInfo& row, int c, int conv_dim, bool snapshot) {
+    float acc = 0.0f;
+    acc += w[0] * hist[0];
+    acc += w[1] * hist[1];
+    acc += w[2] * hist[2];
+    acc += w[3] * m;
+    if (row.kind == 1 && snapshot) {
+        float* snap = conv_snap + (long long)row.snapshot_base * 3 * conv_dim;
+        snap[c] = hist[1];
+        snap[(long long)conv_dim + c] = hist[2];
+        snap[2LL * conv_dim + c] = m;
+    }
+    return siluf_(acc);
 }
 
 // Rows 4m .. 4m+3 of a group's padded k or q: one float4 when the head dims are compiled in
@@ -194,22 +251,37 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
     bool qk_snapshots = h % per_key == 0;
     float q_scale = 1.0f / sqrtf((float)dk);
     long long state_len = (long long)nv * head_len;
-    float nw = col_ok && rg == 0 ? norm_w[j] : 0.0f;
+    float nw = GDN_FIRST_PRELOAD && KW == 4 ? st.norm_w : col_ok && rg == 0 ? norm_w[j] : 0.0f;
     for (int n = 0; n < row.num_tokens; ++n) {
         int t = row.token_start + n;
+        // The first token with the weights and windows recurrent_start loaded: every load
+        // below is then of this step's projections.
+        bool first = GDN_FIRST_PRELOAD && KW == 4 && n == 0;
         float gt, bt;
-        gdn_gates(a, b, neg_a, dt_bias, t, h, nv, &gt, &bt);
+        if (first) gdn_gate_values(a[(long long)t * nv + h], b[(long long)t * nv + h], st.neg_a, st.dt_bias, &gt, &bt);
+        else gdn_gates(a, b, neg_a, dt_bias, t, h, nv, &gt, &bt);
         long long e = (long long)t * nv * dv + h * dv + j;
         float zt = col_ok && rg == 0 ? z[e] : 0.0f;
         // The column's value: convolved by the first thread of its group, shared with the rest.
-        float vj = col_ok && rg == 0 ? conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, 2 * key_dim + h * dv + j, conv_dim, kw, true) : 0.0f;
+        int cv = 2 * key_dim + h * dv + j;
+        float vj = 0.0f;
+        if (col_ok && rg == 0)
+            vj = first ? conv_channel_first(st.wv, st.hv, mixed[(long long)t * conv_dim + cv], conv_snap, row, cv, conv_dim, true)
+                       : conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, cv, conv_dim, kw, true);
+        // This thread's q/k channel of the first token, before the barrier (its load in
+        // flight with the others).
+        int which0 = (int)threadIdx.x >= dk, c_qk = which0 * key_dim + kh * dk + ((int)threadIdx.x - which0 * dk);
+        float qk_first = first && (int)threadIdx.x < 2 * dk
+                             ? conv_channel_first(st.wqk, st.hqk, mixed[(long long)t * conv_dim + c_qk], conv_snap, row, c_qk, conv_dim, qk_snapshots)
+                             : 0.0f;
         vj = __shfl_sync(FULL_MASK, vj, (threadIdx.x & 31) & ~(REC_GROUPS - 1));
         // The previous token's reads of ks and qs are done.
         __syncthreads();
         float qss = 0.0f, kss = 0.0f;
         for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
             int which = c >= dk, d = c - which * dk;
-            float v = conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, which * key_dim + kh * dk + d, conv_dim, kw, qk_snapshots);
+            float v = first && c == (int)threadIdx.x ? qk_first
+                                                      : conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, which * key_dim + kh * dk + d, conv_dim, kw, qk_snapshots);
             int padded = padded_row(d, src);
             if (which) {
                 ks[padded] = v;
@@ -282,7 +354,8 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
     extern "C" __global__ void __launch_bounds__(512) NAME(float* out, const float* z, const float* norm_w, float eps, float* conv_snap,                     \
             const float* mixed, const float* conv_state, const float* conv_w, const float* a, const float* b, const float* neg_a, const float* dt_bias,        \
             float* rec, float* rec_snap, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim, int kw, int state_early) {     \
-        RecurrentStart st = recurrent_start<DK, DV>(state_early, rec, rows, row_ids, nv, dk, dv);                                                          \
+        RecurrentStart st = recurrent_start<DK, DV, KW>(state_early, rec, rows, row_ids, nk, nv, dk, dv, conv_state, conv_w, neg_a, dt_bias, norm_w,     \
+                                                        conv_dim);                                                                                  \
         wait_for_inputs();                                                                                                                                  \
         gdn_recurrent_body<DK, DV, KW>(st, out, z, norm_w, eps, mixed, conv_state, conv_w, conv_snap, a, b, neg_a, dt_bias, rec, rec_snap, nk, nv, dk, dv, \
                                        conv_dim, kw);                                                                                                       \
