@@ -419,6 +419,21 @@ fn moe_weights<B: Backend>(b: &B, routers: &[MatrixBytes], experts: &[[MatrixByt
     MoeWeights { router: b.upload_stacked(routers).unwrap(), experts: experts.iter().map(expert).collect(), shared: shared.map(expert), shared_gate: shared.is_some() }
 }
 
+/// The smallest gap, over `t` tokens of `x`, between a token's k-th and (k+1)-th largest router
+/// logits (the first `e` router outputs), on the CPU.
+fn smallest_top_k_gap(cpu: &CpuBackend, w: &MoeWeights<CpuBackend>, x: &[f32], t: usize, h: usize, e: usize, k: usize) -> f32 {
+    let logits = cpu.to_host(&cpu.matmul(&cpu.from_host(x, t, h), &w.router));
+    let width = logits.len() / t;
+    logits
+        .chunks(width)
+        .map(|row| {
+            let mut v = row[..e].to_vec();
+            v.sort_by(|a, b| b.total_cmp(a));
+            if k < e { v[k - 1] - v[k] } else { f32::INFINITY }
+        })
+        .fold(f32::INFINITY, f32::min)
+}
+
 #[test]
 fn moe_matches_cpu_and_tokens_are_independent() {
     let Some(gpu) = gpu() else { return };
@@ -436,9 +451,16 @@ fn moe_matches_cpu_and_tokens_are_independent() {
         let gw = moe_weights(&gpu, &routers, &experts, shared_w.as_ref());
         let cw = moe_weights(&cpu, &routers, &experts, shared_w.as_ref());
         let max_t = 150;
-        // Router logits spread enough that the top-k choice has no near-ties; the MoE output is
-        // added into a residual stream.
-        let x = rng.vec(max_t * h, 3.0);
+        // Router logits spread enough that the top-k choice has no near-ties: the inputs are
+        // drawn again (from the same seed's stream) until every token's k-th and (k+1)-th
+        // largest logits are far further apart than the two backends' rounding, which could
+        // otherwise pick different experts. The MoE output is added into a residual stream.
+        let x = loop {
+            let x = rng.vec(max_t * h, 3.0);
+            if smallest_top_k_gap(&cpu, &cw, &x, max_t, h, e, k) > 1e-4 {
+                break x;
+            }
+        };
         let residual = rng.vec(max_t * h, 1.0);
         let run_gpu = |t: usize| {
             let mut acc = gpu.from_host(&residual[..t * h], t, h);
