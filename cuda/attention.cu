@@ -91,9 +91,9 @@ extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cac
 // Before a split block of attn_core waits for its inputs: the first query head block of each
 // kv group pulls its range's key and value rows into L2 (a decode block's time is its chain of
 // loads, and the rows of earlier steps are in memory, not L2; on the H100, 35B-A3B decode
-// 3.608-3.621 against 3.648-3.723 ms per step). Only the step's layout (written
-// before the step's first launch) is read; a prefetch moves lines into L2 and reads nothing into
-// the kernel, so the row attn_prep (the launch before) is writing is no hazard.
+// 3.608-3.621 against 3.648-3.723 ms per step). Only the step's layout (written before the
+// step's first launch) is read; a prefetch moves lines into L2 and reads nothing into the
+// kernel, so the row attn_prep (the launch before) is writing is no hazard.
 __device__ __forceinline__ void attn_prefetch_range(const float* k_cache, const float* v_cache, const int* tok_row, const int* positions, const RowInfo* rows,
         const int* block_tables, int nq, int nkv, int hd, int block_size, int heads_per_block) {
     if (!ATTN_PREFETCH || gridDim.z == 1) return;
