@@ -120,6 +120,14 @@ __device__ __forceinline__ bool group_has_row(int i, int src, int r0, int dk) { 
 // Where k or q row d sits in its padded shared array (each group's src rows then 4 floats).
 __device__ __forceinline__ int padded_row(int d, int src) { return d + d / src * 4; }
 
+// The conv channel of value column j of value head h, and of q/k index c (< 2 dk: q then k) of
+// key head kh, in the projection's mixed row (q, k, then v channels).
+__device__ __forceinline__ int value_channel(int key_dim, int h, int dv, int j) { return 2 * key_dim + h * dv + j; }
+__device__ __forceinline__ int qk_channel(int key_dim, int kh, int dk, int c) {
+    int which = c >= dk;
+    return which * key_dim + kh * dk + (c - which * dk);
+}
+
 // What a block of gdn_recurrent loads before its inputs are ready: its row and the state rows
 // it keeps in registers. With `state_early` it does so before waiting: the canonical state was
 // written by commit_states, reset_states, a prefill launch or (one-token rows) this kernel, and
@@ -161,10 +169,8 @@ __device__ __forceinline__ RecurrentStart recurrent_start(int state_early, const
         st.neg_a = neg_a[h];
         st.dt_bias = dt_bias[h];
         st.norm_w = col_ok && rg == 0 ? norm_w[j] : 0.0f;
-        int cv = 2 * key_dim + h * dv + j;
-        bool has_v = col_ok && rg == 0;
-        int which = (int)threadIdx.x >= dk, cqk = which * key_dim + kh * dk + (threadIdx.x - which * dk);
-        bool has_qk = (int)threadIdx.x < 2 * dk;
+        int cv = value_channel(key_dim, h, dv, j), cqk = qk_channel(key_dim, kh, dk, threadIdx.x);
+        bool has_v = col_ok && rg == 0, has_qk = (int)threadIdx.x < 2 * dk;
 #pragma unroll
         for (int x = 0; x < KW; ++x) {
             st.wv[x] = has_v ? conv_w[cv * KW + x] : 0.0f;
@@ -251,26 +257,28 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
     bool qk_snapshots = h % per_key == 0;
     float q_scale = 1.0f / sqrtf((float)dk);
     long long state_len = (long long)nv * head_len;
-    float nw = GDN_FIRST_PRELOAD && KW == 4 ? st.norm_w : col_ok && rg == 0 ? norm_w[j] : 0.0f;
+    // Whether recurrent_start loaded the weights and windows of the first token.
+    const bool preloaded = GDN_FIRST_PRELOAD && KW == 4;
+    float nw = preloaded ? st.norm_w : col_ok && rg == 0 ? norm_w[j] : 0.0f;
+    // This thread's value channel and q/k channel.
+    int cv = value_channel(key_dim, h, dv, j), c_qk = qk_channel(key_dim, kh, dk, threadIdx.x);
     for (int n = 0; n < row.num_tokens; ++n) {
         int t = row.token_start + n;
-        // The first token with the weights and windows recurrent_start loaded: every load
-        // below is then of this step's projections.
-        bool first = GDN_FIRST_PRELOAD && KW == 4 && n == 0;
+        // The first token with what recurrent_start loaded: every load below is then of this
+        // step's projections.
+        bool first = preloaded && n == 0;
         float gt, bt;
         if (first) gdn_gate_values(a[(long long)t * nv + h], b[(long long)t * nv + h], st.neg_a, st.dt_bias, &gt, &bt);
         else gdn_gates(a, b, neg_a, dt_bias, t, h, nv, &gt, &bt);
         long long e = (long long)t * nv * dv + h * dv + j;
         float zt = col_ok && rg == 0 ? z[e] : 0.0f;
         // The column's value: convolved by the first thread of its group, shared with the rest.
-        int cv = 2 * key_dim + h * dv + j;
         float vj = 0.0f;
         if (col_ok && rg == 0)
             vj = first ? conv_channel_first(st.wv, st.hv, mixed[(long long)t * conv_dim + cv], conv_snap, row, cv, conv_dim, true)
                        : conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, cv, conv_dim, kw, true);
         // This thread's q/k channel of the first token, before the barrier (its load in
         // flight with the others).
-        int which0 = (int)threadIdx.x >= dk, c_qk = which0 * key_dim + kh * dk + ((int)threadIdx.x - which0 * dk);
         float qk_first = first && (int)threadIdx.x < 2 * dk
                              ? conv_channel_first(st.wqk, st.hqk, mixed[(long long)t * conv_dim + c_qk], conv_snap, row, c_qk, conv_dim, qk_snapshots)
                              : 0.0f;
@@ -280,8 +288,7 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
         float qss = 0.0f, kss = 0.0f;
         for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
             int which = c >= dk, d = c - which * dk;
-            float v = first && c == (int)threadIdx.x ? qk_first
-                                                      : conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, which * key_dim + kh * dk + d, conv_dim, kw, qk_snapshots);
+            float v = first && c == (int)threadIdx.x ? qk_first : conv_channel(conv_snap, mixed, conv_state, conv_w, row, t, qk_channel(key_dim, kh, dk, c), conv_dim, kw, qk_snapshots);
             int padded = padded_row(d, src);
             if (which) {
                 ks[padded] = v;
@@ -444,7 +451,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const
         // columns (row group 0), W = (I+A)^-1 (beta exp(gam) k) for every key column.
         if (rg == 0 && col_ok) {
             for (int l = 0; l < len; ++l) {
-                float u = bet[l] * conv_out[(long long)(t0 + l) * conv_dim + 2 * key_dim + h * dv + j];
+                float u = bet[l] * conv_out[(long long)(t0 + l) * conv_dim + value_channel(key_dim, h, dv, j)];
 #pragma unroll 4
                 for (int m = 0; m < l; ++m) u -= am[l * CHUNK + m] * us[m * CHUNK_COLS + cc];
                 us[l * CHUNK_COLS + cc] = u;
