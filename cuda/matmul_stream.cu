@@ -91,6 +91,10 @@ struct StreamRing {
     const bf16_t* early_w;
     // Set by thread 0 once the block's inputs are ready (stream_inputs_ready).
     volatile int* inputs_ready;
+    // The RMSNorm weight of a normalizing launch, copied into shared memory after the split
+    // rows before the inputs are ready (null: none), and its barrier.
+    const float* norm_s;
+    u32 norm_bar;
 };
 
 // Where logical column c (0 .. 8NT-1) of a column block sits in its stage: in order, or (whole
@@ -130,9 +134,11 @@ __device__ __forceinline__ void stream_issue(const StreamRing& r, const bf16_t* 
 // STREAM_EARLY_STAGES column blocks, all before the block waits for its inputs: weight rows
 // land in shared memory while the previous kernel finishes.
 template <int NT>
-__device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int K, const u64* group_w, const int* active, int lists_ready, int stages, const Epilogue& e) {
+__device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int K, const u64* group_w, const int* active, int lists_ready, int stages, const Epilogue& e,
+        const float* norm_w, int rows) {
     extern __shared__ __align__(128) unsigned char stream_smem[];
     __shared__ __align__(8) u64 bars[2 * STREAM_MAX_STAGES];
+    __shared__ __align__(8) u64 norm_bar;
     StreamRing r;
     r.stage0 = stream_smem;
     r.full = smem_u32(bars);
@@ -143,6 +149,8 @@ __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int
     // banks.
     r.row_bytes = 2 * K + (STREAM_ROW_PAD && (2 * K) % 128 == 0 ? 64 : 0);
     r.issued = 0;
+    r.norm_bar = smem_u32(&norm_bar);
+    r.norm_s = norm_w ? (const float*)(stream_smem + ((long long)stages * 8 * NT + 2LL * rows) * r.row_bytes) : 0;
     __shared__ const bf16_t* early_w;
     __shared__ int inputs_ready;
     r.inputs_ready = &inputs_ready;
@@ -152,6 +160,7 @@ __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int
             mbar_init(r.full + 8 * s, 1);
             mbar_init(r.empty + 8 * s, KSLICES);
         }
+        mbar_init(r.norm_bar, 1);
         mbar_init_fence();
         early_w = 0;
         if (!group_w) early_w = whi;
@@ -159,7 +168,13 @@ __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int
     }
     __syncthreads();
     r.early_w = early_w;
-    if ((int)(threadIdx.x >> 5) != KSLICES || !r.early_w) return r;
+    if ((int)(threadIdx.x >> 5) != KSLICES) return r;
+    // The norm weight first: the rows wait for it after their sums, the stages only later.
+    if (r.norm_s && (threadIdx.x & 31) == 0) {
+        mbar_arrive_expect_tx(r.norm_bar, 4u * (u32)K);
+        bulk_copy_weights(smem_u32(r.norm_s), norm_w, 4u * (u32)K, r.norm_bar);
+    }
+    if (!r.early_w) return r;
     int n0 = blockIdx.x * 8 * NT, stride = gridDim.x * 8 * NT;
     for (; n0 < N && r.issued < min(stages, STREAM_EARLY_STAGES); n0 += stride) stream_issue<NT>(r, r.early_w, N, K, n0, r.issued++, e);
     // While the inputs are not ready, the rest of the ring, paced: a stage is issued once the
@@ -202,14 +217,16 @@ __device__ __forceinline__ float k_slices_sum(float v, float* scratch) {
     return warps_sum(v, scratch, KSLICES, [] { k_slices_sync(); });
 }
 
-// The rows a plain launch starts from, normalized by `norm_w` in registers and split into the
-// bf16 halves at `xs`: the rows of x, or (`mc` given) the residual rows plus the MoE's sum
+// The rows a plain launch starts from, normalized in registers by the norm weight (its copy at
+// `ring.norm_s`, which stream_start asked for before the inputs were ready: loaded after the
+// sums, it was a round trip to memory in every layer's chain) and split into the bf16 halves
+// at `xs`: the rows of x, or (`mc` given) the residual rows plus the MoE's sum
 // (moe_combined4). Each k-slice thread keeps float4s threadIdx.x + i * 256 (K a multiple of 4,
 // at most RMS_VECS float4s per thread), so the sums, the reduction tree and the expression are
 // rms_norm_row_registers' at its 256 threads: the same bits as the row norm (after
 // moe_combine_norm's sum), then the split. The first block stores the normalized rows to
 // `normed` and the updated residual rows to `mc->resid_out` (where given).
-__device__ __forceinline__ void stream_norm_rows(const float* x, const MoeCombine* mc, int rows, int K, const float* norm_w, float eps, float* normed, bf16_t* xs, int xstride,
+__device__ __forceinline__ void stream_norm_rows(const float* x, const MoeCombine* mc, int rows, int K, const StreamRing& ring, float eps, float* normed, bf16_t* xs, int xstride,
         long long lo_off) {
     __shared__ float scratch[33];
     int nvec = K >> 2;
@@ -225,11 +242,12 @@ __device__ __forceinline__ void stream_norm_rows(const float* x, const MoeCombin
         }
         float ss = k_slices_sum(rms_partial(v), scratch);
         float inv = 1.0f / sqrtf(ss / (float)K + eps);
+        if (t == 0) mbar_wait(ring.norm_bar, 0);
 #pragma unroll
         for (int i = 0; i < RMS_VECS; ++i) {
             int c = threadIdx.x + i * 32 * KSLICES;
             if (c >= nvec) continue;
-            float4 wv = ((const float4*)norm_w)[c];
+            float4 wv = ((const float4*)ring.norm_s)[c];
             float4 n4 = {v[i].x * inv * wv.x, v[i].y * inv * wv.y, v[i].z * inv * wv.z, v[i].w * inv * wv.w};
             if (blockIdx.x == 0 && mc && mc->resid_out) ((float4*)(mc->resid_out + (long long)t * K))[c] = v[i];
             if (blockIdx.x == 0 && normed) ((float4*)(normed + (long long)t * K))[c] = n4;
@@ -288,7 +306,7 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
     bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)S * per * ring.row_bytes);
     // Rows normalized on the way in: in registers, by stream_norm_rows.
     bool norm_in = INPUT == STREAM_INPUT_COMBINE || (INPUT == STREAM_INPUT_NORM && norm_w);
-    if (norm_in) stream_norm_rows(x, mc, grp.rows, K, norm_w, eps, normed, xs, xstride, lo_off);
+    if (norm_in) stream_norm_rows(x, mc, grp.rows, K, ring, eps, normed, xs, xstride, lo_off);
     // ROW_BATCH chunks of 8 per thread loaded before any is split and stored: the stores to
     // shared memory would otherwise keep the next chunk's loads from being issued early, and a
     // wide row (K = 12288: six chunks per thread) would take six round trips.
@@ -368,7 +386,7 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
     extern "C" __global__ void __launch_bounds__(STREAM_THREADS) NAME(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, int N, int K, \
             const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active, long long lo_off, Epilogue epi,     \
             int lists_ready, int stages) {                                                                                                            \
-        StreamRing ring = stream_start<NT>(whi, N, K, group_w, active, lists_ready, stages, epi);                                                    \
+        StreamRing ring = stream_start<NT>(whi, N, K, group_w, active, lists_ready, stages, epi, 0, rows);                                           \
         wait_for_inputs();                                                                                                                           \
         stream_inputs_ready(ring);                                                                                                                   \
         matmul_stream_body<NT, STREAM_INPUT_PLAIN>(ring, out, x, whi, rows, N, K, group_w, counts, lists, list_stride, a_div, active, epi, 0, 0.0f, 0, 0); \
@@ -389,7 +407,7 @@ STREAM_KERNEL(matmul_stream_nt4, 4)
 #define STREAM_NORM_KERNEL(NAME, NT, INPUT)                                                                                                          \
     extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 2) NAME(float* out, const bf16_t* whi, int rows, int N, int K, Epilogue epi, int stages, \
             MoeCombine mc, const float* norm_w, float eps) {                                                                                          \
-        StreamRing ring = stream_start<NT>(whi, N, K, 0, 0, 0, stages, epi);                                                                         \
+        StreamRing ring = stream_start<NT>(whi, N, K, 0, 0, 0, stages, epi, norm_w, rows);                                                          \
         wait_for_inputs();                                                                                                                           \
         stream_inputs_ready(ring);                                                                                                                   \
         matmul_stream_body<NT, INPUT>(ring, out, mc.resid, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi, norm_w, eps, 0, INPUT == STREAM_INPUT_COMBINE ? &mc : 0); \
@@ -401,19 +419,45 @@ STREAM_NORM_KERNEL(matmul_stream_combine_nt1, 1, STREAM_INPUT_COMBINE)
 STREAM_NORM_KERNEL(matmul_stream_combine_nt2, 2, STREAM_INPUT_COMBINE)
 STREAM_NORM_KERNEL(matmul_stream_combine_nt4, 4, STREAM_INPUT_COMBINE)
 
+// The shared expert's weights (gate/up, then down), which the launches after the router
+// stream, pulled into L2 by the router's blocks while its chain runs: its norm, matmul, count
+// and routing are latencies with the memory idle, since the routed experts' weights are not
+// known before it ends. Zero bytes: none.
+struct L2Ahead {
+    const unsigned char* ptr[2];
+    long long bytes[2];
+};
+
+// This block's share of each range, in 16-byte aligned pieces of up to 64 KB.
+__device__ __forceinline__ void l2_prefetch_ahead(const L2Ahead& a) {
+    const long long piece = 64 * 1024;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        long long share = ((a.bytes[i] + gridDim.x - 1) / gridDim.x + 15) & ~15LL;
+        long long lo = share * blockIdx.x, hi = min(a.bytes[i], lo + share);
+        for (long long o = lo; o < hi; o += piece) {
+            u32 n = (u32)min(piece, hi - o) & ~15u;
+            if (n > 0) SM90_ASM("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.ptr[i] + o), "r"(n) : "memory");
+        }
+    }
+}
+
 // matmul_router with the weights streamed (matmul_stream_nt1's arithmetic, the same logits):
 // the router's rows land in shared memory while the kernel before it runs. Arguments:
 // matmul_router's, then (norm_w non-null) the RMSNorm the router's input still needs: x is
 // then the residual stream, normalized here exactly as rms_norm_rows would (the first block
-// stores the rows to `normed` for the experts). One launch fewer per layer, and the router is
-// resident, copying its weights, while the output projection runs. Dynamic shared memory the
-// larger of the ring's and the routing's.
+// stores the rows to `normed` for the experts), then the weights to pull into L2. One launch
+// fewer per layer, and the router is resident, copying its weights, while the output
+// projection runs. Dynamic shared memory the larger of the ring's and the routing's.
 extern "C" __global__ void __launch_bounds__(STREAM_THREADS) matmul_router_stream(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, int N,
         int K, Epilogue epi, int stages, unsigned* done, int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists,
-        int* counts, int* active, int slots, int fold, const float* norm_w, float eps, float* normed) {
-    StreamRing ring = stream_start<1>(whi, N, K, 0, 0, 0, stages, epi);
+        int* counts, int* active, int slots, int fold, const float* norm_w, float eps, float* normed, L2Ahead ahead) {
+    StreamRing ring = stream_start<1>(whi, N, K, 0, 0, 0, stages, epi, norm_w, rows);
     wait_for_inputs();
     stream_inputs_ready(ring);
+    // The producer warp, idle once the block's one stage has landed, issues the prefetches:
+    // after the wait, since before it they slowed the output projection's tail.
+    if (threadIdx.x == 32 * KSLICES) l2_prefetch_ahead(ahead);
     matmul_stream_body<1, STREAM_INPUT_NORM>(ring, out, x, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi, norm_w, eps, normed, 0);
     // The producer warp left the body early; every warp takes part in the count.
     route_in_last_block(done, topk_idx, topk_w, logits, T, E, k, renormalize, lists, counts, active, slots, fold);

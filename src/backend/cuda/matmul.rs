@@ -77,7 +77,9 @@ pub(super) struct RouterLaunch<'a> {
 /// The router launch for `rows` tokens, a router of `n` outputs over `k` inputs (with a lo
 /// part: F32/F16 sources), or None where neither kernel applies.
 pub(super) fn router_launch(be: &CudaBackend, rows: usize, n: usize, k: usize, has_lo: bool) -> Option<RouterLaunch<'_>> {
-    if let Some(shape) = be.stream_kernels.as_ref().filter(|_| !has_lo).and_then(|sk| sk.shape_of_variant(rows, k, 0, sk.ring_bytes)) {
+    // Room for the input norm's weight either way (the caller decides whether it fuses the
+    // norm after the shape).
+    if let Some(shape) = be.stream_kernels.as_ref().filter(|_| !has_lo).and_then(|sk| sk.shape_of_variant(rows, k, 0, sk.ring_bytes)?.with_norm_weight(sk, k)) {
         let blocks = n.div_ceil(8).min(shape.blocks_per_sm * be.sm_count) as u32;
         return Some(RouterLaunch { kernel: &be.k.matmul_router_stream, blocks, threads: STREAM_THREADS, smem: shape.smem, stages: shape.stages });
     }
@@ -145,7 +147,8 @@ fn normed_shape<'a>(be: &'a CudaBackend, rows: usize, norm: &CudaVector, w: &Cud
     if w.lo.is_some() || rows == 0 || !be.norm_in_registers(norm, w.cols) {
         return None;
     }
-    Some((sk, sk.shape(rows, w.cols, false)?))
+    let shape = sk.shape(rows, w.cols, false)?.with_norm_weight(sk, w.cols)?;
+    Some((sk, shape))
 }
 
 /// Whether [`launch_normed`] takes `rows` rows through `w` with `norm` (otherwise the caller
@@ -378,6 +381,17 @@ struct StreamShape {
     blocks_per_sm: usize,
 }
 
+impl StreamShape {
+    /// The shape with room for a normalizing launch's norm weight (`k` f32 after the split
+    /// rows, which stream_start copies before the inputs are ready), or None where that no
+    /// longer fits.
+    pub(super) fn with_norm_weight(mut self, sk: &StreamKernels, k: usize) -> Option<Self> {
+        self.smem += 4 * k;
+        self.blocks_per_sm = self.blocks_per_sm.min(sk.smem_per_sm / (self.smem + sk.static_smem[self.variant] + 1024)).max(1);
+        (self.smem <= sk.max_dynamic[self.variant]).then_some(self)
+    }
+}
+
 impl StreamKernels {
     /// The streaming launch for `rows` (at most 16) rows and `k` inputs (bf16 weights), or None
     /// where it does not apply: K not in whole 32-wide blocks, or two stages of weight rows and
@@ -496,6 +510,12 @@ mod tests {
         let down = sk.shape(1, 512, true).expect("K = 512 streams");
         assert_eq!((down.nt, down.stages), (1, 3));
         assert!(2 * (s.smem + sk.static_smem[0] + 1024) + down.smem + sk.static_smem[0] + 1024 <= sk.smem_per_sm);
+        // A normalizing launch keeps its norm weight after the split rows: 8 KB more at
+        // K = 2048, still two blocks per SM; where that no longer fits, no normalizing launch.
+        let normed = sk.shape(1, 2048, false).and_then(|p| p.with_norm_weight(&sk, 2048)).expect("fits");
+        assert_eq!((normed.smem, normed.blocks_per_sm), (sk.shape(1, 2048, false).map_or(0, |p| p.smem) + 8192, 2));
+        let wide = sk.shape(1, 4096, false).expect("K = 4096 streams");
+        assert_eq!(StreamShape { smem: sk.max_dynamic[wide.variant] - 4 * 4096 + 16, ..wide }.with_norm_weight(&sk, 4096), None);
         // With the plain ring the same shape fills all the stages the kernel has barriers for.
         assert_eq!(sk.shape_of_variant(1, 512, 0, sk.ring_bytes).map(|s| s.stages), Some(STREAM_MAX_STAGES));
         // A short K fills the ring with more stages, up to the most the kernel has barriers for.

@@ -85,6 +85,9 @@ pub(super) enum Arg {
     Epilogue(matmul::Epilogue),
     /// A streaming matmul's MoE input (matmul::MoeCombine, `struct MoeCombine` in cuda/routing.cuh).
     MoeCombine(matmul::MoeCombine),
+    /// Weights the streaming router pulls into L2 (moe::L2Ahead, `struct L2Ahead` in
+    /// cuda/matmul_stream.cu).
+    L2Ahead(moe::L2Ahead),
 }
 
 macro_rules! kernel_table {
@@ -166,6 +169,9 @@ pub struct CudaBackend {
     pub(super) router_done: CudaSlice<u32>,
     /// Kernel start times (`KESTREL_CUDA_TRACE=1`, profile.rs).
     tracer: Option<profile::Tracer>,
+    /// Whether the streaming router pulls the shared expert's weights into L2 while its chain
+    /// runs (`KESTREL_CUDA_L2_AHEAD=0` turns it off for A/B runs).
+    pub(super) l2_ahead: bool,
 }
 
 /// Most arguments a kernel of cuda/*.cu takes.
@@ -322,6 +328,7 @@ impl CudaBackend {
             last_launch: AtomicUsize::new(0),
             router_done,
             tracer,
+            l2_ahead: std::env::var("KESTREL_CUDA_L2_AHEAD").map_or(true, |v| v != "0"),
         })
     }
 
@@ -391,6 +398,7 @@ impl CudaBackend {
                 Arg::I64(v) => (v as *const i64).cast_mut().cast(),
                 Arg::Epilogue(v) => (v as *const matmul::Epilogue).cast_mut().cast(),
                 Arg::MoeCombine(v) => (v as *const matmul::MoeCombine).cast_mut().cast(),
+                Arg::L2Ahead(v) => (v as *const moe::L2Ahead).cast_mut().cast(),
             };
         }
         // SAFETY: an all-zero launch attribute is a valid (empty) value of the C union.

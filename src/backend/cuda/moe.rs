@@ -83,6 +83,29 @@ pub(super) fn moe_residual_project(
     super::matmul::matmul_parts(be, &normed, proj, widths)
 }
 
+/// The shared expert's weights, which the streaming router pulls into L2 while its chain runs
+/// (`struct L2Ahead` in cuda/matmul_stream.cu, passed by value; zero bytes: none).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct L2Ahead {
+    ptr: [u64; 2],
+    bytes: [i64; 2],
+}
+
+// SAFETY: a plain `repr(C)` struct of integers with the layout of the kernel's `struct L2Ahead`.
+unsafe impl cudarc::driver::DeviceRepr for L2Ahead {}
+
+impl L2Ahead {
+    /// The shared expert's gate/up and down weights (bf16 halves), where the block has one and
+    /// the prefetch is on (`KESTREL_CUDA_L2_AHEAD=0` turns it off for A/B runs).
+    fn shared_expert(be: &CudaBackend, w: &MoeWeights<CudaBackend>) -> Self {
+        match w.shared.as_ref().filter(|_| be.l2_ahead) {
+            Some([gu, d]) => L2Ahead { ptr: [be.ptr(&gu.hi), be.ptr(&d.hi)], bytes: [gu.hi.len() as i64, d.hi.len() as i64] },
+            None => L2Ahead::default(),
+        }
+    }
+}
+
 /// The MoE's input rows: already normalized, or the residual stream (the accumulator itself)
 /// still to be normalized by this weight.
 #[derive(Clone, Copy)]
@@ -256,6 +279,7 @@ fn moe_experts(be: &CudaBackend, acc: &CudaTensor, input: MoeInput, w: &MoeWeigh
             // matmul_router_stream's input norm (none: a null weight).
             let (nw, eps) = router_norm.map_or((0, 0.0), |(n, eps)| (be.ptr(&n.data), eps));
             args.extend([Arg::Ptr(nw), Arg::F32(eps), Arg::Ptr(be.ptr(&x.data))]);
+            args.push(Arg::L2Ahead(L2Ahead::shared_expert(be, w)));
         }
         be.launch(launch.kernel, (launch.blocks, 1, 1), launch.threads, launch.smem.max(group_smem), &args);
     } else if few {
