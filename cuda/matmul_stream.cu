@@ -402,8 +402,8 @@ STREAM_KERNEL(matmul_stream_nt4, 4)
 // are made. Two families rather than a run-time switch: the sum's registers and branches cost
 // the plain norm 1 µs per launch on the H100. Arguments: the plain streaming kernel's, less the
 // activations and the grouping, then the rows, the norm's weight and epsilon. Dynamic shared
-// memory as the plain kernel's; two blocks per SM, as the plain kernel has (the row sums'
-// registers would otherwise take one).
+// memory as the plain kernel's, then the norm weight (K floats); two blocks per SM, as the
+// plain kernel has (the row sums' registers would otherwise take one).
 #define STREAM_NORM_KERNEL(NAME, NT, INPUT)                                                                                                          \
     extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 2) NAME(float* out, const bf16_t* whi, int rows, int N, int K, Epilogue epi, int stages, \
             MoeCombine mc, const float* norm_w, float eps) {                                                                                          \
@@ -448,15 +448,17 @@ __device__ __forceinline__ void l2_prefetch_ahead(const L2Ahead& a) {
 // then the residual stream, normalized here exactly as rms_norm_rows would (the first block
 // stores the rows to `normed` for the experts), then the weights to pull into L2. One launch
 // fewer per layer, and the router is resident, copying its weights, while the output
-// projection runs. Dynamic shared memory the larger of the ring's and the routing's.
+// projection runs. Dynamic shared memory the larger of the ring's (with the norm weight after
+// the split rows) and the routing's.
 extern "C" __global__ void __launch_bounds__(STREAM_THREADS) matmul_router_stream(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, int N,
         int K, Epilogue epi, int stages, unsigned* done, int* topk_idx, float* topk_w, const float* logits, int T, int E, int k, int renormalize, int* lists,
         int* counts, int* active, int slots, int fold, const float* norm_w, float eps, float* normed, L2Ahead ahead) {
     StreamRing ring = stream_start<1>(whi, N, K, 0, 0, 0, stages, epi, norm_w, rows);
     wait_for_inputs();
     stream_inputs_ready(ring);
-    // The producer warp, idle once the block's one stage has landed, issues the prefetches:
-    // after the wait, since before it they slowed the output projection's tail.
+    // The producer warp (its one stage was issued before the wait) issues the prefetches, after
+    // the wait: issued before it, they ran beside the output projection's tail and made the step
+    // slower in two of three runs.
     if (threadIdx.x == 32 * KSLICES) l2_prefetch_ahead(ahead);
     matmul_stream_body<1, STREAM_INPUT_NORM>(ring, out, x, whi, rows, N, K, 0, 0, 0, 0, 1, 0, epi, norm_w, eps, normed, 0);
     // The producer warp left the body early; every warp takes part in the count.

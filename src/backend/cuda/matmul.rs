@@ -385,7 +385,7 @@ impl StreamShape {
     /// The shape with room for a normalizing launch's norm weight (`k` f32 after the split
     /// rows, which stream_start copies before the inputs are ready), or None where that no
     /// longer fits.
-    pub(super) fn with_norm_weight(mut self, sk: &StreamKernels, k: usize) -> Option<Self> {
+    fn with_norm_weight(mut self, sk: &StreamKernels, k: usize) -> Option<Self> {
         self.smem += 4 * k;
         self.blocks_per_sm = self.blocks_per_sm.min(sk.smem_per_sm / (self.smem + sk.static_smem[self.variant] + 1024)).max(1);
         (self.smem <= sk.max_dynamic[self.variant]).then_some(self)
