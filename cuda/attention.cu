@@ -34,24 +34,52 @@ __device__ __forceinline__ float merge_sum(float total, float part, float c_old,
     return __fadd_rn(__fmul_rn(total, c_old), __fmul_rn(part, c_new));
 }
 
-// grid (T, nq + nkv), 128 threads; dynamic shared memory: hd floats.
+// What attn_prep reads before it waits for its inputs, each a round trip to memory that sat in
+// its chain: the head's norm weight and the rotation's frequencies (weights), copied to shared
+// memory after the `hd` floats of normalized rows, and the token's position and (key heads) its
+// cache slot, from the step's layout, written before the step's first launch.
+struct AttnPrepStart {
+    const float* w;
+    const float* freq;
+    int pos;
+    long long slot;
+};
+__device__ __forceinline__ AttnPrepStart attn_prep_start(const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions,
+        const RowInfo* rows, const int* block_tables, int nq, int hd, int rot, int block_size) {
+    extern __shared__ float prep_smem[];
+    int t = blockIdx.x, h = blockIdx.y;
+    float* w = prep_smem + hd;
+    float* freq = w + hd;
+    const float* wsrc = h < nq ? q_norm : k_norm;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) w[d] = wsrc[d];
+    for (int j = threadIdx.x; j < rot / 2; j += blockDim.x) freq[j] = inv_freq[j];
+    AttnPrepStart st = {w, freq, positions[t], 0};
+    if (h >= nq) {
+        RowInfo row = rows[tok_row[t]];
+        st.slot = (long long)block_tables[row.block_table_offset + st.pos / block_size] * block_size + st.pos % block_size;
+    }
+    return st;
+}
+
+// grid (T, nq + nkv), 128 threads; dynamic shared memory: 2 * hd + rot / 2 floats.
 extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cache, float* v_cache, const float* qg, const float* k, const float* v,
         const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows,
         const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, float eps) {
+    AttnPrepStart st = attn_prep_start(q_norm, k_norm, inv_freq, tok_row, positions, rows, block_tables, nq, hd, rot, block_size);
     wait_for_inputs();
     extern __shared__ float normed[];
     __shared__ float scratch[33];
     int t = blockIdx.x, h = blockIdx.y;
     bool is_q = h < nq;
     const float* src = is_q ? qg + (long long)t * nq * 2 * hd + (long long)h * 2 * hd : k + (long long)t * nkv * hd + (long long)(h - nq) * hd;
-    const float* w = is_q ? q_norm : k_norm;
     float ss = 0.0f;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) ss += src[d] * src[d];
     ss = block_sum(ss, scratch);
     float inv = 1.0f / sqrtf(ss / (float)hd + eps);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) normed[d] = src[d] * inv * w[d];
+    // st.w[d] was stored by this same thread (the same d).
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) normed[d] = src[d] * inv * st.w[d];
     __syncthreads();
-    int pos = positions[t], half = rot / 2;
+    int pos = st.pos, half = rot / 2;
     float* dst;
     float* vdst = 0;
     const float* vsrc = 0;
@@ -61,11 +89,8 @@ extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cac
         float* gdst = gate_out + (long long)t * nq * hd + (long long)h * hd;
         for (int d = threadIdx.x; d < hd; d += blockDim.x) gdst[d] = gsrc[d];
     } else {
-        RowInfo row = rows[tok_row[t]];
-        int blk = block_tables[row.block_table_offset + pos / block_size];
-        long long slot = (long long)blk * block_size + pos % block_size;
-        dst = k_cache + slot * nkv * hd + (long long)(h - nq) * hd;
-        vdst = v_cache + slot * nkv * hd + (long long)(h - nq) * hd;
+        dst = k_cache + st.slot * nkv * hd + (long long)(h - nq) * hd;
+        vdst = v_cache + st.slot * nkv * hd + (long long)(h - nq) * hd;
         vsrc = v + (long long)t * nkv * hd + (long long)(h - nq) * hd;
     }
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -73,7 +98,7 @@ extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cac
         if (d < rot) {
             int j = d < half ? d : d - half;
             float s, c;
-            sincosf((float)pos * inv_freq[j], &s, &c);
+            sincosf((float)pos * st.freq[j], &s, &c);
             val = d < half ? normed[d] * c - normed[d + half] * s : normed[d] * c + normed[d - half] * s;
         }
         dst[d] = val;
@@ -282,10 +307,13 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
 
 // grid (T, nq), hd threads (rounded up to a warp): merges the ranges attn_core wrote to
 // `partial`, in range order, exactly as attn_core merges them in one block.
+// The context length comes from the step's layout (written before the step's first launch),
+// read before the wait: it decides which partials are loaded.
 extern "C" __global__ void attn_combine(float* out, const float* gate, const float* partial, const int* positions, int nq, int hd) {
+    int ctx = positions[blockIdx.x] + 1;
     wait_for_inputs();
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
-    int ctx = positions[t] + 1, span = range_keys(ctx);
+    int span = range_keys(ctx);
     float M = NEG_INF, L = 0.0f, ACC = 0.0f;
     // Every range's partial loaded before the first merge (the kernel's time is its loads).
     float pm0[ATTN_SPLITS], pm1[ATTN_SPLITS], pa[ATTN_SPLITS];

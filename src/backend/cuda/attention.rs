@@ -54,7 +54,7 @@ pub(super) fn gated_attention(
         &be.k.attn_prep,
         (t as u32, (nq + nkv) as u32, 1),
         128,
-        hd * 4,
+        (2 * hd + d.rotary_dim / 2) * 4,
         &[
             Arg::Ptr(be.ptr(&q.data)),
             Arg::Ptr(be.ptr(&gate.data)),
