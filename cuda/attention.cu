@@ -34,6 +34,13 @@ __device__ __forceinline__ float merge_sum(float total, float part, float c_old,
     return __fadd_rn(__fmul_rn(total, c_old), __fmul_rn(part, c_new));
 }
 
+// The cache slot of position `p` of token t's row, from the step's layout (written before the
+// step's first launch).
+__device__ __forceinline__ long long cache_slot(const int* tok_row, const RowInfo* rows, const int* block_tables, int t, int p, int block_size) {
+    RowInfo row = rows[tok_row[t]];
+    return (long long)block_tables[row.block_table_offset + p / block_size] * block_size + p % block_size;
+}
+
 // What attn_prep reads before it waits for its inputs, each a round trip to memory that sat in
 // its chain: the head's norm weight and the rotation's frequencies (weights), copied to shared
 // memory after the `hd` floats of normalized rows, and the token's position and (key heads) its
@@ -54,10 +61,7 @@ __device__ __forceinline__ AttnPrepStart attn_prep_start(const float* q_norm, co
     for (int d = threadIdx.x; d < hd; d += blockDim.x) w[d] = wsrc[d];
     for (int j = threadIdx.x; j < rot / 2; j += blockDim.x) freq[j] = inv_freq[j];
     AttnPrepStart st = {w, freq, positions[t], 0};
-    if (h >= nq) {
-        RowInfo row = rows[tok_row[t]];
-        st.slot = (long long)block_tables[row.block_table_offset + st.pos / block_size] * block_size + st.pos % block_size;
-    }
+    if (h >= nq) st.slot = cache_slot(tok_row, rows, block_tables, t, st.pos, block_size);
     return st;
 }
 
@@ -126,9 +130,7 @@ __device__ __forceinline__ void attn_prefetch_range(const float* k_cache, const 
     if (h0 % group != 0) return;
     int ctx = positions[t] + 1, span = range_keys(ctx), p = (int)blockIdx.z * span + (int)threadIdx.x;
     if ((int)threadIdx.x >= span || p >= ctx) return;
-    RowInfo row = rows[tok_row[t]];
-    long long slot = (long long)block_tables[row.block_table_offset + p / block_size] * block_size + p % block_size;
-    long long off = slot * nkv * hd + (long long)(h0 / group) * hd;
+    long long off = cache_slot(tok_row, rows, block_tables, t, p, block_size) * nkv * hd + (long long)(h0 / group) * hd;
 #if __CUDA_ARCH__ >= 900
     if ((hd & 3) == 0) {
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(k_cache + off), "r"(4 * hd) : "memory");
