@@ -133,8 +133,8 @@ __device__ __forceinline__ void attn_prefetch_range(const float* k_cache, const 
     long long off = cache_slot(tok_row, rows, block_tables, t, p, block_size) * nkv * hd + (long long)(h0 / group) * hd;
 #if __CUDA_ARCH__ >= 900
     if ((hd & 3) == 0) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(k_cache + off), "r"(4 * hd) : "memory");
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(v_cache + off), "r"(4 * hd) : "memory");
+        bulk_prefetch_l2(k_cache + off, 4 * hd);
+        bulk_prefetch_l2(v_cache + off, 4 * hd);
     }
 #else
     for (int d = 0; d < hd; d += 32) {

@@ -95,6 +95,15 @@ __device__ __forceinline__ void wait_for_inputs() {
 #endif
 }
 
+// Asks L2 to fetch `bytes` (a multiple of 16) at the 16-byte aligned `p` without waiting for
+// them (the sm_90 bulk prefetch; a hint, so nothing before sm_90, where callers fall back or
+// skip).
+__device__ __forceinline__ void bulk_prefetch_l2(const void* p, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 // Loads that skip L1, for data written during the same launch by other blocks, or by a kernel
 // this one has not waited for: L1 is not coherent across SMs, L2 is.
 __device__ __forceinline__ float load_l2(const float* p) {

@@ -360,8 +360,8 @@ __device__ __forceinline__ void prefetch_weight_columns(const bf16_t* w, int N, 
     // Weight rows [r0, r1) as bytes; SwiGLU columns map to gate rows and the same up rows.
     int r0 = e.mode == EPI_SWIGLU ? n0 >> 1 : n0, r1 = e.mode == EPI_SWIGLU ? (n1 + 1) >> 1 : n1;
     unsigned bytes = (unsigned)(r1 - r0) * (unsigned)K * 2u;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w + (long long)r0 * K), "r"(bytes) : "memory");
-    if (e.mode == EPI_SWIGLU) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w + (long long)(r0 + (N >> 1)) * K), "r"(bytes) : "memory");
+    bulk_prefetch_l2(w + (long long)r0 * K, bytes);
+    if (e.mode == EPI_SWIGLU) bulk_prefetch_l2(w + (long long)(r0 + (N >> 1)) * K, bytes);
 #endif
 }
 

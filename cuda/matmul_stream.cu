@@ -437,7 +437,7 @@ __device__ __forceinline__ void l2_prefetch_ahead(const L2Ahead& a) {
         long long lo = share * blockIdx.x, hi = min(a.bytes[i], lo + share);
         for (long long o = lo; o < hi; o += piece) {
             u32 n = (u32)min(piece, hi - o) & ~15u;
-            if (n > 0) SM90_ASM("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.ptr[i] + o), "r"(n) : "memory");
+            if (n > 0) bulk_prefetch_l2(a.ptr[i] + o, n);
         }
     }
 }
