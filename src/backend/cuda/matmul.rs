@@ -364,6 +364,9 @@ pub(super) struct StreamKernels {
     pub norm_in_matmul: bool,
     pub max_dynamic: [usize; 3],
     pub smem_per_sm: usize,
+    /// Most dynamic shared memory of the one-token fused down projection (`moe_down_combine`;
+    /// 0: off, the grouped launch and the combine pass, `KESTREL_CUDA_FUSED_DOWN=0` for A/B runs).
+    pub fused_down_max_dynamic: usize,
     /// Narrowest variant a launch takes (0: by K alone; `KESTREL_CUDA_STREAM_NT=2` or `4` for
     /// experiments with wider column blocks).
     pub min_variant: usize,
@@ -432,6 +435,48 @@ impl StreamKernels {
     }
 }
 
+/// Shared memory `moe_down_combine`'s ring and split rows aim for: a block then fits on an SM
+/// beside two blocks of the gate/up launch before it (as the grouped down launch's ring does,
+/// [`GROUPED_RING_BYTES`]). At 35B-A3B's sizes (nine slots of K = 512), four stages of 8 rows
+/// beside the 19 KB of split rows.
+const FUSED_DOWN_BYTES: usize = 54 * 1024;
+/// Most slots (routed experts and the shared one) of `moe_down_combine` (FUSED_DOWN_MAX_SLOTS in
+/// cuda/matmul_stream.cu).
+const FUSED_DOWN_MAX_SLOTS: usize = 16;
+
+/// One launch of `moe_down_combine` (cuda/matmul_stream.cu): blocks, stages, dynamic shared memory.
+pub(super) struct FusedDown {
+    pub blocks: u32,
+    pub stages: usize,
+    pub smem: usize,
+}
+
+/// The fused down projection for a token of `slots` expert rows of `k` inputs into `h` outputs,
+/// or None where it does not apply (no streaming kernels or turned off, or a shape
+/// [`fused_down_shape_of`] does not take).
+pub(super) fn fused_down(be: &CudaBackend, slots: usize, h: usize, k: usize) -> Option<FusedDown> {
+    let sk = be.stream_kernels.as_ref()?;
+    let (stages, smem) = fused_down_shape_of(sk.fused_down_max_dynamic, slots, h, k)?;
+    Some(FusedDown { blocks: (h / 8) as u32, stages, smem })
+}
+
+/// (stages, dynamic shared memory) of `moe_down_combine`, for a kernel that may take
+/// `max_dynamic` bytes (0: off); None where K is not in whole 32-wide blocks, H not in whole
+/// 8-column blocks, there are more slots than the kernel keeps, or two stages do not fit.
+fn fused_down_shape_of(max_dynamic: usize, slots: usize, h: usize, k: usize) -> Option<(usize, usize)> {
+    if !k.is_multiple_of(32) || !h.is_multiple_of(8) || slots == 0 || slots > FUSED_DOWN_MAX_SLOTS {
+        return None;
+    }
+    // Rows padded as [`StreamKernels::shape_of_variant`] sizes them (the kernel's default rows
+    // take less): stages of 8 weight rows, then the split activation rows.
+    let row_bytes = 2 * k + if (2 * k).is_multiple_of(128) { 64 } else { 0 };
+    let stage = 8 * row_bytes;
+    let x_bytes = 2 * slots * row_bytes;
+    let stages = (FUSED_DOWN_BYTES.saturating_sub(x_bytes) / stage).clamp(2, STREAM_MAX_STAGES);
+    let smem = stages * stage + x_bytes;
+    (smem <= max_dynamic).then_some((stages, smem))
+}
+
 /// The streaming kernel and its launch shape for `rows` rows over `k` inputs, where the backend
 /// has the streaming kernels (sm_90 and later, not turned off) and the shape fits.
 fn stream_plan(be: &CudaBackend, rows: usize, k: usize, grouped: bool) -> Option<(&CudaFunction, StreamShape)> {
@@ -494,7 +539,7 @@ mod tests {
     #[test]
     fn stream_shapes_fit_shared_memory_or_fall_back() {
         // An H100: 227 KB per block at most, 228 KB per SM.
-        let sk = StreamKernels { ring_bytes: RING_BYTES, grouped_ring_bytes: GROUPED_RING_BYTES, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], norm_blocks_per_sm: [2, 2, 1], norm_in_matmul: true, max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024, min_variant: 0 };
+        let sk = StreamKernels { ring_bytes: RING_BYTES, grouped_ring_bytes: GROUPED_RING_BYTES, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], norm_blocks_per_sm: [2, 2, 1], norm_in_matmul: true, max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024, fused_down_max_dynamic: 227 * 1024 - 4608, min_variant: 0 };
         // A decode step's expert gate/up (K = 2048): one n tile, rows of 4096 + 64 bytes, two
         // stages beside the split activation row; two blocks per SM.
         let s = sk.shape(1, 2048, true).expect("K = 2048 streams");
@@ -527,6 +572,28 @@ mod tests {
         assert_eq!(sk.shape(16, 4096, false), None, "16 split activation rows of K = 4096 beside the ring");
         assert_eq!(sk.shape(1, 100, false), None, "K not in whole 32-wide blocks");
         assert_eq!(sk.shape(17, 512, false), None, "one m tile only");
+    }
+
+    #[test]
+    fn fused_down_ring_fits_beside_the_gate_up_launch_or_falls_back() {
+        // An H100 (as above); the fused kernel's static shared memory is 4.5 KB.
+        let (smem_per_sm, max_dynamic, gate_up_static) = (228 * 1024, 227 * 1024 - 4608, 8448);
+        let sk = StreamKernels { ring_bytes: RING_BYTES, grouped_ring_bytes: GROUPED_RING_BYTES, static_smem: [gate_up_static, 16768, 33024], blocks_per_sm: [3, 3, 1], norm_blocks_per_sm: [2, 2, 1], norm_in_matmul: true, max_dynamic: [227 * 1024 - 8448; 3], smem_per_sm, fused_down_max_dynamic: max_dynamic, min_variant: 0 };
+        let gate_up = sk.shape(1, 2048, true).expect("gate/up streams");
+        // 35B-A3B: nine slots (eight routed experts and the shared one) of K = 512 into 2048:
+        // four stages of 8 rows beside the split rows, and a block fits on an SM beside two of
+        // the gate/up launch's.
+        let (stages, smem) = fused_down_shape_of(max_dynamic, 9, 2048, 512).expect("35B-A3B's down projection fuses");
+        assert_eq!((stages, smem), (4, 4 * 8 * 1088 + 2 * 9 * 1088));
+        assert!(2 * (gate_up.smem + gate_up_static + 1024) + smem + 4608 + 1024 <= smem_per_sm);
+        // Rows of 2K bytes not a multiple of 128 are not padded; a short K fills more stages.
+        assert_eq!(fused_down_shape_of(max_dynamic, 3, 64, 32), Some((STREAM_MAX_STAGES, STREAM_MAX_STAGES * 8 * 64 + 2 * 3 * 64)));
+        // Shapes it does not take go to the grouped launch and the combine pass.
+        assert_eq!(fused_down_shape_of(max_dynamic, 9, 2048, 500), None, "K not in whole 32-wide blocks");
+        assert_eq!(fused_down_shape_of(max_dynamic, 9, 2044, 512), None, "H not in whole 8-column blocks");
+        assert_eq!(fused_down_shape_of(max_dynamic, FUSED_DOWN_MAX_SLOTS + 1, 2048, 512), None, "more slots than the kernel keeps");
+        assert_eq!(fused_down_shape_of(max_dynamic, 9, 2048, 8192), None, "two stages past shared memory");
+        assert_eq!(fused_down_shape_of(0, 9, 2048, 512), None, "turned off");
     }
 
     #[test]

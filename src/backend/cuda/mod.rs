@@ -118,7 +118,7 @@ macro_rules! kernel_table {
 
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth, read_bandwidth],
-    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_stream_norm_nt1, matmul_stream_norm_nt2, matmul_stream_norm_nt4, matmul_stream_combine_nt1, matmul_stream_combine_nt2, matmul_stream_combine_nt4, matmul_router, matmul_router_stream, matmul_tiled, matmul_pipelined, split_activations],
+    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_stream_norm_nt1, matmul_stream_norm_nt2, matmul_stream_norm_nt4, matmul_stream_combine_nt1, matmul_stream_combine_nt2, matmul_stream_combine_nt4, matmul_router, matmul_router_stream, moe_down_combine, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core, attn_combine],
     "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunked, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
@@ -263,6 +263,8 @@ impl CudaBackend {
                 norm_in_matmul: std::env::var("KESTREL_CUDA_STREAM_NORM").map_or(true, |v| v != "0"),
                 max_dynamic: [0; 3],
                 smem_per_sm,
+                // Set to the kernel's limit below; 0 keeps the fusion off.
+                fused_down_max_dynamic: usize::from(std::env::var("KESTREL_CUDA_FUSED_DOWN").map_or(true, |v| v != "0")),
                 min_variant: match std::env::var("KESTREL_CUDA_STREAM_NT").as_deref() {
                     Ok("4") => 2,
                     Ok("2") => 1,
@@ -295,6 +297,9 @@ impl CudaBackend {
             // The streaming router takes the one-n-tile shapes, beside its routing's static memory.
             let fixed = open_dynamic_smem(&k.matmul_router_stream)?;
             sk.max_dynamic[0] = sk.max_dynamic[0].min((optin - fixed).max(0) as usize);
+            if sk.fused_down_max_dynamic > 0 {
+                sk.fused_down_max_dynamic = (optin - open_dynamic_smem(&k.moe_down_combine)?).max(0) as usize;
+            }
             Some(sk)
         } else {
             None

@@ -44,14 +44,19 @@ fn expert_tables(be: &CudaBackend, w: &MoeWeights<CudaBackend>, with_shared: boo
 }
 
 pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig) {
-    moe_experts(be, acc, MoeInput::Normed(x), w, cfg).add(be, acc);
+    if let MoeOutput::Pending(pending) = moe_experts(be, acc, MoeInput::Normed(x), w, cfg) {
+        pending.add(be, acc);
+    }
 }
 
 /// `acc += moe(rms_norm(acc, pre_norm))`, then the RMSNorm of the updated residual stream by
 /// `next_norm`: the input norm inside the streaming router launch and the output norm in the
 /// combine pass, where the row norm's register path applies (two launches fewer per layer).
 pub(super) fn moe_residual(be: &CudaBackend, acc: &mut CudaTensor, pre_norm: &CudaVector, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig, next_norm: &CudaVector, eps: f32) -> CudaTensor {
-    moe_experts(be, acc, MoeInput::Residual(pre_norm, eps), w, cfg).add_norm(be, acc, next_norm, eps)
+    match moe_experts(be, acc, MoeInput::Residual(pre_norm, eps), w, cfg) {
+        MoeOutput::Added => crate::backend::Backend::rms_norm(be, acc, next_norm, eps),
+        MoeOutput::Pending(pending) => pending.add_norm(be, acc, next_norm, eps),
+    }
 }
 
 /// [`moe_residual`], then the normalized rows through `proj` cut into `widths`: where the
@@ -69,7 +74,10 @@ pub(super) fn moe_residual_project(
     proj: &CudaMatrix,
     widths: &[usize],
 ) -> Vec<CudaTensor> {
-    let pending = moe_experts(be, acc, MoeInput::Residual(pre_norm, eps), w, cfg);
+    let pending = match moe_experts(be, acc, MoeInput::Residual(pre_norm, eps), w, cfg) {
+        MoeOutput::Added => return super::matmul::rms_norm_matmul_parts(be, acc, next_norm, eps, proj, widths),
+        MoeOutput::Pending(pending) => pending,
+    };
     if super::matmul::normed_launch_fits(be, acc.rows, next_norm, proj) {
         // The updated residual rows go to a new tensor: every block of the launch reads the
         // rows before the MoE, so none of them may be overwritten.
@@ -112,6 +120,14 @@ impl L2Ahead {
 enum MoeInput<'a> {
     Normed(&'a CudaTensor),
     Residual(&'a CudaVector, f32),
+}
+
+/// What the experts' launches leave: the MoE's sum already added into the residual rows (a
+/// one-token step's down projection does it in its store, `moe_down_combine`), or the rows
+/// waiting for the combine pass.
+enum MoeOutput {
+    Added,
+    Pending(PendingCombine),
 }
 
 /// The MoE's rows, routed and through the experts, waiting for their weighted sum into the
@@ -186,9 +202,9 @@ impl PendingCombine {
     }
 }
 
-/// Routing and the experts' rows for the MoE on `acc`'s rows (the combine pass is left to the
-/// caller: [`PendingCombine`]).
-fn moe_experts(be: &CudaBackend, acc: &CudaTensor, input: MoeInput, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig) -> PendingCombine {
+/// Routing and the experts' rows for the MoE on `acc`'s rows; the combine pass is left to the
+/// caller ([`PendingCombine`]) unless the down projection added the sum into `acc` itself.
+fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig) -> MoeOutput {
     let (t, h) = (acc.rows, acc.cols);
     let (e, k, inter) = (cfg.num_experts, cfg.top_k, cfg.expert_intermediate);
     assert_eq!(w.experts.len(), e, "moe: {} experts loaded, config says {e}", w.experts.len());
@@ -335,6 +351,30 @@ fn moe_experts(be: &CudaBackend, acc: &CudaTensor, input: MoeInput, w: &MoeWeigh
     launch_matmul(be, be.ptr(&act.data), be.ptr(&x.data), t, 0, 0, t, 2 * inter, h, Some(&grouped(0, slots, false)), Epilogue::SWIGLU);
     // The gate/up launch waited for the routing before it let this one start, so the down
     // launch may look its experts up early.
+    // One token: the down projection adds the weighted sum into the residual row itself (the
+    // same bits as the grouped launch and the combine pass), so that the next launch reads one
+    // row instead of every expert's.
+    let down_has_lo = w.experts.iter().chain(w.shared.iter().filter(|_| fold)).any(|m| m[1].lo.is_some());
+    let fused_down = (t == 1 && (fold || w.shared.is_none()) && !down_has_lo).then(|| super::matmul::fused_down(be, slots, h, inter)).flatten();
+    if let Some(launch) = fused_down {
+        let gate = shared_gate.as_ref().filter(|_| fold).map_or(0, |s| be.ptr(&s.data));
+        let args = [
+            Arg::Ptr(be.ptr(&acc.data)),
+            Arg::Ptr(be.ptr(&act.data)),
+            Arg::Ptr(be.ptr(&tables[1])),
+            Arg::Ptr(topk_idx),
+            Arg::Ptr(topk_w),
+            Arg::Ptr(gate),
+            Arg::I32(h as i32),
+            Arg::I32(inter as i32),
+            Arg::I32(k as i32),
+            Arg::I32(slots as i32),
+            Arg::I32(e as i32),
+            Arg::I32(launch.stages as i32),
+        ];
+        be.launch(&be.k.moe_down_combine, (launch.blocks, 1, 1), super::matmul::STREAM_THREADS, launch.smem, &args);
+        return MoeOutput::Added;
+    }
     let y = be.tensor(t * slots, h);
     launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), t * slots, 0, 0, t, h, inter, Some(&grouped(1, 1, true)), Epilogue::STORE);
 
@@ -346,5 +386,5 @@ fn moe_experts(be: &CudaBackend, acc: &CudaTensor, input: MoeInput, w: &MoeWeigh
         (None, false) => (0, 0),
     };
     let gate = shared_gate.as_ref().filter(|_| shared != 0).map_or(0, |s| be.ptr(&s.data));
-    PendingCombine { y, _routing: routing, topk_w, _separate: separate, _shared_gate: shared_gate, shared, gate, shared_stride, k, slots }
+    MoeOutput::Pending(PendingCombine { y, _routing: routing, topk_w, _separate: separate, _shared_gate: shared_gate, shared, gate, shared_stride, k, slots })
 }
