@@ -129,15 +129,16 @@ __device__ __forceinline__ void stream_issue(const StreamRing& r, const bf16_t* 
     }
 }
 
-// The ring's shared memory and barriers (its stages, then `rows` split activation rows, then
-// the norm weight of a normalizing launch: `norm_w` non-null). Thread 0 initializes the
-// barriers; the caller's barrier orders that before any use.
+// The ring's barriers, and (weights known before the inputs: a plain launch, or a grouped one
+// whose routing is two or more launches back, see prefetch_small) the producer's first
+// STREAM_EARLY_STAGES column blocks, all before the block waits for its inputs: weight rows
+// land in shared memory while the previous kernel finishes.
 template <int NT>
-__device__ __forceinline__ StreamRing stream_ring(int K, int stages, const float* norm_w, int rows) {
+__device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int K, const u64* group_w, const int* active, int lists_ready, int stages, const Epilogue& e,
+        const float* norm_w, int rows) {
     extern __shared__ __align__(128) unsigned char stream_smem[];
     __shared__ __align__(8) u64 bars[2 * STREAM_MAX_STAGES];
     __shared__ __align__(8) u64 norm_bar;
-    __shared__ int inputs_ready;
     StreamRing r;
     r.stage0 = stream_smem;
     r.full = smem_u32(bars);
@@ -148,9 +149,10 @@ __device__ __forceinline__ StreamRing stream_ring(int K, int stages, const float
     // banks.
     r.row_bytes = 2 * K + (STREAM_ROW_PAD && (2 * K) % 128 == 0 ? 64 : 0);
     r.issued = 0;
-    r.early_w = 0;
     r.norm_bar = smem_u32(&norm_bar);
     r.norm_s = norm_w ? (const float*)(stream_smem + ((long long)stages * 8 * NT + 2LL * rows) * r.row_bytes) : 0;
+    __shared__ const bf16_t* early_w;
+    __shared__ int inputs_ready;
     r.inputs_ready = &inputs_ready;
     if (threadIdx.x == 0) {
         inputs_ready = 0;
@@ -160,49 +162,6 @@ __device__ __forceinline__ StreamRing stream_ring(int K, int stages, const float
         }
         mbar_init(r.norm_bar, 1);
         mbar_init_fence();
-    }
-    return r;
-}
-
-// The producer warp's copies before the block's inputs are ready, of the first of its `blocks`
-// column blocks (`issue(i)` copies column block i into stage i): STREAM_EARLY_STAGES of them,
-// then, while the inputs are not ready, the rest of the ring, paced: a stage is issued once the
-// one STREAM_EARLY_PACED before it has landed, so that each block has that many stages in
-// flight and the kernel before, which may be bound by its chain of loads, does not wait behind
-// a burst of weight copies (every block's whole ring at once made 35B-A3B's decode step slower,
-// see STREAM_EARLY_STAGES). Lane 0 decides for the warp.
-// `then()` runs between the two (the fused down projection's L2 prefetches).
-template <typename Issue, typename Then>
-__device__ __forceinline__ void stream_fill_early(StreamRing& r, int blocks, Issue issue, Then then) {
-    while (r.issued < blocks && r.issued < min(r.stages, STREAM_EARLY_STAGES)) issue(r.issued++);
-    then();
-    while (STREAM_EARLY_PACED && r.issued > 0 && r.issued < blocks && r.issued < r.stages) {
-        int go = 0;
-        if ((threadIdx.x & 31) == 0) {
-            for (;;) {
-                if (*r.inputs_ready) break;
-                if (r.issued < STREAM_EARLY_PACED || mbar_done(r.full + 8 * (r.issued - STREAM_EARLY_PACED), 0)) {
-                    go = 1;
-                    break;
-                }
-                asm volatile("nanosleep.u32 100;");
-            }
-        }
-        if (!__shfl_sync(FULL_MASK, go, 0)) break;
-        issue(r.issued++);
-    }
-}
-
-// The ring (stream_ring), and (weights known before the inputs: a plain launch, or a grouped
-// one whose routing is two or more launches back, see prefetch_small) the producer's first
-// column blocks (stream_fill_early), all before the block waits for its inputs: weight rows
-// land in shared memory while the previous kernel finishes.
-template <int NT>
-__device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int K, const u64* group_w, const int* active, int lists_ready, int stages, const Epilogue& e,
-        const float* norm_w, int rows) {
-    __shared__ const bf16_t* early_w;
-    StreamRing r = stream_ring<NT>(K, stages, norm_w, rows);
-    if (threadIdx.x == 0) {
         early_w = 0;
         if (!group_w) early_w = whi;
         else if (lists_ready && (int)blockIdx.z < load_l2(active)) early_w = (const bf16_t*)load_l2(group_w + 2 * load_l2(active + 1 + blockIdx.z));
@@ -217,8 +176,28 @@ __device__ __forceinline__ StreamRing stream_start(const bf16_t* whi, int N, int
     }
     if (!r.early_w) return r;
     int n0 = blockIdx.x * 8 * NT, stride = gridDim.x * 8 * NT;
-    int blocks = n0 < N ? (N - n0 + stride - 1) / stride : 0;
-    stream_fill_early(r, blocks, [&](int i) { stream_issue<NT>(r, r.early_w, N, K, n0 + i * stride, i, e); }, [] {});
+    for (; n0 < N && r.issued < min(stages, STREAM_EARLY_STAGES); n0 += stride) stream_issue<NT>(r, r.early_w, N, K, n0, r.issued++, e);
+    // While the inputs are not ready, the rest of the ring, paced: a stage is issued once the
+    // one STREAM_EARLY_PACED before it has landed, so that each block has that many stages in
+    // flight and the kernel before, which may be bound by its chain of loads, does not wait
+    // behind a burst of weight copies (every block's whole ring at once made 35B-A3B's decode
+    // step slower, see STREAM_EARLY_STAGES). Lane 0 decides for the warp.
+    while (STREAM_EARLY_PACED && r.issued > 0 && n0 < N && r.issued < stages) {
+        int go = 0;
+        if ((threadIdx.x & 31) == 0) {
+            for (;;) {
+                if (*r.inputs_ready) break;
+                if (r.issued < STREAM_EARLY_PACED || mbar_done(r.full + 8 * (r.issued - STREAM_EARLY_PACED), 0)) {
+                    go = 1;
+                    break;
+                }
+                asm volatile("nanosleep.u32 100;");
+            }
+        }
+        if (!__shfl_sync(FULL_MASK, go, 0)) break;
+        stream_issue<NT>(r, r.early_w, N, K, n0, r.issued++, e);
+        n0 += stride;
+    }
     return r;
 }
 
@@ -281,82 +260,6 @@ __device__ __forceinline__ void stream_norm_rows(const float* x, const MoeCombin
     }
 }
 
-// `rows` activation rows of x (row r: x row list[r] / a_div, or r without a list) split into
-// bf16 hi and lo halves at `xs` (rows `xstride` apart, the lo rows `lo_off` values after the
-// hi rows), by the k-slice warps. ROW_BATCH chunks of 8 per thread are loaded before any is
-// split and stored: the stores to shared memory would otherwise keep the next chunk's loads
-// from being issued early, and a wide row (K = 12288: six chunks per thread) would take six
-// round trips.
-__device__ __forceinline__ void stream_split_rows(const float* x, const int* list, int a_div, int rows, int K, bf16_t* xs, int xstride, long long lo_off) {
-    const int ROW_BATCH = 4;
-    for (int c0 = threadIdx.x; c0 < rows * (K / 8); c0 += ROW_BATCH * 32 * KSLICES) {
-        float v[ROW_BATCH][8];
-#pragma unroll
-        for (int b = 0; b < ROW_BATCH; ++b) {
-            int c = c0 + b * 32 * KSLICES;
-            if (c >= rows * (K / 8)) break;
-            int r = c / (K / 8), k = (c % (K / 8)) * 8;
-            load8_f32(x + (long long)(list ? list[r] / a_div : r) * K, k, K, true, v[b]);
-        }
-#pragma unroll
-        for (int b = 0; b < ROW_BATCH; ++b) {
-            int c = c0 + b * 32 * KSLICES;
-            if (c >= rows * (K / 8)) break;
-            int r = c / (K / 8), k = (c % (K / 8)) * 8;
-            u32 hi[4], lo[4];
-            split8(v[b], hi, lo);
-            *(uint4*)(xs + (long long)r * xstride + k) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-            *(uint4*)(xs + lo_off + (long long)r * xstride + k) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-        }
-    }
-}
-
-// A k-slice warp's products of column block i (ring stage i % stages, once its copies have
-// landed) over its k blocks [kb0, kb1), from the split activation rows g (h0) and g + 8 (h1,
-// with `two`); then the stage is handed back to the producer.
-template <int NT>
-__device__ __forceinline__ void stream_stage_products(const StreamRing& ring, int i, const Epilogue& epi, const bf16_t* h0, const bf16_t* h1, long long lo_off, bool two,
-        int kb0, int kb1, float c[NT][4]) {
-    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, S = ring.stages, s = i % S;
-    const uint4 zero[NT] = {};
-#pragma unroll
-    for (int j = 0; j < NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
-    mbar_wait(ring.full + 8 * s, (u32)((i / S) & 1));
-    if (i == 0 && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.z == 0) TRACE_MARK(TRACE_FIRST_DATA);
-    const unsigned char* st = ring.stage0 + (long long)s * 8 * NT * ring.row_bytes + q * 16;
-    for (int kb = kb0; kb < kb1; ++kb) {
-        uint4 bh[NT];
-#pragma unroll
-        for (int j = 0; j < NT; ++j) bh[j] = *(const uint4*)(st + (long long)stage_slot<NT>(epi, j * 8 + g) * ring.row_bytes + kb * 64);
-        small_kblock_split<NT>(c, h0, h1, lo_off, two, kb * 32 + q * 8, bh, zero);
-    }
-    // This warp's reads of the stage are done: the producer may refill it.
-    __syncwarp();
-    if (lane == 0) mbar_arrive(ring.empty + 8 * s);
-}
-
-// The k-slice warps' sums of one column block added in slice order (0 + s0 + ... + s7) into
-// warp 0's `t` (its fragments; the other warps' `t` is left unset), through `rb`, one of two
-// buffers alternating by column block: buffer i & 1 was last read by warp 0 for column block
-// i - 2, before it reached the barrier of column block i - 1, which every warp has passed.
-template <int NT>
-__device__ __forceinline__ void stream_slices_total(float (*rb)[NT][32][4], const float c[NT][4], float t[NT][4]) {
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) rb[warp][j][lane][e] = c[j][e];
-    k_slices_sync();
-    if (warp != 0) return;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-        t[j][0] = t[j][1] = t[j][2] = t[j][3] = 0.0f;
-        for (int w = 0; w < KSLICES; ++w)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) t[j][e] += rb[w][j][lane][e];
-    }
-}
-
 // What a streaming launch does to its activation rows before splitting them.
 #define STREAM_INPUT_PLAIN 0
 // RMS-normalized by `norm_w` (when given) by stream_norm_rows, which also stores the normalized
@@ -404,7 +307,30 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
     // Rows normalized on the way in: in registers, by stream_norm_rows.
     bool norm_in = INPUT == STREAM_INPUT_COMBINE || (INPUT == STREAM_INPUT_NORM && norm_w);
     if (norm_in) stream_norm_rows(x, mc, grp.rows, K, ring, eps, normed, xs, xstride, lo_off);
-    if (!norm_in) stream_split_rows(x, grp.list, a_div, grp.rows, K, xs, xstride, lo_off);
+    // ROW_BATCH chunks of 8 per thread loaded before any is split and stored: the stores to
+    // shared memory would otherwise keep the next chunk's loads from being issued early, and a
+    // wide row (K = 12288: six chunks per thread) would take six round trips.
+    const int ROW_BATCH = 4;
+    for (int c0 = threadIdx.x; !norm_in && c0 < grp.rows * (K / 8); c0 += ROW_BATCH * 32 * KSLICES) {
+        float v[ROW_BATCH][8];
+#pragma unroll
+        for (int b = 0; b < ROW_BATCH; ++b) {
+            int c = c0 + b * 32 * KSLICES;
+            if (c >= grp.rows * (K / 8)) break;
+            int r = c / (K / 8), k = (c % (K / 8)) * 8;
+            load8_f32(x + (long long)(grp.list ? grp.list[r] / a_div : r) * K, k, K, true, v[b]);
+        }
+#pragma unroll
+        for (int b = 0; b < ROW_BATCH; ++b) {
+            int c = c0 + b * 32 * KSLICES;
+            if (c >= grp.rows * (K / 8)) break;
+            int r = c / (K / 8), k = (c % (K / 8)) * 8;
+            u32 hi[4], lo[4];
+            split8(v[b], hi, lo);
+            *(uint4*)(xs + (long long)r * xstride + k) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            *(uint4*)(xs + lo_off + (long long)r * xstride + k) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        }
+    }
     k_slices_sync();
     if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.z == 0) TRACE_MARK(TRACE_ROWS_READY);
     const bf16_t* h0 = g < grp.rows ? xs + (long long)g * xstride : 0;
@@ -412,14 +338,42 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
     bool two = 8 < grp.rows;
     int nkb = K / 32, kps = (nkb + KSLICES - 1) / KSLICES;
     int kb0 = warp * kps, kb1 = min(kb0 + kps, nkb);
+    const uint4 zero[NT] = {};
     int i = 0;
     for (int n0 = blockIdx.x * per; n0 < N; n0 += stride, ++i) {
-        float c[NT][4], t[NT][4];
-        stream_stage_products<NT>(ring, i, epi, h0, h1, lo_off, two, kb0, kb1, c);
-        stream_slices_total<NT>(red[i & 1], c, t);
+        int s = i % S;
+        float c[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+        mbar_wait(ring.full + 8 * s, (u32)((i / S) & 1));
+        if (i == 0 && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.z == 0) TRACE_MARK(TRACE_FIRST_DATA);
+        const unsigned char* st = ring.stage0 + (long long)s * per * ring.row_bytes + q * 16;
+        for (int kb = kb0; kb < kb1; ++kb) {
+            uint4 bh[NT];
+#pragma unroll
+            for (int j = 0; j < NT; ++j) bh[j] = *(const uint4*)(st + (long long)stage_slot<NT>(epi, j * 8 + g) * ring.row_bytes + kb * 64);
+            small_kblock_split<NT>(c, h0, h1, lo_off, two, kb * 32 + q * 8, bh, zero);
+        }
+        // This warp's reads of the stage are done: the producer may refill it.
+        __syncwarp();
+        if (lane == 0) mbar_arrive(ring.empty + 8 * s);
+        // Buffer i & 1 was last read by warp 0 for column block i - 2, before it reached the
+        // barrier of column block i - 1, which this warp has passed.
+        float (*rb)[NT][32][4] = red[i & 1];
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) rb[warp][j][lane][e] = c[j][e];
+        k_slices_sync();
         if (warp == 0) {
 #pragma unroll
-            for (int j = 0; j < NT; ++j) store_fragment(epi, out, grp, N, g, n0 + j * 8 + 2 * q, t[j]);
+            for (int j = 0; j < NT; ++j) {
+                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int w = 0; w < KSLICES; ++w)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) t[e] += rb[w][j][lane][e];
+                store_fragment(epi, out, grp, N, g, n0 + j * 8 + 2 * q, t);
+            }
         }
     }
     if (threadIdx.x == 0) TRACE_MARK(TRACE_BLOCK_END);
@@ -515,113 +469,142 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) matmul_router_strea
 #define FUSED_DOWN_MAX_SLOTS 16
 
 // The experts' down projection of a one-token step, with the MoE's weighted sum into the
-// residual row in its store. Block b owns output columns 8NT b .. 8NT b + 8NT - 1 of every slot
-// (slot s < k: expert topk_idx[s]; slot k, where slots > k: the shared expert, group E of
-// `table`), streams their 8NT weight rows per slot through its ring in slot order, and adds the
-// slots' products into the sum: moe_combined4's expression in its order (the routed slots by
-// their weights, then the shared one by its gate, then onto the residual), with the products of
-// matmul_stream_nt*, so the residual row is bitwise the grouped down launch's and then the
-// combine pass's. The launch after it then reads one row instead of the residual and all the
-// expert rows (35B-A3B: each of the next input projection's 264 blocks read 80 KB of them).
+// residual row in its store. Block b owns output columns 8b .. 8b+7 of every slot (slot s < k:
+// expert topk_idx[s]; slot k, where slots > k: the shared expert, group E of `table`), streams
+// their 8 weight rows per slot through its ring in slot order, and adds the slots' products
+// into the sum: moe_combined4's expression in its order (the routed slots by their weights,
+// then the shared one by its gate, then onto the residual), with the products of
+// matmul_stream_nt1 (the same copies, fragments and mma sequence, the slices added in slice
+// order), so the residual row is bitwise the grouped down launch's and then the combine
+// pass's. The launch after it then reads one row instead of the residual and all the expert
+// rows (35B-A3B: each of the next input projection's 264 blocks read 80 KB of them).
+//
+// Its ring start, row split and k loop are written out here rather than shared with
+// matmul_stream_body: with them as shared helpers the plain streaming kernels compiled
+// differently, and 9b's decode step went from 6.22 to 6.40 ms on the H100.
+//
 // Writes `resid` in place: each block reads and writes only its own columns. Arguments: the
 // residual row, the k + fold activation rows (the SwiGLU outputs, K each), the down weights'
 // pointer table ([groups][hi, lo], bf16 hi only), the routing (topk_idx, topk_w), the shared
-// expert's gate logit (null: none, a scale of 1), H (a multiple of 8NT), K (a multiple of 32),
-// k, slots, E and the ring's stage count. Dynamic shared memory: the ring (stages * 8NT rows of
-// 2K bytes), then the split activation rows (2 * slots rows of 2K bytes).
-template <int NT>
-__device__ __forceinline__ void moe_down_combine_body(float* resid, const float* act, const u64* table, const int* topk_idx, const float* topk_w,
-        const float* shared_gate, int H, int K, int k, int slots, int E, int stages) {
+// expert's gate logit (null: none, a scale of 1), H (a multiple of 8), K (a multiple of 32), k,
+// slots, E and the ring's stage count. Dynamic shared memory: the ring (stages * 8 rows of 2K
+// bytes), then the split activation rows (2 * slots rows of 2K bytes).
+extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_down_combine(float* resid, const float* act, const u64* table, const int* topk_idx,
+        const float* topk_w, const float* shared_gate, int H, int K, int k, int slots, int E, int stages) {
+    extern __shared__ __align__(128) unsigned char stream_smem[];
+    __shared__ __align__(8) u64 bars[2 * STREAM_MAX_STAGES];
     __shared__ const bf16_t* slot_w[FUSED_DOWN_MAX_SLOTS];
-    __shared__ float slice_sums[FUSED_DOWN_MAX_SLOTS][KSLICES][8 * NT];
     __shared__ float slot_scale[FUSED_DOWN_MAX_SLOTS];
-    StreamRing ring = stream_ring<NT>(K, stages, 0, slots);
+    __shared__ float slice_sums[FUSED_DOWN_MAX_SLOTS][KSLICES][8];
+    StreamRing ring = {};
+    ring.stage0 = stream_smem;
+    ring.full = smem_u32(bars);
+    ring.empty = ring.full + 8 * STREAM_MAX_STAGES;
+    ring.stages = stages;
+    ring.row_bytes = 2 * K + (STREAM_ROW_PAD && (2 * K) % 128 == 0 ? 64 : 0);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) {
+            mbar_init(ring.full + 8 * s, 1);
+            mbar_init(ring.empty + 8 * s, KSLICES);
+        }
+        mbar_init_fence();
+    }
     // Each slot's weights: the routing is two launches back, so complete once this kernel runs
     // (the gate/up launch between waited for it before it let this one start).
     if ((int)threadIdx.x < slots) slot_w[threadIdx.x] = (const bf16_t*)load_l2(table + 2 * ((int)threadIdx.x < k ? load_l2(topk_idx + threadIdx.x) : E));
     __syncthreads();
     Epilogue epi = {};
     epi.mode = EPI_STORE;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, n0 = blockIdx.x * 8 * NT;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, n0 = blockIdx.x * 8;
+    int early = min(stages, slots);
     if (warp == KSLICES) {
-        // The first stages while the kernels before finish, and the slots past the ring into L2.
-        stream_fill_early(
-            ring, slots, [&](int i) { stream_issue<NT>(ring, slot_w[i], H, K, n0, i, epi); },
-            [&] {
-                for (int i = stages + lane; i < slots; i += 32) bulk_prefetch_l2(slot_w[i] + (long long)n0 * K, 16u * NT * (u32)K);
-            });
+        // The whole ring while the gate/up launch streams (a block's ring is 32 KB), and the
+        // slots past it into L2.
+        for (int i = 0; i < early; ++i) stream_issue<1>(ring, slot_w[i], H, K, n0, i, epi);
+        for (int i = early + lane; i < slots; i += 32) bulk_prefetch_l2(slot_w[i] + (long long)n0 * K, 16u * (u32)K);
     }
     wait_for_inputs();
-    stream_inputs_ready(ring);
     if (warp == KSLICES) {
-        for (int i = ring.issued; i < slots; ++i) {
+        for (int i = early; i < slots; ++i) {
             int s = i % stages;
-            if (i >= stages) mbar_wait(ring.empty + 8 * s, (u32)((i / stages - 1) & 1));
-            stream_issue<NT>(ring, slot_w[i], H, K, n0, s, epi);
+            mbar_wait(ring.empty + 8 * s, (u32)((i / stages - 1) & 1));
+            stream_issue<1>(ring, slot_w[i], H, K, n0, s, epi);
         }
         return;
     }
     int xstride = ring.row_bytes / 2;
     long long lo_off = (long long)slots * xstride;
-    bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)stages * 8 * NT * ring.row_bytes);
-    // Lanes 0-3 of warp 0 hold columns n0 + 8j + 2q and n0 + 8j + 2q + 1 of the fragments (row 0).
+    bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)stages * 8 * ring.row_bytes);
+    // Lanes 0-3 of warp 0 hold columns n0 + 2q and n0 + 2q + 1 of the fragments (row 0).
     bool holder = warp == 0 && g == 0;
-    float r[NT][2] = {};
+    float r0 = 0.0f, r1 = 0.0f;
     if (holder) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            r[j][0] = resid[n0 + 8 * j + 2 * q];
-            r[j][1] = resid[n0 + 8 * j + 2 * q + 1];
-        }
+        r0 = resid[n0 + 2 * q];
+        r1 = resid[n0 + 2 * q + 1];
     }
     // Each slot's factor in the sum, in shared memory before the k loop's chain needs them.
     if ((int)threadIdx.x < slots) slot_scale[threadIdx.x] = (int)threadIdx.x < k ? topk_w[threadIdx.x] : shared_scale(shared_gate, 0);
-    stream_split_rows(act, 0, 1, slots, K, xs, xstride, lo_off);
+    // The slots' rows split into bf16 halves, two chunks of 8 per thread loaded before either
+    // is split (nine rows of K = 512 are 2.25 chunks a thread).
+    for (int c0 = threadIdx.x; c0 < slots * (K / 8); c0 += 2 * 32 * KSLICES) {
+        float v[2][8];
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            int c = c0 + b * 32 * KSLICES;
+            if (c < slots * (K / 8)) load8_f32(act + (long long)(c / (K / 8)) * K, (c % (K / 8)) * 8, K, true, v[b]);
+        }
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            int c = c0 + b * 32 * KSLICES, r = c / (K / 8), kk = (c % (K / 8)) * 8;
+            if (c >= slots * (K / 8)) break;
+            u32 hi[4], lo[4];
+            split8(v[b], hi, lo);
+            *(uint4*)(xs + (long long)r * xstride + kk) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            *(uint4*)(xs + lo_off + (long long)r * xstride + kk) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        }
+    }
     k_slices_sync();
     if (threadIdx.x == 0 && blockIdx.x == 0) TRACE_MARK(TRACE_ROWS_READY);
     int nkb = K / 32, kps = (nkb + KSLICES - 1) / KSLICES;
     int kb0 = warp * kps, kb1 = min(kb0 + kps, nkb);
+    const uint4 zero[1] = {};
     // Each warp takes the slots in turn without waiting for the others (a block barrier per
     // slot held every warp to the slowest one's copy and arithmetic), keeping its slice's sums
-    // of the block's columns (lanes 0-3 of fragment row 0) in shared memory; after one
-    // barrier, warp 0 adds them up in slice order as stream_slices_total does, slot by slot.
+    // of the 8 columns (lanes 0-3 of fragment row 0) in shared memory; after one barrier, warp
+    // 0 adds them up in slice order as matmul_stream_body does, slot by slot.
     for (int i = 0; i < slots; ++i) {
-        float c[NT][4];
-        stream_stage_products<NT>(ring, i, epi, g == 0 ? xs + (long long)i * xstride : 0, 0, lo_off, false, kb0, kb1, c);
+        int s = i % stages;
+        float c[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+        mbar_wait(ring.full + 8 * s, (u32)((i / stages) & 1));
+        if (i == 0 && threadIdx.x == 0 && blockIdx.x == 0) TRACE_MARK(TRACE_FIRST_DATA);
+        const unsigned char* st = ring.stage0 + (long long)s * 8 * ring.row_bytes + g * ring.row_bytes + q * 16;
+        for (int kb = kb0; kb < kb1; ++kb) {
+            uint4 bh[1] = {*(const uint4*)(st + kb * 64)};
+            small_kblock_split<1>(c, g == 0 ? xs + (long long)i * xstride : 0, 0, lo_off, false, kb * 32 + q * 8, bh, zero);
+        }
+        // This warp's reads of the stage are done: the producer may refill it.
+        __syncwarp();
+        if (lane == 0) mbar_arrive(ring.empty + 8 * s);
         if (g == 0) {
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                slice_sums[i][warp][8 * j + 2 * q] = c[j][0];
-                slice_sums[i][warp][8 * j + 2 * q + 1] = c[j][1];
-            }
+            slice_sums[i][warp][2 * q] = c[0][0];
+            slice_sums[i][warp][2 * q + 1] = c[0][1];
         }
     }
     k_slices_sync();
     if (holder) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            float a0 = 0.0f, a1 = 0.0f;
-            for (int i = 0; i < slots; ++i) {
-                float t0 = 0.0f, t1 = 0.0f;
-                for (int w = 0; w < KSLICES; ++w) {
-                    t0 += slice_sums[i][w][8 * j + 2 * q];
-                    t1 += slice_sums[i][w][8 * j + 2 * q + 1];
-                }
-                float ws = slot_scale[i];
-                a0 += ws * t0;
-                a1 += ws * t1;
+        float a0 = 0.0f, a1 = 0.0f;
+        for (int i = 0; i < slots; ++i) {
+            float t0 = 0.0f, t1 = 0.0f;
+            for (int w = 0; w < KSLICES; ++w) {
+                t0 += slice_sums[i][w][2 * q];
+                t1 += slice_sums[i][w][2 * q + 1];
             }
-            resid[n0 + 8 * j + 2 * q] = r[j][0] + a0;
-            resid[n0 + 8 * j + 2 * q + 1] = r[j][1] + a1;
+            float ws = slot_scale[i];
+            a0 += ws * t0;
+            a1 += ws * t1;
         }
+        resid[n0 + 2 * q] = r0 + a0;
+        resid[n0 + 2 * q + 1] = r1 + a1;
     }
     if (threadIdx.x == 0) TRACE_MARK(TRACE_BLOCK_END);
-}
-
-// One n tile per block. With two (128 blocks, each resident beside the gate/up launch with two
-// stages and the other slots pulled into L2), 35B-A3B's decode step took 3.61-3.62 ms against
-// 3.46-3.49 with one and 3.50-3.51 without the fusion (H100, alternated on one machine).
-extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_down_combine(float* resid, const float* act, const u64* table, const int* topk_idx,
-        const float* topk_w, const float* shared_gate, int H, int K, int k, int slots, int E, int stages) {
-    moe_down_combine_body<1>(resid, act, table, topk_idx, topk_w, shared_gate, H, K, k, slots, E, stages);
 }
