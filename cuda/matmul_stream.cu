@@ -489,19 +489,33 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) matmul_router_strea
 // expert's gate logit (null: none, a scale of 1), H (a multiple of 8), K (a multiple of 32), k,
 // slots, E and the ring's stage count. Dynamic shared memory: the ring (stages * 8 rows of 2K
 // bytes), then the split activation rows (2 * slots rows of 2K bytes).
-extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_down_combine(float* resid, const float* act, const u64* table, const int* topk_idx,
-        const float* topk_w, const float* shared_gate, int H, int K, int k, int slots, int E, int stages) {
+// What moe_down_combine does before its inputs are ready: its ring, each slot's weights (the
+// routing is two launches back, so complete once this kernel runs: the gate/up launch between
+// waited for it before it let this one start), and the producer warp's copies of the first
+// `early` slots (the whole ring while the gate/up launch streams: 32 KB a block) and L2
+// prefetches of the slots past them.
+struct FusedDownStart {
+    StreamRing ring;
+    const bf16_t* const* slot_w;
+    int early;
+    // The plain store: what stream_issue copies by (its rows in order).
+    Epilogue epi;
+};
+
+__device__ __forceinline__ FusedDownStart fused_down_start(const u64* table, const int* topk_idx, int H, int K, int k, int slots, int E, int stages) {
     extern __shared__ __align__(128) unsigned char stream_smem[];
     __shared__ __align__(8) u64 bars[2 * STREAM_MAX_STAGES];
     __shared__ const bf16_t* slot_w[FUSED_DOWN_MAX_SLOTS];
-    __shared__ float slot_scale[FUSED_DOWN_MAX_SLOTS];
-    __shared__ float slice_sums[FUSED_DOWN_MAX_SLOTS][KSLICES][8];
-    StreamRing ring = {};
+    FusedDownStart st = {};
+    StreamRing& ring = st.ring;
     ring.stage0 = stream_smem;
     ring.full = smem_u32(bars);
     ring.empty = ring.full + 8 * STREAM_MAX_STAGES;
     ring.stages = stages;
     ring.row_bytes = 2 * K + (STREAM_ROW_PAD && (2 * K) % 128 == 0 ? 64 : 0);
+    st.slot_w = slot_w;
+    st.early = min(stages, slots);
+    st.epi.mode = EPI_STORE;
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) {
             mbar_init(ring.full + 8 * s, 1);
@@ -509,26 +523,30 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_down_combine(fl
         }
         mbar_init_fence();
     }
-    // Each slot's weights: the routing is two launches back, so complete once this kernel runs
-    // (the gate/up launch between waited for it before it let this one start).
     if ((int)threadIdx.x < slots) slot_w[threadIdx.x] = (const bf16_t*)load_l2(table + 2 * ((int)threadIdx.x < k ? load_l2(topk_idx + threadIdx.x) : E));
     __syncthreads();
-    Epilogue epi = {};
-    epi.mode = EPI_STORE;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, n0 = blockIdx.x * 8;
-    int early = min(stages, slots);
-    if (warp == KSLICES) {
-        // The whole ring while the gate/up launch streams (a block's ring is 32 KB), and the
-        // slots past it into L2.
-        for (int i = 0; i < early; ++i) stream_issue<1>(ring, slot_w[i], H, K, n0, i, epi);
-        for (int i = early + lane; i < slots; i += 32) bulk_prefetch_l2(slot_w[i] + (long long)n0 * K, 16u * (u32)K);
+    if ((int)(threadIdx.x >> 5) == KSLICES) {
+        int lane = threadIdx.x & 31, n0 = blockIdx.x * 8;
+        for (int i = 0; i < st.early; ++i) stream_issue<1>(ring, slot_w[i], H, K, n0, i, st.epi);
+        for (int i = st.early + lane; i < slots; i += 32) bulk_prefetch_l2(slot_w[i] + (long long)n0 * K, 16u * (u32)K);
     }
+    return st;
+}
+
+extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_down_combine(float* resid, const float* act, const u64* table, const int* topk_idx,
+        const float* topk_w, const float* shared_gate, int H, int K, int k, int slots, int E, int stages) {
+    FusedDownStart st = fused_down_start(table, topk_idx, H, K, k, slots, E, stages);
     wait_for_inputs();
+    __shared__ float slot_scale[FUSED_DOWN_MAX_SLOTS];
+    __shared__ float slice_sums[FUSED_DOWN_MAX_SLOTS][KSLICES][8];
+    const StreamRing& ring = st.ring;
+    const Epilogue& epi = st.epi;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, n0 = blockIdx.x * 8;
     if (warp == KSLICES) {
-        for (int i = early; i < slots; ++i) {
+        for (int i = st.early; i < slots; ++i) {
             int s = i % stages;
             mbar_wait(ring.empty + 8 * s, (u32)((i / stages - 1) & 1));
-            stream_issue<1>(ring, slot_w[i], H, K, n0, s, epi);
+            stream_issue<1>(ring, st.slot_w[i], H, K, n0, s, epi);
         }
         return;
     }

@@ -183,7 +183,9 @@ mod tests {
                 // the recurrent delta rule's loads of its state (written two or more launches
                 // back, or it waits first; gdn.rs tells it which), and the attention's L2
                 // prefetch of its key and value rows; attention's reads of its weights and of the
-                // step's layout (written before the step's first launch).
+                // step's layout (written before the step's first launch); the fused down
+                // projection's look-up of its experts (routed two launches back) and its first
+                // weight copies.
                 let weight_work = |s: &&str| {
                     s.starts_with("prefetch_small(")
                         || s.starts_with("StreamRing ring = stream_start<")
@@ -191,6 +193,7 @@ mod tests {
                         || s.starts_with("attn_prefetch_range(")
                         || s.starts_with("AttnPrepStart st = attn_prep_start(")
                         || s.starts_with("int ctx = positions[")
+                        || s.starts_with("FusedDownStart st = fused_down_start(")
                 };
                 let prefetch_then_wait = first.first().is_some_and(weight_work) && first.get(1) == Some(&"wait_for_inputs()");
                 assert!(waits_first || prefetch_then_wait, "{module}.cu: kernel {name} does not start with wait_for_inputs(): {:?}", first);

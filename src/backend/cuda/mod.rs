@@ -263,8 +263,7 @@ impl CudaBackend {
                 norm_in_matmul: std::env::var("KESTREL_CUDA_STREAM_NORM").map_or(true, |v| v != "0"),
                 max_dynamic: [0; 3],
                 smem_per_sm,
-                // Set to the kernel's limit below; 0 keeps the fusion off.
-                fused_down_max_dynamic: usize::from(std::env::var("KESTREL_CUDA_FUSED_DOWN").map_or(true, |v| v != "0")),
+                fused_down_max_dynamic: 0,
                 min_variant: match std::env::var("KESTREL_CUDA_STREAM_NT").as_deref() {
                     Ok("4") => 2,
                     Ok("2") => 1,
@@ -297,7 +296,7 @@ impl CudaBackend {
             // The streaming router takes the one-n-tile shapes, beside its routing's static memory.
             let fixed = open_dynamic_smem(&k.matmul_router_stream)?;
             sk.max_dynamic[0] = sk.max_dynamic[0].min((optin - fixed).max(0) as usize);
-            if sk.fused_down_max_dynamic > 0 {
+            if std::env::var("KESTREL_CUDA_FUSED_DOWN").map_or(true, |v| v != "0") {
                 sk.fused_down_max_dynamic = (optin - open_dynamic_smem(&k.moe_down_combine)?).max(0) as usize;
             }
             Some(sk)
