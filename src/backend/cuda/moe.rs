@@ -351,11 +351,11 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
     launch_matmul(be, be.ptr(&act.data), be.ptr(&x.data), t, 0, 0, t, 2 * inter, h, Some(&grouped(0, slots, false)), Epilogue::SWIGLU);
     // The gate/up launch waited for the routing before it let this one start, so the down
     // launch may look its experts up early.
+    let down = grouped(1, 1, true);
     // One token: the down projection adds the weighted sum into the residual row itself (the
     // same bits as the grouped launch and the combine pass), so that the next launch reads one
     // row instead of every expert's.
-    let down_has_lo = w.experts.iter().chain(w.shared.iter().filter(|_| fold)).any(|m| m[1].lo.is_some());
-    let fused_down = (t == 1 && (fold || w.shared.is_none()) && !down_has_lo).then(|| super::matmul::fused_down(be, slots, h, inter)).flatten();
+    let fused_down = (t == 1 && (fold || w.shared.is_none()) && !down.has_lo).then(|| super::matmul::fused_down(be, slots, h, inter)).flatten();
     if let Some(launch) = fused_down {
         let gate = shared_gate.as_ref().filter(|_| fold).map_or(0, |s| be.ptr(&s.data));
         let args = [
@@ -376,7 +376,7 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
         return MoeOutput::Added;
     }
     let y = be.tensor(t * slots, h);
-    launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), t * slots, 0, 0, t, h, inter, Some(&grouped(1, 1, true)), Epilogue::STORE);
+    launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), t * slots, 0, 0, t, h, inter, Some(&down), Epilogue::STORE);
 
     // The shared expert's rows: slot k of y, or its own matmuls when its shapes differ.
     let separate = w.shared.as_ref().filter(|_| !fold).map(|[gu, d]| super::matmul::matmul(be, &super::matmul::matmul_swiglu(be, x, gu), d));
