@@ -5,6 +5,59 @@
 // Most experts routing supports: each lane keeps E / 32 probabilities in registers.
 #define ROUTE_MAX_PER_LANE 16
 
+// Whether route_token takes route_top_k_sorted where it applies (1) or its argmax rounds (0, for
+// A/B runs through `KESTREL_CUDA_DEFINES=ROUTE_SORTED=0`): the same choices either way.
+#ifndef ROUTE_SORTED
+#define ROUTE_SORTED 1
+#endif
+
+#if __CUDA_ARCH__ >= 800
+// Descending compare-exchange of two composite keys.
+__device__ __forceinline__ void route_cas(u64& a, u64& b) {
+    u64 hi = a > b ? a : b, lo = a > b ? b : a;
+    a = hi;
+    b = lo;
+}
+
+// route_token's k argmax rounds where each lane holds at most 8 experts (E <= 256): the same
+// choices (the largest probability, ties to the lower expert) and sums, in fewer instructions.
+// Each lane sorts its (probability, expert) pairs once, as composite keys (the probability's
+// bits plus one, as the rounds order them, over the complement of the expert), by the
+// 19-exchange network for 8; a round then takes the warp's largest head by two integer
+// reductions, and the lane that held it drops its head. The rounds' argmax over 16 registers
+// is a chain of dependent compares in every round.
+__device__ __forceinline__ void route_top_k_sorted(const float p[ROUTE_MAX_PER_LANE], int lane, int E, int k, float sum, float mine_w[2], int mine_i[2], float& total) {
+    u64 s8[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        int e = lane + 32 * i;
+        u32 key = e < E && p[i] >= 0.0f ? __float_as_uint(p[i]) + 1u : 0u;
+        s8[i] = ((u64)key << 32) | (u32)~e;
+    }
+    route_cas(s8[0], s8[2]); route_cas(s8[1], s8[3]); route_cas(s8[4], s8[6]); route_cas(s8[5], s8[7]);
+    route_cas(s8[0], s8[4]); route_cas(s8[1], s8[5]); route_cas(s8[2], s8[6]); route_cas(s8[3], s8[7]);
+    route_cas(s8[0], s8[1]); route_cas(s8[2], s8[3]); route_cas(s8[4], s8[5]); route_cas(s8[6], s8[7]);
+    route_cas(s8[2], s8[4]); route_cas(s8[3], s8[5]);
+    route_cas(s8[1], s8[4]); route_cas(s8[3], s8[6]);
+    route_cas(s8[1], s8[2]); route_cas(s8[3], s8[4]); route_cas(s8[5], s8[6]);
+    for (int s = 0; s < k; ++s) {
+        u32 hi = (u32)(s8[0] >> 32), lo = (u32)s8[0], top, best;
+        asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(top) : "r"(hi));
+        u32 candidate = hi == top ? lo : 0u;
+        asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(best) : "r"(candidate));
+        bool won = hi == top && lo == best;
+        float chosen = (top == 0u ? NEG_INF : __uint_as_float(top - 1u)) / sum;
+        total += chosen;
+        if ((s & 31) == lane) {
+            if (s < 32) { mine_w[0] = chosen; mine_i[0] = (int)~best; } else { mine_w[1] = chosen; mine_i[1] = (int)~best; }
+        }
+#pragma unroll
+        for (int i = 0; i < 7; ++i) s8[i] = won ? s8[i + 1] : s8[i];
+        s8[7] = won ? 0ull : s8[7];
+    }
+}
+#endif
+
 // Routing of token t by one warp: softmax over all experts, top-k by repeated argmax (ties to
 // the lower index), optional renormalization. Lane j holds experts j, j + 32, ... in registers,
 // so an argmax round reads no memory. A warp, not a block: the k argmax rounds need no block
@@ -35,6 +88,11 @@ __device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, 
     float mine_w[2] = {0.0f, 0.0f};
     int mine_i[2] = {0, 0};
     float total = 0.0f;
+#if __CUDA_ARCH__ >= 800
+    if (ROUTE_SORTED && E <= 8 * 32) {
+        route_top_k_sorted(p, lane, E, k, sum, mine_w, mine_i, total);
+    } else
+#endif
     for (int s = 0; s < k; ++s) {
         float bv = NEG_INF;
         int bi = 0x7fffffff;
