@@ -11,6 +11,26 @@
 #define ROUTE_SORTED 1
 #endif
 
+// A probability as an unsigned key for integer reductions: a probability is >= 0 or NEG_INF, so
+// its bits plus one (0 for NEG_INF) order as unsigned integers as the floats do, and equal keys
+// are equal probabilities. route_key_value gives the probability back.
+__device__ __forceinline__ u32 route_key(float p) {
+    return p >= 0.0f ? __float_as_uint(p) + 1u : 0u;
+}
+__device__ __forceinline__ float route_key_value(u32 key) {
+    return key == 0u ? NEG_INF : __uint_as_float(key - 1u);
+}
+
+// Round s's choice of expert e with probability bv: its weight into the running total, and into
+// the registers of lane s % 32 (k <= 64: two registers).
+__device__ __forceinline__ void route_keep(int s, int lane, float bv, int e, float sum, float mine_w[2], int mine_i[2], float& total) {
+    float chosen = bv / sum;
+    total += chosen;
+    if ((s & 31) == lane) {
+        if (s < 32) { mine_w[0] = chosen; mine_i[0] = e; } else { mine_w[1] = chosen; mine_i[1] = e; }
+    }
+}
+
 #if __CUDA_ARCH__ >= 800
 // Descending compare-exchange of two composite keys.
 __device__ __forceinline__ void route_cas(u64& a, u64& b) {
@@ -21,8 +41,8 @@ __device__ __forceinline__ void route_cas(u64& a, u64& b) {
 
 // route_token's k argmax rounds where each lane holds at most 8 experts (E <= 256): the same
 // choices (the largest probability, ties to the lower expert) and sums, in fewer instructions.
-// Each lane sorts its (probability, expert) pairs once, as composite keys (the probability's
-// bits plus one, as the rounds order them, over the complement of the expert), by the
+// Each lane sorts its (probability, expert) pairs once, as composite keys (route_key over the
+// complement of the expert), by the
 // 19-exchange network for 8; a round then takes the warp's largest head by two integer
 // reductions, and the lane that held it drops its head. The rounds' argmax over 16 registers
 // is a chain of dependent compares in every round.
@@ -31,8 +51,7 @@ __device__ __forceinline__ void route_top_k_sorted(const float p[ROUTE_MAX_PER_L
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         int e = lane + 32 * i;
-        u32 key = e < E && p[i] >= 0.0f ? __float_as_uint(p[i]) + 1u : 0u;
-        s8[i] = ((u64)key << 32) | (u32)~e;
+        s8[i] = ((u64)(e < E ? route_key(p[i]) : 0u) << 32) | (u32)~e;
     }
     route_cas(s8[0], s8[2]); route_cas(s8[1], s8[3]); route_cas(s8[4], s8[6]); route_cas(s8[5], s8[7]);
     route_cas(s8[0], s8[4]); route_cas(s8[1], s8[5]); route_cas(s8[2], s8[6]); route_cas(s8[3], s8[7]);
@@ -46,11 +65,7 @@ __device__ __forceinline__ void route_top_k_sorted(const float p[ROUTE_MAX_PER_L
         u32 candidate = hi == top ? lo : 0u;
         asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(best) : "r"(candidate));
         bool won = hi == top && lo == best;
-        float chosen = (top == 0u ? NEG_INF : __uint_as_float(top - 1u)) / sum;
-        total += chosen;
-        if ((s & 31) == lane) {
-            if (s < 32) { mine_w[0] = chosen; mine_i[0] = (int)~best; } else { mine_w[1] = chosen; mine_i[1] = (int)~best; }
-        }
+        route_keep(s, lane, route_key_value(top), (int)~best, sum, mine_w, mine_i, total);
 #pragma unroll
         for (int i = 0; i < 7; ++i) s8[i] = won ? s8[i + 1] : s8[i];
         s8[7] = won ? 0ull : s8[7];
@@ -84,7 +99,7 @@ __device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, 
         }
     }
     sum = warp_sum(sum);
-    // Lane s % 32 keeps slot s (k <= 64: two registers).
+    // Lane s % 32 keeps slot s (route_keep).
     float mine_w[2] = {0.0f, 0.0f};
     int mine_i[2] = {0, 0};
     float total = 0.0f;
@@ -103,15 +118,13 @@ __device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, 
         }
 #if __CUDA_ARCH__ >= 800
         // The warp's largest probability, then the lowest expert holding it, by two integer
-        // reductions instead of five rounds of paired shuffles: a probability is >= 0 or
-        // NEG_INF, so its bits plus one (0 for NEG_INF) order as unsigned integers as the
-        // floats do, and equal keys are equal probabilities. The same (value, index) as the
-        // butterfly below.
-        u32 key = bv >= 0.0f ? __float_as_uint(bv) + 1u : 0u, top, low;
+        // reductions on route_key instead of five rounds of paired shuffles. The same (value,
+        // index) as the butterfly below.
+        u32 key = route_key(bv), top, low;
         asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(top) : "r"(key));
         u32 mine_low = key == top ? (u32)bi : 0xffffffffu;
         asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(low) : "r"(mine_low));
-        bv = top == 0u ? NEG_INF : __uint_as_float(top - 1u);
+        bv = route_key_value(top);
         bi = (int)low;
 #else
 #pragma unroll
@@ -121,11 +134,7 @@ __device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, 
             if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
         }
 #endif
-        float chosen = bv / sum;
-        total += chosen;
-        if ((s & 31) == lane) {
-            if (s < 32) { mine_w[0] = chosen; mine_i[0] = bi; } else { mine_w[1] = chosen; mine_i[1] = bi; }
-        }
+        route_keep(s, lane, bv, bi, sum, mine_w, mine_i, total);
 #pragma unroll
         for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i)
             if (lane + 32 * i == bi) p[i] = NEG_INF;
