@@ -3,11 +3,10 @@
 // absolute positions, with an online softmax (attn_core). A query's context is cut into
 // ATTN_SPLITS contiguous ranges of whole tiles (their length from the context length alone);
 // each range gets its own online softmax, and the range results are merged in range order
-// (merge_scales, merge_sum). The ranges run in one block one after another, or, for steps with
-// few rows, in blocks of their own whose results attn_combine merges; where every row has one
-// token (decode), attn_decode does all three launches' work in one: the same arithmetic either
-// way. A query's arithmetic depends only on its own context, so it is the same alone, in any
-// batch, and in any prefill split.
+// (merge_range). The ranges run in one block one after another, or, for steps with few rows, in
+// blocks of their own whose results attn_combine merges: the same arithmetic either way. A
+// query's arithmetic depends only on its own context, so it is the same alone, in any batch,
+// and in any prefill split.
 
 #define KEY_TILE 64
 #define MAX_ELEMS_PER_THREAD 8
@@ -15,7 +14,6 @@
 #define KEYS_PER_PASS 8
 #define VALUES_IN_FLIGHT 32
 #define ATTN_SPLITS 32
-static_assert(ATTN_SPLITS % 16 == 0, "merged_ranges loads ranges 16 at a time");
 
 // Keys per range for a context of ctx keys: whole tiles, ATTN_SPLITS ranges covering ctx.
 __device__ __forceinline__ int range_keys(int ctx) {
@@ -67,44 +65,6 @@ __device__ __forceinline__ AttnPrepStart attn_prep_start(const float* q_norm, co
     return st;
 }
 
-// One head row through its RMSNorm and the partial NeoX rotation, by 128 threads: thread i
-// (0 .. 127, of warps i / 32 of the team) takes d = i, i + 128, ..., and the sum of squares goes
-// through block_sum's tree at 128 threads (warp butterflies, then the first warp adds the 4 warp
-// totals); `sync` is the team's barrier. attn_prep's blocks are one such team and attn_decode's
-// have two (q heads, and the new key beside them), so both write the same bits. `w` and `freq`
-// are in shared memory; `normed` (hd floats) and `scratch` (33) are the team's own. The result
-// goes to dst[0 .. hd).
-template <typename Barrier>
-__device__ __forceinline__ void norm_rotate_head(float* dst, const float* src, const float* w, const float* freq, int pos, int hd, int rot, float eps, float* normed,
-        float* scratch, int i, Barrier sync) {
-    int lane = i & 31, warp = i >> 5;
-    float ss = 0.0f;
-    for (int d = i; d < hd; d += 128) ss += src[d] * src[d];
-    ss = warp_sum(ss);
-    sync();
-    if (lane == 0) scratch[warp] = ss;
-    sync();
-    if (warp == 0) {
-        float t = warp_sum(lane < 4 ? scratch[lane] : 0.0f);
-        if (lane == 0) scratch[32] = t;
-    }
-    sync();
-    float inv = 1.0f / sqrtf(scratch[32] / (float)hd + eps);
-    for (int d = i; d < hd; d += 128) normed[d] = src[d] * inv * w[d];
-    sync();
-    int half = rot / 2;
-    for (int d = i; d < hd; d += 128) {
-        float val = normed[d];
-        if (d < rot) {
-            int j = d < half ? d : d - half;
-            float s, c;
-            sincosf((float)pos * freq[j], &s, &c);
-            val = d < half ? normed[d] * c - normed[d + half] * s : normed[d] * c + normed[d - half] * s;
-        }
-        dst[d] = val;
-    }
-}
-
 // grid (T, nq + nkv), 128 threads; dynamic shared memory: 2 * hd + rot / 2 floats.
 extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cache, float* v_cache, const float* qg, const float* k, const float* v,
         const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows,
@@ -116,7 +76,17 @@ extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cac
     int t = blockIdx.x, h = blockIdx.y;
     bool is_q = h < nq;
     const float* src = is_q ? qg + (long long)t * nq * 2 * hd + (long long)h * 2 * hd : k + (long long)t * nkv * hd + (long long)(h - nq) * hd;
+    float ss = 0.0f;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) ss += src[d] * src[d];
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)hd + eps);
+    // st.w[d] was stored by this same thread (the same d).
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) normed[d] = src[d] * inv * st.w[d];
+    __syncthreads();
+    int pos = st.pos, half = rot / 2;
     float* dst;
+    float* vdst = 0;
+    const float* vsrc = 0;
     if (is_q) {
         dst = q_out + (long long)t * nq * hd + (long long)h * hd;
         const float* gsrc = src + hd;
@@ -124,11 +94,20 @@ extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cac
         for (int d = threadIdx.x; d < hd; d += blockDim.x) gdst[d] = gsrc[d];
     } else {
         dst = k_cache + st.slot * nkv * hd + (long long)(h - nq) * hd;
-        float* vdst = v_cache + st.slot * nkv * hd + (long long)(h - nq) * hd;
-        const float* vsrc = v + (long long)t * nkv * hd + (long long)(h - nq) * hd;
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) vdst[d] = vsrc[d];
+        vdst = v_cache + st.slot * nkv * hd + (long long)(h - nq) * hd;
+        vsrc = v + (long long)t * nkv * hd + (long long)(h - nq) * hd;
     }
-    norm_rotate_head(dst, src, st.w, st.freq, st.pos, hd, rot, eps, normed, scratch, threadIdx.x, [] { __syncthreads(); });
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float val = normed[d];
+        if (d < rot) {
+            int j = d < half ? d : d - half;
+            float s, c;
+            sincosf((float)pos * st.freq[j], &s, &c);
+            val = d < half ? normed[d] * c - normed[d + half] * s : normed[d] * c + normed[d - half] * s;
+        }
+        dst[d] = val;
+        if (vdst) vdst[d] = vsrc[d];
+    }
     if (threadIdx.x == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
 
@@ -165,115 +144,17 @@ __device__ __forceinline__ void attn_prefetch_range(const float* k_cache, const 
 #endif
 }
 
-// What attn_decode (attn_core_body<true>) takes beyond attn_core's arguments: the raw
-// projections (q and gate interleaved per head, the new key and value rows), the norm weights
-// and the rotation's frequencies (copied to shared memory before the wait), 2 hd floats of
-// scratch for the two norms, and the per-(token, head block) counts of finished ranges.
-struct AttnFused {
-    const float* qg;
-    const float* k;
-    const float* v;
-    float* k_cache;
-    float* v_cache;
-    const float* wq;
-    const float* wk;
-    const float* freq;
-    float* normed;
-    int rot;
-    float eps;
-    unsigned* done;
-};
-
-// The ranges of (token t, head h) that attn_core wrote to `partial`, merged in range order
-// (attn_core's own merge of walked ranges, bit for bit), for element d: the gated output.
-// Partials are read from L2: in attn_decode other blocks of the same launch wrote them.
-__device__ __forceinline__ float merged_ranges(const float* partial, int t, int h, int nq, int hd, int d, int ctx, float gate) {
-    int span = range_keys(ctx);
-    float M = NEG_INF, L = 0.0f, ACC = 0.0f;
-    // The partials of MERGE_CHUNK ranges loaded before the first of them is merged (the merge's
-    // time is its loads; a short context's live ranges fit in one chunk).
-    const int MERGE_CHUNK = 16;
-    for (int r0 = 0; r0 < ATTN_SPLITS && r0 * span < ctx; r0 += MERGE_CHUNK) {
-        float pm0[MERGE_CHUNK], pm1[MERGE_CHUNK], pa[MERGE_CHUNK];
-#pragma unroll
-        for (int i = 0; i < MERGE_CHUNK; ++i) {
-            const float* pm = partial + (((long long)t * nq + h) * ATTN_SPLITS + r0 + i) * (hd + 2);
-            bool live = (r0 + i) * span < ctx;
-            pm0[i] = live ? load_l2(pm) : 0.0f;
-            pm1[i] = live ? load_l2(pm + 1) : 0.0f;
-            pa[i] = live ? load_l2(pm + 2 + d) : 0.0f;
-        }
-#pragma unroll
-        for (int i = 0; i < MERGE_CHUNK; ++i) {
-            if ((r0 + i) * span >= ctx) break;
-            float c_old, c_new;
-            M = merge_scales(M, pm0[i], &c_old, &c_new);
-            L = merge_sum(L, pm1[i], c_old, c_new);
-            ACC = merge_sum(ACC, pa[i], c_old, c_new);
-        }
-    }
-    return ACC / L * sigmoidf_(gate);
-}
-
-// Online softmax of a tile's scores `sc` ([hpb][KEY_TILE], np live), one warp per head: lane j
-// takes keys j and j + 32, the tile's maximum and sum by butterflies (a fixed order, like every
-// reduction here); the scores become their exponentials, and the head's running maximum and
-// sum and the old sum's correction are updated.
-__device__ __forceinline__ void tile_softmax(float* sc, float* mrun, float* lrun, float* corr, int hpb, int np) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    for (int g = warp; g < hpb; g += nwarps) {
-        float* s = sc + g * KEY_TILE;
-        float s0 = lane < np ? s[lane] : NEG_INF, s1 = lane + 32 < np ? s[lane + 32] : NEG_INF;
-        float mt = warp_max(fmaxf(mrun[g], fmaxf(s0, s1)));
-        float e0 = lane < np ? expf(s0 - mt) : 0.0f, e1 = lane + 32 < np ? expf(s1 - mt) : 0.0f;
-        if (lane < np) s[lane] = e0;
-        if (lane + 32 < np) s[lane + 32] = e1;
-        float sum = warp_sum(e0 + e1);
-        if (lane == 0) {
-            float c = expf(mrun[g] - mt);
-            lrun[g] = lrun[g] * c + sum;
-            mrun[g] = mt;
-            corr[g] = c;
-        }
-    }
-}
-
-// attn_decode's end of a range, after its partial is stored: the block that finishes the last
-// of its (token, head block)'s ranges merges them all (attn_combine's launch and hand-over
-// saved). The count's atomic is acq_rel, ordered after the block's stores by the barrier
-// (route_in_last_block does the same), and the count starts again from zero for the next
-// launch.
-__device__ __forceinline__ void merge_if_last(float* out, const float* partial, const AttnFused& f, int t, int h0, int hpb, int nq, int hd, int ctx, int span) {
-    __shared__ int merges;
-    int tid = threadIdx.x;
-    __syncthreads();
-    if (tid == 0) {
-        unsigned* count = f.done + (long long)t * gridDim.y + blockIdx.y;
-        unsigned before, live = (unsigned)((ctx + span - 1) / span);
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(count) : "memory");
-        merges = before == live - 1;
-        if (merges) *count = 0;
-    }
-    __syncthreads();
-    if (!merges) return;
-    for (int e = tid; e < hpb * hd; e += blockDim.x) {
-        int g = e / hd, d = e % hd;
-        float gate = f.qg[(long long)t * nq * 2 * hd + (long long)(h0 + g) * 2 * hd + hd + d];
-        out[(long long)t * nq * hd + (long long)h0 * hd + e] = merged_ranges(partial, t, h0 + g, nq, hd, d, ctx, gate);
-    }
-}
-
 // grid (T, nq / heads_per_block, 1 or ATTN_SPLITS), 256 threads. A block serves
 // heads_per_block query heads of one kv group (sharing the key/value reads); the per-(query,
 // head) arithmetic is identical for any heads_per_block. With gridDim.z == 1 a block walks all
 // ranges and merges them; with gridDim.z == ATTN_SPLITS block z computes range z only and
-// writes its (m, l, acc) to `partial` ([T][nq][ATTN_SPLITS][hd + 2]), which attn_combine
-// merges, or (FUSED, attn_decode) the block that finishes a (token, head block)'s last range.
-// Dynamic shared memory: heads_per_block * (hd + KEY_TILE + 5) floats (FUSED: then AttnFused's).
-template <bool FUSED>
-__device__ __forceinline__ void attn_core_body(float* out, const float* q, const float* gate, const float* k_cache, const float* v_cache, const int* tok_row,
-        const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd, int block_size, int heads_per_block, float scale, float* partial,
-        const AttnFused& f) {
+// writes its (m, l, acc) to `partial` ([T][nq][ATTN_SPLITS][hd + 2]) for attn_combine.
+// Dynamic shared memory: heads_per_block * (hd + KEY_TILE + 5) floats.
+extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const float* q, const float* gate, const float* k_cache, const float* v_cache,
+        const int* tok_row, const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd, int block_size,
+        int heads_per_block, float scale, float* partial) {
+    attn_prefetch_range(k_cache, v_cache, tok_row, positions, rows, block_tables, nq, nkv, hd, block_size, heads_per_block);
+    wait_for_inputs();
     extern __shared__ float sm[];
     __shared__ long long slots[KEY_TILE];
     int hpb = heads_per_block;
@@ -290,33 +171,8 @@ __device__ __forceinline__ void attn_core_body(float* out, const float* q, const
     int ctx = positions[t] + 1;
     int span = range_keys(ctx);
     bool split = gridDim.z > 1;
-    if (split && (int)blockIdx.z * span >= ctx) return;  // an empty range: the merge skips it
-    if (FUSED) {
-        // attn_prep's work for this block: its query heads normalized and rotated into shared
-        // memory, and, in the block whose range holds the token's own position, the new key and
-        // value into the cache before the keys are read. With one head per block, the blocks of
-        // a kv group's heads write the same bits to the same row (attn_decode runs only where
-        // every row of the step has one token, so no other token reads it).
-        int pos = ctx - 1;
-        __shared__ float scratch[2][33];
-        // The weights attn_decode_start copied (by other threads) are in place.
-        __syncthreads();
-        if (warp < 4) {
-            // Warps 0-3: the query heads.
-            for (int g = 0; g < hpb; ++g)
-                norm_rotate_head(qs + g * hd, f.qg + (long long)t * nq * 2 * hd + (long long)(h0 + g) * 2 * hd, f.wq, f.freq, pos, hd, f.rot, f.eps, f.normed, scratch[0],
-                        tid, [] { asm volatile("bar.sync 1, 128;" ::: "memory"); });
-        } else if ((int)blockIdx.z == pos / span) {
-            // Warps 4-7, beside them: the new key and value row.
-            long long at = cache_slot(tok_row, rows, block_tables, t, pos, block_size) * nkv * hd + (long long)kvh * hd;
-            const float* vsrc = f.v + (long long)t * nkv * hd + (long long)kvh * hd;
-            for (int d = tid - 128; d < hd; d += 128) f.v_cache[at + d] = vsrc[d];
-            norm_rotate_head(f.k_cache + at, f.k + (long long)t * nkv * hd + (long long)kvh * hd, f.wk, f.freq, pos, hd, f.rot, f.eps, f.normed + hd, scratch[1],
-                    tid - 128, [] { asm volatile("bar.sync 2, 128;" ::: "memory"); });
-        }
-    } else {
-        for (int e = tid; e < hpb * hd; e += blockDim.x) qs[e] = q[(long long)t * nq * hd + (long long)h0 * hd + e];
-    }
+    if (split && (int)blockIdx.z * span >= ctx) return;  // an empty range: attn_combine skips it
+    for (int e = tid; e < hpb * hd; e += blockDim.x) qs[e] = q[(long long)t * nq * hd + (long long)h0 * hd + e];
     if (tid < hpb) { mtot[tid] = NEG_INF; ltot[tid] = 0.0f; }
     RowInfo row = rows[tok_row[t]];
     const int* table = block_tables + row.block_table_offset;
@@ -365,7 +221,23 @@ __device__ __forceinline__ void attn_core_body(float* out, const float* q, const
             }
         }
         __syncthreads();
-        tile_softmax(sc, mrun, lrun, corr, hpb, np);
+        // Online softmax, one warp per head: lane j takes keys j and j + 32 of the tile, the
+        // tile's maximum and sum by butterflies (a fixed order, like every reduction here).
+        for (int g = warp; g < hpb; g += nwarps) {
+            float* s = sc + g * KEY_TILE;
+            float s0 = lane < np ? s[lane] : NEG_INF, s1 = lane + 32 < np ? s[lane + 32] : NEG_INF;
+            float mt = warp_max(fmaxf(mrun[g], fmaxf(s0, s1)));
+            float e0 = lane < np ? expf(s0 - mt) : 0.0f, e1 = lane + 32 < np ? expf(s1 - mt) : 0.0f;
+            if (lane < np) s[lane] = e0;
+            if (lane + 32 < np) s[lane + 32] = e1;
+            float sum = warp_sum(e0 + e1);
+            if (lane == 0) {
+                float c = expf(mrun[g] - mt);
+                lrun[g] = lrun[g] * c + sum;
+                mrun[g] = mt;
+                corr[g] = c;
+            }
+        }
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) {
@@ -402,7 +274,6 @@ __device__ __forceinline__ void attn_core_body(float* out, const float* q, const
             pm[0] = mrun[tid];
             pm[1] = lrun[tid];
         }
-        if (FUSED) merge_if_last(out, partial, f, t, h0, hpb, nq, hd, ctx, span);
         if (tid == 0) TRACE_MARK(TRACE_BLOCK_END);
         return;
     }
@@ -436,62 +307,37 @@ __device__ __forceinline__ void attn_core_body(float* out, const float* q, const
     if (tid == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
 
-extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const float* q, const float* gate, const float* k_cache, const float* v_cache,
-        const int* tok_row, const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd, int block_size,
-        int heads_per_block, float scale, float* partial) {
-    attn_prefetch_range(k_cache, v_cache, tok_row, positions, rows, block_tables, nq, nkv, hd, block_size, heads_per_block);
-    wait_for_inputs();
-    attn_core_body<false>(out, q, gate, k_cache, v_cache, tok_row, positions, rows, block_tables, nq, nkv, hd, block_size, heads_per_block, scale, partial, AttnFused{});
-}
-
-// What attn_decode does before its inputs are ready: attn_core's L2 prefetch of its range's
-// keys and values, and its norm weights and frequencies into shared memory. Dynamic shared
-// memory (floats): attn_core's arrays (heads_per_block * (hd + KEY_TILE + 5)), then q_norm and
-// k_norm (hd each), rot / 2 frequencies and 2 hd of norm scratch.
-__device__ __forceinline__ AttnFused attn_decode_start(const float* qg, const float* k, const float* v, float* k_cache, float* v_cache, const float* q_norm,
-        const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd,
-        int rot, int block_size, int heads_per_block, float eps, unsigned* done) {
-    attn_prefetch_range(k_cache, v_cache, tok_row, positions, rows, block_tables, nq, nkv, hd, block_size, heads_per_block);
-    extern __shared__ float sm[];
-    float* wq = sm + heads_per_block * (hd + KEY_TILE + 5);
-    float* wk = wq + hd;
-    float* freq = wk + hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        wq[d] = q_norm[d];
-        wk[d] = k_norm[d];
-    }
-    for (int j = threadIdx.x; j < rot / 2; j += blockDim.x) freq[j] = inv_freq[j];
-    return AttnFused{qg, k, v, k_cache, v_cache, wq, wk, freq, freq + rot / 2, rot, eps, done};
-}
-
-// attn_prep, attn_core's split blocks and attn_combine in one launch, for steps whose rows each
-// have one token (decode): each block normalizes and rotates its own query heads, the block
-// holding the token's position writes the new key and value row, and the block finishing a
-// (token, head block)'s last range merges the ranges. The same arithmetic as the three
-// launches, so the same bits. grid (T, nq / heads_per_block, ATTN_SPLITS), 256 threads; the
-// arguments are the raw projections (attn_prep's), the cache, the weights, the layout, the
-// shape, then the partials ([T][nq][ATTN_SPLITS][hd + 2]) and T * gridDim.y zeroed counts.
-// Dynamic shared memory: see attn_decode_start.
-extern "C" __global__ void __launch_bounds__(256) attn_decode(float* out, const float* qg, const float* k, const float* v, float* k_cache, float* v_cache,
-        const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows, const int* block_tables,
-        int nq, int nkv, int hd, int rot, int block_size, int heads_per_block, float scale, float eps, float* partial, unsigned* done) {
-    AttnFused f = attn_decode_start(qg, k, v, k_cache, v_cache, q_norm, k_norm, inv_freq, tok_row, positions, rows, block_tables, nq, nkv, hd, rot, block_size,
-            heads_per_block, eps, done);
-    wait_for_inputs();
-    attn_core_body<true>(out, 0, 0, k_cache, v_cache, tok_row, positions, rows, block_tables, nq, nkv, hd, block_size, heads_per_block, scale, partial, f);
-}
-
 // grid (T, nq), hd threads (rounded up to a warp): merges the ranges attn_core wrote to
-// `partial`, in range order, exactly as attn_core merges them in one block (merged_ranges).
+// `partial`, in range order, exactly as attn_core merges them in one block.
 // The context length comes from the step's layout (written before the step's first launch),
 // read before the wait: it decides which partials are loaded.
 extern "C" __global__ void attn_combine(float* out, const float* gate, const float* partial, const int* positions, int nq, int hd) {
     int ctx = positions[blockIdx.x] + 1;
     wait_for_inputs();
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    int span = range_keys(ctx);
+    float M = NEG_INF, L = 0.0f, ACC = 0.0f;
+    // Every range's partial loaded before the first merge (the kernel's time is its loads).
+    float pm0[ATTN_SPLITS], pm1[ATTN_SPLITS], pa[ATTN_SPLITS];
+#pragma unroll
+    for (int r = 0; r < ATTN_SPLITS; ++r) {
+        const float* pm = partial + (((long long)t * nq + h) * ATTN_SPLITS + r) * (hd + 2);
+        bool live = r * span < ctx;
+        pm0[r] = live ? pm[0] : 0.0f;
+        pm1[r] = live ? pm[1] : 0.0f;
+        pa[r] = live && d < hd ? pm[2 + d] : 0.0f;
+    }
+#pragma unroll
+    for (int r = 0; r < ATTN_SPLITS; ++r) {
+        if (r * span >= ctx) break;
+        float c_old, c_new;
+        M = merge_scales(M, pm0[r], &c_old, &c_new);
+        L = merge_sum(L, pm1[r], c_old, c_new);
+        if (d < hd) ACC = merge_sum(ACC, pa[r], c_old, c_new);
+    }
     if (d < hd) {
         long long o = ((long long)t * nq + h) * hd + d;
-        out[o] = merged_ranges(partial, t, h, nq, hd, d, ctx, gate[o]);
+        out[o] = ACC / L * sigmoidf_(gate[o]);
     }
     if (d == 0) TRACE_MARK(TRACE_BLOCK_END);
 }

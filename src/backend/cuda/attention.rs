@@ -46,60 +46,10 @@ pub(super) fn gated_attention(
     }
     let base = dl.base;
     let at = |off: usize| base + 4 * off as u64;
-    let inv_freq = be.rope_table(d.rope_theta, d.rotary_dim);
-    let (kc, vc) = (be.ptr(&cache.k[layer]), be.ptr(&cache.v[layer]));
-    let group = nq / nkv;
-    let heads_per_block = if t >= GROUPED_HEADS_MIN_TOKENS && group * hd <= MAX_BLOCK_ELEMS { group } else { 1 };
-    let smem = heads_per_block * (hd + KEY_TILE + 5) * 4;
-    assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
-    let out = be.tensor(t, nq * hd);
-    // A step whose (token, head) blocks cannot fill the GPU gives each context range a block of
-    // its own and merges the ranges afterwards (the same arithmetic as one block walking them
-    // all), so a decode step reads its keys on ATTN_SPLITS times more SMs.
-    let y_blocks = nq / heads_per_block;
-    let split = t * y_blocks < be.sm_count;
-    let partial = split.then(|| be.alloc_f32(t * nq * ATTN_SPLITS * (hd + 2)));
-    // Where every row has one token, the split launch also does attn_prep's work and the merge
-    // (attn_decode): two launches fewer. A row of several tokens needs its earlier tokens' keys
-    // in the cache before any of its blocks reads them, which only a launch boundary gives.
-    let fused_smem = smem + (4 * hd + d.rotary_dim / 2) * 4;
-    let fused = split && be.attn_fused && layout.rows.iter().all(|r| r.num_tokens == 1) && t * y_blocks <= be.attn_done.len() && fused_smem <= be.max_dynamic_smem;
-    if let (true, Some(partial)) = (fused, &partial) {
-        be.launch(
-            &be.k.attn_decode,
-            (t as u32, y_blocks as u32, ATTN_SPLITS as u32),
-            256,
-            fused_smem,
-            &[
-                Arg::Ptr(be.ptr(&out.data)),
-                Arg::Ptr(be.ptr(&q_gate.data)),
-                Arg::Ptr(be.ptr(&k.data)),
-                Arg::Ptr(be.ptr(&v.data)),
-                Arg::Ptr(kc),
-                Arg::Ptr(vc),
-                Arg::Ptr(be.ptr(&q_norm.data)),
-                Arg::Ptr(be.ptr(&k_norm.data)),
-                Arg::Ptr(be.ptr(&*inv_freq)),
-                Arg::Ptr(at(dl.tok_row_off)),
-                Arg::Ptr(at(dl.pos_off)),
-                Arg::Ptr(base),
-                Arg::Ptr(base),
-                Arg::I32(nq as i32),
-                Arg::I32(nkv as i32),
-                Arg::I32(hd as i32),
-                Arg::I32(d.rotary_dim as i32),
-                Arg::I32(bs as i32),
-                Arg::I32(heads_per_block as i32),
-                Arg::F32(1.0 / (hd as f32).sqrt()),
-                Arg::F32(d.eps),
-                Arg::Ptr(be.ptr(partial)),
-                Arg::Ptr(be.ptr(&be.attn_done)),
-            ],
-        );
-        return out;
-    }
     let q = be.tensor(t, nq * hd);
     let gate = be.tensor(t, nq * hd);
+    let inv_freq = be.rope_table(d.rope_theta, d.rotary_dim);
+    let (kc, vc) = (be.ptr(&cache.k[layer]), be.ptr(&cache.v[layer]));
     be.launch(
         &be.k.attn_prep,
         (t as u32, (nq + nkv) as u32, 1),
@@ -128,9 +78,19 @@ pub(super) fn gated_attention(
             Arg::F32(d.eps),
         ],
     );
+    let group = nq / nkv;
+    let heads_per_block = if t >= GROUPED_HEADS_MIN_TOKENS && group * hd <= MAX_BLOCK_ELEMS { group } else { 1 };
+    let smem = heads_per_block * (hd + KEY_TILE + 5) * 4;
+    assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
+    let out = be.tensor(t, nq * hd);
+    // A step whose (token, head) blocks cannot fill the GPU gives each context range a block of
+    // its own and merges the ranges in a second launch (the same arithmetic as one block
+    // walking them all), so a decode step reads its keys on ATTN_SPLITS times more SMs.
+    let split = t * (nq / heads_per_block) < be.sm_count;
+    let partial = split.then(|| be.alloc_f32(t * nq * ATTN_SPLITS * (hd + 2)));
     be.launch(
         &be.k.attn_core,
-        (t as u32, y_blocks as u32, if split { ATTN_SPLITS as u32 } else { 1 }),
+        (t as u32, (nq / heads_per_block) as u32, if split { ATTN_SPLITS as u32 } else { 1 }),
         256,
         smem,
         &[

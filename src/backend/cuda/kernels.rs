@@ -192,7 +192,6 @@ mod tests {
                         || s.starts_with("RecurrentStart st = recurrent_start<")
                         || s.starts_with("attn_prefetch_range(")
                         || s.starts_with("AttnPrepStart st = attn_prep_start(")
-                        || s.starts_with("AttnFused f = attn_decode_start(")
                         || s.starts_with("int ctx = positions[")
                         || s.starts_with("FusedDownStart st = fused_down_start(")
                 };

@@ -119,7 +119,7 @@ macro_rules! kernel_table {
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth, read_bandwidth],
     "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_stream_norm_nt1, matmul_stream_norm_nt2, matmul_stream_norm_nt4, matmul_stream_combine_nt1, matmul_stream_combine_nt2, matmul_stream_combine_nt4, matmul_router, matmul_router_stream, moe_down_combine, matmul_tiled, matmul_pipelined, split_activations],
-    "attention" => [attn_prep, attn_core, attn_combine, attn_decode],
+    "attention" => [attn_prep, attn_core, attn_combine],
     "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunked, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
     "sample" => [sample_rows],
@@ -167,12 +167,6 @@ pub struct CudaBackend {
     last_launch: AtomicUsize,
     /// Finished blocks of the running `matmul_router` launch (zero between launches).
     pub(super) router_done: CudaSlice<u32>,
-    /// attn_decode's counts of finished ranges, one per (token, head block) of a split step
-    /// (fewer than the SMs); each launch leaves them at zero.
-    pub(super) attn_done: CudaSlice<u32>,
-    /// Whether one-token attention steps run as the one attn_decode launch
-    /// (`KESTREL_CUDA_ATTN_FUSED=0`: attn_prep, attn_core and attn_combine, for A/B runs).
-    pub(super) attn_fused: bool,
     /// Kernel start times (`KESTREL_CUDA_TRACE=1`, profile.rs).
     tracer: Option<profile::Tracer>,
     /// Whether the streaming router pulls the shared expert's weights into L2 while its chain
@@ -248,7 +242,7 @@ impl CudaBackend {
             Ok(fixed)
         };
         let mut max_dynamic_smem = optin;
-        for f in [&k.gdn_chunked, &k.attn_core, &k.attn_decode, &k.moe_group_few, &k.matmul_pipelined] {
+        for f in [&k.gdn_chunked, &k.attn_core, &k.moe_group_few, &k.matmul_pipelined] {
             max_dynamic_smem = max_dynamic_smem.min(optin - open_dynamic_smem(f)?);
         }
         let sm_count = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)?.max(1) as usize;
@@ -311,7 +305,6 @@ impl CudaBackend {
         };
         let stream = ctx.new_stream().map_err(driver)?;
         let router_done = stream.alloc_zeros::<u32>(1).map_err(driver)?;
-        let attn_done = stream.alloc_zeros::<u32>(sm_count).map_err(driver)?;
         let tracer = if trace { Some(profile::Tracer::new(&stream, &modules, k.names()).map_err(driver)?) } else { None };
         Ok(CudaBackend {
             ctx,
@@ -338,8 +331,6 @@ impl CudaBackend {
             launches: AtomicUsize::new(0),
             last_launch: AtomicUsize::new(0),
             router_done,
-            attn_done,
-            attn_fused: std::env::var("KESTREL_CUDA_ATTN_FUSED").map_or(true, |v| v != "0"),
             tracer,
             l2_ahead: std::env::var("KESTREL_CUDA_L2_AHEAD").map_or(true, |v| v != "0"),
         })
