@@ -42,10 +42,9 @@ __device__ __forceinline__ void route_cas(u64& a, u64& b) {
 // route_token's k argmax rounds where each lane holds at most 8 experts (E <= 256): the same
 // choices (the largest probability, ties to the lower expert) and sums, in fewer instructions.
 // Each lane sorts its (probability, expert) pairs once, as composite keys (route_key over the
-// complement of the expert), by the
-// 19-exchange network for 8; a round then takes the warp's largest head by two integer
-// reductions, and the lane that held it drops its head. The rounds' argmax over 16 registers
-// is a chain of dependent compares in every round.
+// complement of the expert), by the 19-exchange network for 8; a round then takes the warp's
+// largest head by two integer reductions, and the lane that held it drops its head. The
+// rounds' argmax over 16 registers is a chain of dependent compares in every round.
 __device__ __forceinline__ void route_top_k_sorted(const float p[ROUTE_MAX_PER_LANE], int lane, int E, int k, float sum, float mine_w[2], int mine_i[2], float& total) {
     u64 s8[8];
 #pragma unroll
