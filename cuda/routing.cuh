@@ -45,12 +45,12 @@ __device__ __forceinline__ void route_cas(u64& a, u64& b) {
 // complement of the expert), by the 19-exchange network for 8; a round then takes the warp's
 // largest head by two integer reductions, and the lane that held it drops its head. The
 // rounds' argmax over 16 registers is a chain of dependent compares in every round.
-__device__ __forceinline__ void route_top_k_sorted(const float p[ROUTE_MAX_PER_LANE], int lane, int E, int k, float sum, float mine_w[2], int mine_i[2], float& total) {
+__device__ __forceinline__ void route_top_k_sorted(const float p[ROUTE_MAX_PER_LANE], int lane, int k, float sum, float mine_w[2], int mine_i[2], float& total) {
     u64 s8[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        int e = lane + 32 * i;
-        s8[i] = ((u64)(e < E ? route_key(p[i]) : 0u) << 32) | (u32)~e;
+        // A missing expert's probability is NEG_INF, whose key is 0: it is never chosen.
+        s8[i] = ((u64)route_key(p[i]) << 32) | (u32)~(lane + 32 * i);
     }
     route_cas(s8[0], s8[2]); route_cas(s8[1], s8[3]); route_cas(s8[4], s8[6]); route_cas(s8[5], s8[7]);
     route_cas(s8[0], s8[4]); route_cas(s8[1], s8[5]); route_cas(s8[2], s8[6]); route_cas(s8[3], s8[7]);
@@ -104,7 +104,7 @@ __device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, 
     float total = 0.0f;
 #if __CUDA_ARCH__ >= 800
     if (ROUTE_SORTED && E <= 8 * 32) {
-        route_top_k_sorted(p, lane, E, k, sum, mine_w, mine_i, total);
+        route_top_k_sorted(p, lane, k, sum, mine_w, mine_i, total);
     } else
 #endif
     for (int s = 0; s < k; ++s) {
