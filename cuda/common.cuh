@@ -63,16 +63,9 @@ __device__ __forceinline__ void trace_mark(int which) {
     } while (0)
 #endif
 
-// Programmatic dependent launch (sm_90 and later). Kernels are launched allowed to start before
-// the previous kernel in the stream has finished, which hides the launch latency and the
-// previous kernel's tail. Every kernel calls this before its first read of anything an earlier
-// kernel wrote and before its first global write (the previous kernel may still be reading the
-// memory it writes); only reads of weights, and of what launches two or more back wrote, may
-// come before it (a kernel starts only once the one before it has passed its own wait, that
-// is, once the launch two back has finished). Once this kernel's inputs are ready, the next
-// kernel may launch and wait in turn. Without the launch attribute both instructions do
-// nothing.
-__device__ __forceinline__ void wait_for_inputs() {
+// wait_for_inputs without letting the next kernel launch: for a kernel whose next launch reads
+// something it writes before that launch's own wait (let_dependents_launch once it is written).
+__device__ __forceinline__ void wait_for_inputs_holding_dependents() {
 #ifdef KESTREL_TRACE
     u64 resident = global_ns();
 #endif
@@ -90,9 +83,26 @@ __device__ __forceinline__ void wait_for_inputs() {
         }
     }
 #endif
+}
+
+__device__ __forceinline__ void let_dependents_launch() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// Programmatic dependent launch (sm_90 and later). Kernels are launched allowed to start before
+// the previous kernel in the stream has finished, which hides the launch latency and the
+// previous kernel's tail. Every kernel calls this before its first read of anything an earlier
+// kernel wrote and before its first global write (the previous kernel may still be reading the
+// memory it writes); only reads of weights, and of what launches two or more back wrote, may
+// come before it (a kernel starts only once the one before it has passed its own wait, that
+// is, once the launch two back has finished). Once this kernel's inputs are ready, the next
+// kernel may launch and wait in turn. Without the launch attribute both instructions do
+// nothing.
+__device__ __forceinline__ void wait_for_inputs() {
+    wait_for_inputs_holding_dependents();
+    let_dependents_launch();
 }
 
 // Asks L2 to fetch `bytes` (a multiple of 16) at the 16-byte aligned `p` without waiting for

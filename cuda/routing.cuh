@@ -77,14 +77,19 @@ __device__ __forceinline__ void route_top_k_sorted(const float p[ROUTE_MAX_PER_L
 // so an argmax round reads no memory. A warp, not a block: the k argmax rounds need no block
 // barriers, and a block of 8 warps routes 8 tokens at once. Every lane ends the butterflies
 // with the same (value, index). Returns the expert of slot `lane` (lanes below k, k <= 32).
-__device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize) {
+// `logits_in_l2`: whether the logits are in global memory, where other blocks of the same
+// launch may have written them (matmul_router), so they are read from L2; otherwise they are
+// in this block's shared memory (moe_route_gate_up).
+__device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize, bool logits_in_l2 = true) {
     int lane = threadIdx.x & 31;
-    // Logits other blocks of the same launch may have written (matmul_router): read from L2.
     const float* l = logits + (long long)t * E;
     // Probabilities of this lane's experts; NEG_INF marks a chosen or missing one.
     float p[ROUTE_MAX_PER_LANE];
 #pragma unroll
-    for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) p[i] = lane + 32 * i < E ? load_l2(l + lane + 32 * i) : NEG_INF;
+    for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) {
+        int e = lane + 32 * i;
+        p[i] = e >= E ? NEG_INF : logits_in_l2 ? load_l2(l + e) : l[e];
+    }
     float m = NEG_INF;
 #pragma unroll
     for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) m = fmaxf(m, p[i]);

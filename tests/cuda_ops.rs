@@ -490,7 +490,15 @@ fn moe_matches_cpu_and_tokens_are_independent() {
         for t in [1, 5, 150] {
             let res = &x[..t * h];
             let mut fused = gpu.from_host(res, t, h);
+            let launches_before = gpu.launch_count();
             let normed = gpu.moe_residual(&mut fused, &pre_norm, &gw, &cfg, &norm, 1e-6);
+            // One bf16 token with the shared expert among the groups, on sm_90 and later: the
+            // router, the routing and the gate/up in one launch (moe_route_gate_up), the down
+            // projection adding into the residual row, then the norm; the comparisons below
+            // then check that launch against the separate ops bitwise.
+            if t == 1 && shared == inter && dtype == Dtype::BF16 && sm_version(&gpu) >= 90 && std::env::var("KESTREL_CUDA_ROUTE_GATE_UP").map_or(true, |v| v != "0") {
+                assert_eq!(gpu.launch_count() - launches_before, 3, "moe_residual E{e} h{h}: one token should take the fused router and gate/up launch");
+            }
             let mut separate = gpu.from_host(res, t, h);
             let input = gpu.rms_norm(&separate, &pre_norm, 1e-6);
             gpu.moe_add(&mut separate, &input, &gw, &cfg);
@@ -509,4 +517,10 @@ fn moe_matches_cpu_and_tokens_are_independent() {
             }
         }
     }
+}
+
+/// The GPU's compute capability as a number (90 for sm_90), from its description.
+fn sm_version(gpu: &CudaBackend) -> u32 {
+    let desc = gpu.device_description();
+    desc.rsplit("sm_").next().map(|v| v.chars().take_while(char::is_ascii_digit).collect::<String>()).and_then(|v| v.parse().ok()).unwrap_or(0)
 }

@@ -367,6 +367,11 @@ pub(super) struct StreamKernels {
     /// Most dynamic shared memory of the one-token fused down projection (`moe_down_combine`;
     /// 0: off, the grouped launch and the combine pass, `KESTREL_CUDA_FUSED_DOWN=0` for A/B runs).
     pub fused_down_max_dynamic: usize,
+    /// Blocks per cluster of `moe_route_gate_up` (0: off, the router launch and the grouped
+    /// gate/up launch; `KESTREL_CUDA_ROUTE_GATE_UP=0`, `8` or `16` for A/B runs) and its most
+    /// dynamic shared memory.
+    pub route_gate_up_cluster: usize,
+    pub route_gate_up_max_dynamic: usize,
     /// Narrowest variant a launch takes (0: by K alone; `KESTREL_CUDA_STREAM_NT=2` or `4` for
     /// experiments with wider column blocks).
     pub min_variant: usize,
@@ -460,6 +465,49 @@ pub(super) fn fused_down(be: &CudaBackend, slots: usize, h: usize, k: usize) -> 
     Some(FusedDown { blocks: (h / 8) as u32, stages, smem })
 }
 
+/// Most router columns of `moe_route_gate_up` (ROUTE_GU_MAX_COLS in cuda/matmul_stream.cu).
+const ROUTE_GU_MAX_COLS: usize = 32 * 16 + 8;
+
+/// One launch of `moe_route_gate_up` (cuda/matmul_stream.cu): blocks per cluster, blocks,
+/// stages, dynamic shared memory.
+pub(super) struct RouteGateUp {
+    pub cluster: u32,
+    pub blocks: u32,
+    pub stages: usize,
+    pub smem: usize,
+}
+
+/// The router, the routing and the experts' gate/up of one token in one launch, for a router of
+/// `router_n` columns (E + 1: the shared expert's gate last) over `h` inputs, k routed experts
+/// of `inter` outputs and the shared expert with the same shapes; None where the backend has no
+/// cluster size for it (no streaming kernels, or `KESTREL_CUDA_ROUTE_GATE_UP=0`) or
+/// [`route_gate_up_shape_of`] does not take the shape. The grid is as many clusters as fit on
+/// the GPU at once.
+pub(super) fn route_gate_up(be: &CudaBackend, router_n: usize, h: usize, inter: usize, k: usize) -> Option<RouteGateUp> {
+    let sk = be.stream_kernels.as_ref()?;
+    let cluster = sk.route_gate_up_cluster;
+    let (stages, smem) = route_gate_up_shape_of(sk.route_gate_up_max_dynamic, cluster, router_n, h, inter, k)?;
+    let clusters = be.active_clusters(&be.k.moe_route_gate_up, STREAM_THREADS, smem, cluster)?;
+    Some(RouteGateUp { cluster: cluster as u32, blocks: (cluster * clusters) as u32, stages, smem })
+}
+
+/// (stages, dynamic shared memory) of `moe_route_gate_up` in clusters of `cluster` blocks, for
+/// a kernel that may take `max_dynamic` bytes; None where K is not in whole 32-wide blocks, the
+/// gate/up rows not in whole 8-column blocks, the router has more columns or the token more
+/// slots than the kernel keeps, or the ring does not fit. The ring holds a block's share of the
+/// router's column blocks and one more (the shared expert's first, copied while the router
+/// runs), at least four stages.
+fn route_gate_up_shape_of(max_dynamic: usize, cluster: usize, router_n: usize, h: usize, inter: usize, k: usize) -> Option<(usize, usize)> {
+    if cluster == 0 || !h.is_multiple_of(32) || !inter.is_multiple_of(4) || router_n > ROUTE_GU_MAX_COLS || k + 1 > FUSED_DOWN_MAX_SLOTS {
+        return None;
+    }
+    let row_bytes = 2 * h + if (2 * h).is_multiple_of(128) { 64 } else { 0 };
+    let router_items = router_n.div_ceil(8).div_ceil(cluster);
+    let stages = (router_items + 1).clamp(4, STREAM_MAX_STAGES);
+    let smem = stages * 8 * row_bytes + 2 * row_bytes + 4 * h;
+    (smem <= max_dynamic).then_some((stages, smem))
+}
+
 /// (stages, dynamic shared memory) of `moe_down_combine`, for a kernel that may take
 /// `max_dynamic` bytes (0: off); None where K is not in whole 32-wide blocks, H not in whole
 /// 8-column blocks, there are more slots than the kernel keeps, or two stages do not fit.
@@ -539,7 +587,7 @@ mod tests {
     #[test]
     fn stream_shapes_fit_shared_memory_or_fall_back() {
         // An H100: 227 KB per block at most, 228 KB per SM.
-        let sk = StreamKernels { ring_bytes: RING_BYTES, grouped_ring_bytes: GROUPED_RING_BYTES, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], norm_blocks_per_sm: [2, 2, 1], norm_in_matmul: true, max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024, fused_down_max_dynamic: 227 * 1024 - 4608, min_variant: 0 };
+        let sk = StreamKernels { ring_bytes: RING_BYTES, grouped_ring_bytes: GROUPED_RING_BYTES, static_smem: [4096, 8192, 16384], blocks_per_sm: [3, 3, 1], norm_blocks_per_sm: [2, 2, 1], norm_in_matmul: true, max_dynamic: [227 * 1024 - 4096, 227 * 1024 - 8192, 227 * 1024 - 16384], smem_per_sm: 228 * 1024, fused_down_max_dynamic: 227 * 1024 - 4608, route_gate_up_cluster: 0, route_gate_up_max_dynamic: 0, min_variant: 0 };
         // A decode step's expert gate/up (K = 2048): one n tile, rows of 4096 + 64 bytes, two
         // stages beside the split activation row; two blocks per SM.
         let s = sk.shape(1, 2048, true).expect("K = 2048 streams");
@@ -578,7 +626,7 @@ mod tests {
     fn fused_down_ring_fits_beside_the_gate_up_launch_or_falls_back() {
         // An H100 (as above); the fused kernel's static shared memory is 4.5 KB.
         let (smem_per_sm, max_dynamic, gate_up_static) = (228 * 1024, 227 * 1024 - 4608, 8448);
-        let sk = StreamKernels { ring_bytes: RING_BYTES, grouped_ring_bytes: GROUPED_RING_BYTES, static_smem: [gate_up_static, 16768, 33024], blocks_per_sm: [3, 3, 1], norm_blocks_per_sm: [2, 2, 1], norm_in_matmul: true, max_dynamic: [227 * 1024 - 8448; 3], smem_per_sm, fused_down_max_dynamic: max_dynamic, min_variant: 0 };
+        let sk = StreamKernels { ring_bytes: RING_BYTES, grouped_ring_bytes: GROUPED_RING_BYTES, static_smem: [gate_up_static, 16768, 33024], blocks_per_sm: [3, 3, 1], norm_blocks_per_sm: [2, 2, 1], norm_in_matmul: true, max_dynamic: [227 * 1024 - 8448; 3], smem_per_sm, fused_down_max_dynamic: max_dynamic, route_gate_up_cluster: 0, route_gate_up_max_dynamic: 0, min_variant: 0 };
         let gate_up = sk.shape(1, 2048, true).expect("gate/up streams");
         // 35B-A3B: nine slots (eight routed experts and the shared one) of K = 512 into 2048:
         // four stages of 8 rows beside the split rows, and a block fits on an SM beside two of
@@ -594,6 +642,28 @@ mod tests {
         assert_eq!(fused_down_shape_of(max_dynamic, FUSED_DOWN_MAX_SLOTS + 1, 2048, 512), None, "more slots than the kernel keeps");
         assert_eq!(fused_down_shape_of(max_dynamic, 9, 2048, 8192), None, "two stages past shared memory");
         assert_eq!(fused_down_shape_of(0, 9, 2048, 512), None, "turned off");
+    }
+
+    #[test]
+    fn route_gate_up_ring_holds_the_router_share_or_falls_back() {
+        // An H100 (227 KB per block) beside the kernel's 31 KB of static shared memory.
+        let max_dynamic = 227 * 1024 - 31 * 1024;
+        let row = 2 * 2048 + 64;
+        // 35B-A3B: 257 router columns (256 experts and the shared gate) in 33 column blocks,
+        // at most three per block of a 16-block cluster, and the shared expert's first one.
+        assert_eq!(route_gate_up_shape_of(max_dynamic, 16, 257, 2048, 512, 8), Some((4, 4 * 8 * row + 2 * row + 4 * 2048)));
+        // Clusters of 8: five router column blocks per block, six stages, which fit only
+        // without the static memory.
+        assert_eq!(route_gate_up_shape_of(227 * 1024, 8, 257, 2048, 512, 8), Some((6, 6 * 8 * row + 2 * row + 4 * 2048)));
+        assert_eq!(route_gate_up_shape_of(max_dynamic, 8, 257, 2048, 512, 8), None, "the router's share past shared memory");
+        // A small router still takes four stages; one of 16 blocks per cluster takes none.
+        assert_eq!(route_gate_up_shape_of(max_dynamic, 16, 9, 128, 64, 2).map(|(stages, _)| stages), Some(4));
+        // Shapes it does not take go to the router launch and the grouped gate/up launch.
+        assert_eq!(route_gate_up_shape_of(max_dynamic, 0, 257, 2048, 512, 8), None, "turned off");
+        assert_eq!(route_gate_up_shape_of(max_dynamic, 16, 257, 2040, 512, 8), None, "K not in whole 32-wide blocks");
+        assert_eq!(route_gate_up_shape_of(max_dynamic, 16, 257, 2048, 510, 8), None, "gate/up rows not in whole 8-column blocks");
+        assert_eq!(route_gate_up_shape_of(max_dynamic, 16, ROUTE_GU_MAX_COLS + 1, 2048, 512, 8), None, "more router columns than the kernel keeps");
+        assert_eq!(route_gate_up_shape_of(max_dynamic, 16, 257, 2048, 512, FUSED_DOWN_MAX_SLOTS), None, "more slots than the down projection keeps");
     }
 
     #[test]

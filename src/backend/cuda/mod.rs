@@ -118,7 +118,7 @@ macro_rules! kernel_table {
 
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth, read_bandwidth],
-    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_stream_norm_nt1, matmul_stream_norm_nt2, matmul_stream_norm_nt4, matmul_stream_combine_nt1, matmul_stream_combine_nt2, matmul_stream_combine_nt4, matmul_router, matmul_router_stream, moe_down_combine, matmul_tiled, matmul_pipelined, split_activations],
+    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_stream_norm_nt1, matmul_stream_norm_nt2, matmul_stream_norm_nt4, matmul_stream_combine_nt1, matmul_stream_combine_nt2, matmul_stream_combine_nt4, matmul_router, matmul_router_stream, moe_down_combine, moe_route_gate_up, matmul_tiled, matmul_pipelined, split_activations],
     "attention" => [attn_prep, attn_core, attn_combine],
     "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunked, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
@@ -167,6 +167,9 @@ pub struct CudaBackend {
     last_launch: AtomicUsize,
     /// Finished blocks of the running `matmul_router` launch (zero between launches).
     pub(super) router_done: CudaSlice<u32>,
+    /// Resident clusters by (function, dynamic shared memory, blocks per cluster); see
+    /// [`CudaBackend::active_clusters`].
+    active_clusters: Mutex<HashMap<(usize, usize, usize), Option<usize>>>,
     /// Kernel start times (`KESTREL_CUDA_TRACE=1`, profile.rs).
     tracer: Option<profile::Tracer>,
     /// Whether the streaming router pulls the shared expert's weights into L2 while its chain
@@ -264,6 +267,8 @@ impl CudaBackend {
                 max_dynamic: [0; 3],
                 smem_per_sm,
                 fused_down_max_dynamic: 0,
+                route_gate_up_cluster: 0,
+                route_gate_up_max_dynamic: 0,
                 min_variant: match std::env::var("KESTREL_CUDA_STREAM_NT").as_deref() {
                     Ok("4") => 2,
                     Ok("2") => 1,
@@ -299,6 +304,16 @@ impl CudaBackend {
             if std::env::var("KESTREL_CUDA_FUSED_DOWN").map_or(true, |v| v != "0") {
                 sk.fused_down_max_dynamic = (optin - open_dynamic_smem(&k.moe_down_combine)?).max(0) as usize;
             }
+            // Clusters of 16 blocks: a block's share of 35B-A3B's router is then three column
+            // blocks, and its ring leaves room on the SM for a block of the down projection
+            // after it. More than 8 blocks per cluster is not portable: the kernel must allow it.
+            sk.route_gate_up_cluster = std::env::var("KESTREL_CUDA_ROUTE_GATE_UP").ok().and_then(|v| v.parse().ok()).unwrap_or(16);
+            if sk.route_gate_up_cluster > 0 {
+                sk.route_gate_up_max_dynamic = (optin - open_dynamic_smem(&k.moe_route_gate_up)?).max(0) as usize;
+                if sk.route_gate_up_cluster > 8 {
+                    k.moe_route_gate_up.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1).map_err(driver)?;
+                }
+            }
             Some(sk)
         } else {
             None
@@ -331,6 +346,7 @@ impl CudaBackend {
             launches: AtomicUsize::new(0),
             last_launch: AtomicUsize::new(0),
             router_done,
+            active_clusters: Mutex::new(HashMap::new()),
             tracer,
             l2_ahead: std::env::var("KESTREL_CUDA_L2_AHEAD").map_or(true, |v| v != "0"),
         })
@@ -386,6 +402,48 @@ impl CudaBackend {
     }
 
     pub(super) fn launch(&self, f: &CudaFunction, grid: (u32, u32, u32), block: u32, smem: usize, args: &[Arg]) {
+        self.launch_in_clusters(f, grid, block, smem, 1, args);
+    }
+
+    /// Clusters of `f` that can be resident at once with `threads` threads and `smem` bytes of
+    /// dynamic shared memory per block in clusters of `cluster` blocks (None: none, or the
+    /// driver cannot say), asked of the driver once per shape.
+    pub(super) fn active_clusters(&self, f: &CudaFunction, threads: u32, smem: usize, cluster: usize) -> Option<usize> {
+        use cudarc::driver::sys;
+        let key = (f.cu_function() as usize, smem, cluster);
+        let mut cache = self.active_clusters.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&n) = cache.get(&key) {
+            return n;
+        }
+        // SAFETY: an all-zero launch attribute is a valid (empty) value of the C union.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim.x = cluster as u32;
+        attr.value.clusterDim.y = 1;
+        attr.value.clusterDim.z = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: cluster as u32,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem as u32,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n: std::ffi::c_int = 0;
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: a loaded function, a valid configuration and out pointer.
+        let ok = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &cfg) }.result().is_ok();
+        let n = (ok && n > 0).then_some(n as usize);
+        cache.insert(key, n);
+        n
+    }
+
+    /// [`CudaBackend::launch`] in thread block clusters of `cluster` blocks along x (1: none).
+    pub(super) fn launch_in_clusters(&self, f: &CudaFunction, grid: (u32, u32, u32), block: u32, smem: usize, cluster: u32, args: &[Arg]) {
         use cudarc::driver::sys;
         use std::ffi::c_void;
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
@@ -406,9 +464,20 @@ impl CudaBackend {
             };
         }
         // SAFETY: an all-zero launch attribute is a valid (empty) value of the C union.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n_attrs = 0;
+        if self.dependent_launch {
+            attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
+            n_attrs += 1;
+        }
+        if cluster > 1 {
+            attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n_attrs].value.clusterDim.x = cluster;
+            attrs[n_attrs].value.clusterDim.y = 1;
+            attrs[n_attrs].value.clusterDim.z = 1;
+            n_attrs += 1;
+        }
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -418,8 +487,8 @@ impl CudaBackend {
             blockDimZ: 1,
             sharedMemBytes: smem as u32,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: u32::from(self.dependent_launch),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n_attrs as u32,
         };
         ck(self.ctx.bind_to_thread(), "bind context");
         self.launches.fetch_add(1, Ordering::Relaxed);

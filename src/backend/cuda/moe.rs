@@ -258,6 +258,40 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
     .into_iter();
     let logits = parts.next().expect("router logits");
     let shared_gate = parts.next();
+    let tables = expert_tables(be, w, fold);
+    let has_lo = |which: usize| w.experts.iter().chain(w.shared.iter().filter(|_| fold)).any(|m| m[which].lo.is_some());
+    // One token whose input norm the streaming router would take, with the shared expert in the
+    // groups: the router, the routing and the gate/up in one launch (moe_route_gate_up), then
+    // the fused down projection. Two launches fewer than the router's and the gate/up's, and no
+    // hand-over between them.
+    if let Some((norm, eps)) = router_norm.filter(|_| t == 1 && fold && !has_lo(0) && !has_lo(1)) {
+        if let (Some(plan), Some(down)) = (super::matmul::route_gate_up(be, w.router.rows, h, inter, k), super::matmul::fused_down(be, slots, h, inter)) {
+            let act = be.tensor(slots, inter);
+            let outs: Vec<(u64, usize)> = std::iter::once(&logits).chain(shared_gate.as_ref()).map(|p| (be.ptr(&p.data), p.cols)).collect();
+            let args = [
+                Arg::Ptr(be.ptr(&act.data)),
+                Arg::Ptr(be.ptr(&acc.data)),
+                Arg::Ptr(be.ptr(&w.router.hi)),
+                Arg::I32(w.router.rows as i32),
+                Arg::I32(h as i32),
+                Arg::Epilogue(super::matmul::Epilogue::parts(&outs)),
+                Arg::Ptr(be.ptr(&norm.data)),
+                Arg::F32(eps),
+                Arg::Ptr(be.ptr(&tables[0])),
+                Arg::I32(e as i32),
+                Arg::I32(k as i32),
+                Arg::I32(i32::from(cfg.norm_topk_prob)),
+                Arg::I32(inter as i32),
+                Arg::Ptr(topk_idx),
+                Arg::Ptr(topk_w),
+                Arg::I32(plan.stages as i32),
+            ];
+            be.launch_in_clusters(&be.k.moe_route_gate_up, (plan.blocks, 1, 1), super::matmul::STREAM_THREADS, plan.smem, plan.cluster, &args);
+            let gate = shared_gate.as_ref().map_or(0, |s| be.ptr(&s.data));
+            launch_fused_down(be, acc, &act, &tables[1], (topk_idx, topk_w, gate), (h, inter, k, slots, e), &down);
+            return MoeOutput::Added;
+        }
+    }
     // moe_route's arguments, which moe_group_few and matmul_router's routing also start with.
     let route_args = [
         Arg::Ptr(topk_idx),
@@ -332,7 +366,6 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
         );
         be.launch(&be.k.moe_active, (1, 1, 1), 32, 0, &[Arg::Ptr(active), Arg::Ptr(counts), Arg::I32(groups_max as i32)]);
     }
-    let tables = expert_tables(be, w, fold);
     // At most t * k experts have rows (and the shared one): one grid slice each.
     let groups = e.min(t * k) + usize::from(fold);
     let grouped = |which: usize, a_div: usize, lists_ready: bool| Grouped {
@@ -343,7 +376,7 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
         a_div,
         active,
         groups,
-        has_lo: w.experts.iter().chain(w.shared.iter().filter(|_| fold)).any(|m| m[which].lo.is_some()),
+        has_lo: has_lo(which),
         lists_ready,
     };
     // Gate and up in one grouped launch, SwiGLU applied in its store.
@@ -358,21 +391,7 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
     let fused_down = (t == 1 && (fold || w.shared.is_none()) && !down.has_lo).then(|| super::matmul::fused_down(be, slots, h, inter)).flatten();
     if let Some(launch) = fused_down {
         let gate = shared_gate.as_ref().filter(|_| fold).map_or(0, |s| be.ptr(&s.data));
-        let args = [
-            Arg::Ptr(be.ptr(&acc.data)),
-            Arg::Ptr(be.ptr(&act.data)),
-            Arg::Ptr(be.ptr(&tables[1])),
-            Arg::Ptr(topk_idx),
-            Arg::Ptr(topk_w),
-            Arg::Ptr(gate),
-            Arg::I32(h as i32),
-            Arg::I32(inter as i32),
-            Arg::I32(k as i32),
-            Arg::I32(slots as i32),
-            Arg::I32(e as i32),
-            Arg::I32(launch.stages as i32),
-        ];
-        be.launch(&be.k.moe_down_combine, (launch.blocks, 1, 1), super::matmul::STREAM_THREADS, launch.smem, &args);
+        launch_fused_down(be, acc, &act, &tables[1], (topk_idx, topk_w, gate), (h, inter, k, slots, e), &launch);
         return MoeOutput::Added;
     }
     let y = be.tensor(t * slots, h);
@@ -387,4 +406,27 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
     };
     let gate = shared_gate.as_ref().filter(|_| shared != 0).map_or(0, |s| be.ptr(&s.data));
     MoeOutput::Pending(PendingCombine { y, _routing: routing, topk_w, _separate: separate, _shared_gate: shared_gate, shared, gate, shared_stride, k, slots })
+}
+
+/// `moe_down_combine`: the experts' rows of one token (`act`, SwiGLU outputs) through their down
+/// projections (`table`), weighted by the routing (topk_idx, topk_w; the shared expert's gate
+/// logit, 0: none) and added into the residual row `acc`. Shapes: (h, inter, k, slots, E).
+fn launch_fused_down(be: &CudaBackend, acc: &CudaTensor, act: &CudaTensor, table: &cudarc::driver::CudaSlice<u64>, routing: (u64, u64, u64), shape: (usize, usize, usize, usize, usize), launch: &super::matmul::FusedDown) {
+    let (topk_idx, topk_w, gate) = routing;
+    let (h, inter, k, slots, e) = shape;
+    let args = [
+        Arg::Ptr(be.ptr(&acc.data)),
+        Arg::Ptr(be.ptr(&act.data)),
+        Arg::Ptr(be.ptr(table)),
+        Arg::Ptr(topk_idx),
+        Arg::Ptr(topk_w),
+        Arg::Ptr(gate),
+        Arg::I32(h as i32),
+        Arg::I32(inter as i32),
+        Arg::I32(k as i32),
+        Arg::I32(slots as i32),
+        Arg::I32(e as i32),
+        Arg::I32(launch.stages as i32),
+    ];
+    be.launch(&be.k.moe_down_combine, (launch.blocks, 1, 1), super::matmul::STREAM_THREADS, launch.smem, &args);
 }
