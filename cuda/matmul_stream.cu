@@ -656,13 +656,15 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_down_combine(fl
 
 // Gate/up column blocks the k-slice warps of moe_route_gate_up take at once: independent mma
 // chains, where one column block's chain left the warps waiting on each mma's latency (35B-A3B
-// decode on the H100: 3.334-3.371 ms per step against 3.387-3.434 with one; three, with six
-// stages, 3.389). `KESTREL_CUDA_DEFINES=RGU_PASS=1` for A/B runs.
+// decode on the H100: 3.334-3.371 ms per step against 3.387-3.434 with one).
+// `KESTREL_CUDA_DEFINES=RGU_PASS=1` for A/B runs; at most RGU_MAX_PASS.
 #ifndef RGU_PASS
 #define RGU_PASS 2
 #endif
-// Most column blocks of one pass (the reduction buffers' size).
-#define RGU_MAX_PASS 3
+// Most column blocks of one pass (the reduction buffers' size): the router's share of a block
+// (up to three column blocks) goes in passes of two and one. With room for three the larger
+// static shared memory cost more than the pass gained (3.343, 3.387 against 3.322, 3.335 ms).
+#define RGU_MAX_PASS 2
 // Most router columns (experts, then the shared expert's gate) moe_route_gate_up keeps.
 #define ROUTE_GU_MAX_COLS (32 * ROUTE_MAX_PER_LANE + 8)
 
@@ -872,10 +874,9 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(f
     int i = 0, pass = 0;
     float t[RGU_MAX_PASS][4];
     for (; i < nr; ++pass) {
-        // The router's column blocks land together: up to three in one pass.
+        // The router's column blocks land together: two in one pass.
         int n = min(RGU_MAX_PASS, nr - i);
-        if (n == 3) one_row_column_blocks<3>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, red, t);
-        else if (n == 2) one_row_column_blocks<2>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, red, t);
+        if (n == 2) one_row_column_blocks<2>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, red, t);
         else one_row_column_blocks<1>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, red, t);
         // The column blocks' logits into this block's copy, then (lane r) into block r's.
         if (warp == 0) {
@@ -920,8 +921,7 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(f
     if (n_gu == 0) let_dependents_launch();
     for (int j0 = 0; j0 < n_gu; ++pass) {
         int n = min(RGU_PASS, n_gu - j0);
-        if (n == 3) one_row_column_blocks<3>(ring, i, pass, gu_epi, h0, lo_off, kb0, kb1, red, t);
-        else if (n == 2) one_row_column_blocks<2>(ring, i, pass, gu_epi, h0, lo_off, kb0, kb1, red, t);
+        if (n == 2) one_row_column_blocks<2>(ring, i, pass, gu_epi, h0, lo_off, kb0, kb1, red, t);
         else one_row_column_blocks<1>(ring, i, pass, gu_epi, h0, lo_off, kb0, kb1, red, t);
         if (j0 == 0) let_dependents_launch();
         if (j0 == 0 && threadIdx.x == 0 && blockIdx.x == 0) TRACE_MARK(TRACE_FIRST_DATA);
