@@ -13,7 +13,7 @@ pub const COMMON_SOURCE: &str = include_str!("../../../cuda/common.cuh");
 /// block.
 pub const SOURCES: [(&str, &str); 6] = [
     ("elementwise", include_str!("../../../cuda/elementwise.cu")),
-    ("matmul", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/matmul.cu"), include_str!("../../../cuda/matmul_stream.cu"))),
+    ("matmul", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/matmul.cu"), include_str!("../../../cuda/matmul_stream.cu"), include_str!("../../../cuda/moe_stream.cu"))),
     ("attention", include_str!("../../../cuda/attention.cu")),
     ("gdn", include_str!("../../../cuda/gdn.cu")),
     ("moe", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/moe.cu"))),

@@ -446,10 +446,10 @@ impl StreamKernels {
 /// beside the 19 KB of split rows.
 const FUSED_DOWN_BYTES: usize = 54 * 1024;
 /// Most slots (routed experts and the shared one) of `moe_down_combine` (FUSED_DOWN_MAX_SLOTS in
-/// cuda/matmul_stream.cu).
+/// cuda/moe_stream.cu).
 const FUSED_DOWN_MAX_SLOTS: usize = 16;
 
-/// One launch of `moe_down_combine` (cuda/matmul_stream.cu): blocks, stages, dynamic shared memory.
+/// One launch of `moe_down_combine` (cuda/moe_stream.cu): blocks, stages, dynamic shared memory.
 pub(super) struct FusedDown {
     pub blocks: u32,
     pub stages: usize,
@@ -465,10 +465,10 @@ pub(super) fn fused_down(be: &CudaBackend, slots: usize, h: usize, k: usize) -> 
     Some(FusedDown { blocks: (h / 8) as u32, stages, smem })
 }
 
-/// Most router columns of `moe_route_gate_up` (ROUTE_GU_MAX_COLS in cuda/matmul_stream.cu).
+/// Most router columns of `moe_route_gate_up` (ROUTE_GU_MAX_COLS in cuda/moe_stream.cu).
 const ROUTE_GU_MAX_COLS: usize = 32 * 16 + 8;
 
-/// One launch of `moe_route_gate_up` (cuda/matmul_stream.cu): blocks per cluster, blocks,
+/// One launch of `moe_route_gate_up` (cuda/moe_stream.cu): blocks per cluster, blocks,
 /// stages, dynamic shared memory.
 pub(super) struct RouteGateUp {
     pub cluster: u32,

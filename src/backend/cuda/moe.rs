@@ -262,8 +262,8 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
     let has_lo = |which: usize| w.experts.iter().chain(w.shared.iter().filter(|_| fold)).any(|m| m[which].lo.is_some());
     // One token whose input norm the streaming router would take, with the shared expert in the
     // groups: the router, the routing and the gate/up in one launch (moe_route_gate_up), then
-    // the fused down projection. Two launches fewer than the router's and the gate/up's, and no
-    // hand-over between them.
+    // the fused down projection: one launch where the router's and the gate/up's were two, and
+    // no hand-over between them.
     if let Some((norm, eps)) = router_norm.filter(|_| t == 1 && fold && !has_lo(0) && !has_lo(1)) {
         if let (Some(plan), Some(down)) = (super::matmul::route_gate_up(be, w.router.rows, h, inter, k), super::matmul::fused_down(be, slots, h, inter)) {
             let act = be.tensor(slots, inter);
