@@ -302,6 +302,88 @@ __device__ __forceinline__ void one_row_column_blocks(const StreamRing& ring, in
     }
 }
 
+// What moe_route_gate_up does before its inputs are ready (weights and the weight table only):
+// its ring, the cluster's first barrier phase (every block has started, so its shared memory
+// may be written), the producer's copies of the norm weight and of the block's share of the
+// router, and the experts' weight pointers (loaded by the k-slice warps, off the producer's
+// path). Its shared arrays are static here and reached through the pointers.
+struct RouteGateUpStart {
+    StreamRing ring;
+    int rank, C, nr, n_gu, gu_cbs;
+    Epilogue gu_epi;
+    float (*red)[KSLICES][RGU_MAX_PASS][32][4];
+    float* logits;
+    const bf16_t** expert_w;
+    int* slot_expert;
+    float* slot_weight;
+    int* slot_row;
+    // Set by warp 0 once the routing's global writes are fenced.
+    volatile int* routing_published;
+};
+
+__device__ __forceinline__ RouteGateUpStart route_gate_up_start(const bf16_t* router_w, int router_n, int K, const Epilogue& router_epi, const float* norm_w, const u64* table,
+        int E, int k, int inter, int stages) {
+    extern __shared__ __align__(128) unsigned char stream_smem[];
+    __shared__ __align__(8) u64 bars[2 * STREAM_MAX_STAGES];
+    __shared__ __align__(8) u64 norm_bar;
+    __shared__ float red[2][KSLICES][RGU_MAX_PASS][32][4];
+    __shared__ __align__(16) float logits_s[ROUTE_GU_MAX_COLS];
+    __shared__ const bf16_t* expert_w[ROUTE_GU_MAX_COLS];
+    __shared__ int slot_expert[FUSED_DOWN_MAX_SLOTS];
+    __shared__ float slot_weight[FUSED_DOWN_MAX_SLOTS];
+    __shared__ int slot_row[FUSED_DOWN_MAX_SLOTS + 1];
+    __shared__ int routing_published;
+    RouteGateUpStart st = {};
+    StreamRing& ring = st.ring;
+    ring.stage0 = stream_smem;
+    ring.full = smem_u32(bars);
+    ring.empty = ring.full + 8 * STREAM_MAX_STAGES;
+    ring.stages = stages;
+    ring.row_bytes = 2 * K + (STREAM_ROW_PAD && (2 * K) % 128 == 0 ? 64 : 0);
+    ring.norm_bar = smem_u32(&norm_bar);
+    ring.norm_s = (const float*)(stream_smem + ((long long)stages * 8 + 2) * ring.row_bytes);
+    st.rank = (int)cluster_rank();
+    st.C = (int)cluster_blocks();
+    int router_cbs = (router_n + 7) / 8;
+    st.nr = st.rank < router_cbs ? (router_cbs - 1 - st.rank) / st.C + 1 : 0;
+    st.gu_cbs = 2 * inter / 8;
+    int gu_total = (k + 1) * st.gu_cbs;
+    st.n_gu = (int)blockIdx.x < gu_total ? (gu_total - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    st.gu_epi.mode = EPI_SWIGLU;
+    st.red = red;
+    st.logits = logits_s;
+    st.expert_w = expert_w;
+    st.slot_expert = slot_expert;
+    st.slot_weight = slot_weight;
+    st.slot_row = slot_row;
+    st.routing_published = &routing_published;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) {
+            mbar_init(ring.full + 8 * s, 1);
+            mbar_init(ring.empty + 8 * s, KSLICES);
+        }
+        mbar_init(ring.norm_bar, 1);
+        mbar_init_fence();
+        routing_published = 0;
+    }
+    if ((int)threadIdx.x <= k) slot_row[threadIdx.x] = threadIdx.x;
+    __syncthreads();
+    cluster_arrive_relaxed();
+    if ((int)(threadIdx.x >> 5) == KSLICES) {
+        if ((threadIdx.x & 31) == 0) {
+            mbar_arrive_expect_tx(ring.norm_bar, 4u * (u32)K);
+            bulk_copy_weights(smem_u32(ring.norm_s), norm_w, 4u * (u32)K, ring.norm_bar);
+        }
+        for (int i = 0; i < st.nr; ++i) {
+            if (i >= stages) mbar_wait(ring.empty + 8 * (i % stages), (u32)((i / stages - 1) & 1));
+            stream_issue<1>(ring, router_w, router_n, K, (st.rank + st.C * i) * 8, i % stages, router_epi);
+        }
+    } else {
+        for (int e = threadIdx.x; e < E; e += 32 * KSLICES) expert_w[e] = (const bf16_t*)load_l2(table + 2 * e);
+    }
+    return st;
+}
+
 // One token through the MoE's router (`router_w`, router_n = E + 1 rows: the experts, then the
 // shared expert's gate; input norm `norm_w` applied to the residual row `resid` exactly as
 // matmul_router_stream does), its routing (route_token: topk_idx and topk_w, written by every
@@ -320,72 +402,31 @@ __device__ __forceinline__ void one_row_column_blocks(const StreamRing& ring, in
 extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(float* act, const float* resid, const bf16_t* router_w, int router_n, int K,
         Epilogue router_epi, const float* norm_w, float eps, const u64* table, int E, int k, int renormalize, int inter, int* topk_idx, float* topk_w,
         int stages) {
-    extern __shared__ __align__(128) unsigned char stream_smem[];
-    __shared__ __align__(8) u64 bars[2 * STREAM_MAX_STAGES];
-    __shared__ __align__(8) u64 norm_bar;
-    __shared__ float red[2][KSLICES][RGU_MAX_PASS][32][4];
-    __shared__ __align__(16) float logits_s[ROUTE_GU_MAX_COLS];
-    __shared__ const bf16_t* expert_w[ROUTE_GU_MAX_COLS];
-    __shared__ int slot_expert[FUSED_DOWN_MAX_SLOTS];
-    __shared__ float slot_weight[FUSED_DOWN_MAX_SLOTS];
-    __shared__ int slot_row[FUSED_DOWN_MAX_SLOTS + 1];
-    // Set by warp 0 once the routing's global writes are fenced.
-    __shared__ int routing_published;
-    StreamRing ring = {};
-    ring.stage0 = stream_smem;
-    ring.full = smem_u32(bars);
-    ring.empty = ring.full + 8 * STREAM_MAX_STAGES;
-    ring.stages = stages;
-    ring.row_bytes = 2 * K + (STREAM_ROW_PAD && (2 * K) % 128 == 0 ? 64 : 0);
-    ring.norm_bar = smem_u32(&norm_bar);
-    ring.norm_s = (const float*)(stream_smem + ((long long)stages * 8 + 2) * ring.row_bytes);
+    RouteGateUpStart st = route_gate_up_start(router_w, router_n, K, router_epi, norm_w, table, E, k, inter, stages);
+    wait_for_inputs_holding_dependents();
+    const StreamRing& ring = st.ring;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    int rank = (int)cluster_rank(), C = (int)cluster_blocks();
-    int router_cbs = (router_n + 7) / 8, nr = rank < router_cbs ? (router_cbs - 1 - rank) / C + 1 : 0;
-    int gu_n = 2 * inter, gu_cbs = gu_n / 8, gu_total = (k + 1) * gu_cbs;
-    int n_gu = (int)blockIdx.x < gu_total ? (gu_total - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
-    Epilogue gu_epi = {};
-    gu_epi.mode = EPI_SWIGLU;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; ++s) {
-            mbar_init(ring.full + 8 * s, 1);
-            mbar_init(ring.empty + 8 * s, KSLICES);
-        }
-        mbar_init(ring.norm_bar, 1);
-        mbar_init_fence();
-    }
-    if ((int)threadIdx.x <= k) slot_row[threadIdx.x] = threadIdx.x;
-    if (threadIdx.x == 0) routing_published = 0;
-    __syncthreads();
-    // Phase 0: every block of the cluster has started, so its shared memory may be written.
-    cluster_arrive_relaxed();
+    int rank = st.rank, C = st.C, nr = st.nr, n_gu = st.n_gu, gu_cbs = st.gu_cbs, gu_n = 2 * inter;
+    const Epilogue& gu_epi = st.gu_epi;
+    float* logits_s = st.logits;
     if (warp == KSLICES) {
-        // The producer: the norm weight, the router's column blocks, the shared expert's, then
-        // (once warp 0 has routed) the routed experts'.
-        if (lane == 0) {
-            mbar_arrive_expect_tx(ring.norm_bar, 4u * (u32)K);
-            bulk_copy_weights(smem_u32(ring.norm_s), norm_w, 4u * (u32)K, ring.norm_bar);
-        }
-        int i = 0;
-        for (; i < nr; ++i) {
-            if (i >= stages) mbar_wait(ring.empty + 8 * (i % stages), (u32)((i / stages - 1) & 1));
-            stream_issue<1>(ring, router_w, router_n, K, (rank + C * i) * 8, i % stages, router_epi);
-        }
-        // Phase 1 (the logits exchange) needs nothing from this warp; arriving before the
-        // gate/up copies keeps it from waiting on stages only the exchange frees.
+        // The producer, its router copies issued: the shared expert's column blocks, then (once
+        // warp 0 has routed) the routed experts'. Phase 1 of the cluster barrier (the logits
+        // exchange) needs nothing from this warp; arriving before the gate/up copies keeps it
+        // from waiting on stages only the exchange frees.
         cluster_wait();
         cluster_arrive_relaxed();
         bool routed = false, launched = false;
-        for (int j = 0; j < n_gu; ++j, ++i) {
+        for (int j = 0, i = nr; j < n_gu; ++j, ++i) {
             int idx = blockIdx.x + j * gridDim.x, p = idx / gu_cbs, n0 = (idx % gu_cbs) * 8;
             if (p > 0 && !routed) {
                 asm volatile("bar.sync 2, 64;" ::: "memory");
                 routed = true;
             }
             if (i >= stages) mbar_wait(ring.empty + 8 * (i % stages), (u32)((i / stages - 1) & 1));
-            const bf16_t* w = p == 0 ? (const bf16_t*)load_l2(table + 2 * E) : expert_w[slot_expert[p - 1]];
+            const bf16_t* w = p == 0 ? (const bf16_t*)load_l2(table + 2 * E) : st.expert_w[st.slot_expert[p - 1]];
             stream_issue<1>(ring, w, gu_n, K, n0, i % stages, gu_epi);
-            if (!launched && *(volatile int*)&routing_published) {
+            if (!launched && *st.routing_published) {
                 let_dependents_launch();
                 launched = true;
             }
@@ -393,11 +434,6 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(f
         if (!routed) asm volatile("bar.sync 2, 64;" ::: "memory");
         return;
     }
-    // The experts' weight pointers (the table was written long before this launch), off the
-    // producer's path: its first copies go out as soon as the block is resident. Warp 0 reads
-    // them after the barriers below and the producer after warp 0's routing.
-    for (int e = threadIdx.x; e < E; e += 32 * KSLICES) expert_w[e] = (const bf16_t*)load_l2(table + 2 * e);
-    wait_for_inputs_holding_dependents();
     int xstride = ring.row_bytes / 2;
     long long lo_off = xstride;
     bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)stages * 8 * ring.row_bytes);
@@ -414,8 +450,8 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(f
     for (; i < nr; ++pass) {
         // The router's column blocks land together: two in one pass.
         int n = min(RGU_MAX_PASS, nr - i);
-        if (n == 2) one_row_column_blocks<2>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, red, t);
-        else one_row_column_blocks<1>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, red, t);
+        if (n == 2) one_row_column_blocks<2>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, st.red, t);
+        else one_row_column_blocks<1>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, st.red, t);
         // The column blocks' logits into this block's copy, then (lane r) into block r's.
         if (warp == 0) {
             for (int j = 0; j < n; ++j) {
@@ -440,7 +476,7 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(f
     cluster_wait();
     if (warp == 0) {
         // The routing into shared memory first: global stores wait behind the copies' traffic.
-        int e = route_token(0, slot_expert, slot_weight, logits_s, E, k, renormalize, false);
+        int e = route_token(0, st.slot_expert, st.slot_weight, logits_s, E, k, renormalize, false);
         __syncwarp();
         // The producer starts on the routed experts' copies; the fence of the routing's global
         // writes (for the next launch, which reads them before its wait) follows off its path.
@@ -448,10 +484,10 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(f
         if (lane == 0 && blockIdx.x == 0) TRACE_MARK(TRACE_GROUP_KNOWN);
         if (lane < k) {
             topk_idx[lane] = e;
-            topk_w[lane] = slot_weight[lane];
+            topk_w[lane] = st.slot_weight[lane];
         }
         __threadfence();
-        if (lane == 0) *(volatile int*)&routing_published = 1;
+        if (lane == 0) *st.routing_published = 1;
     }
     // Every thread lets the next launch start only once the routing is written and fenced:
     // after the first pass's barrier (warp 0 fenced before it), or after one of its own.
@@ -459,14 +495,14 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(f
     if (n_gu == 0) let_dependents_launch();
     for (int j0 = 0; j0 < n_gu; ++pass) {
         int n = min(RGU_PASS, n_gu - j0);
-        if (n == 2) one_row_column_blocks<2>(ring, i, pass, gu_epi, h0, lo_off, kb0, kb1, red, t);
-        else one_row_column_blocks<1>(ring, i, pass, gu_epi, h0, lo_off, kb0, kb1, red, t);
+        if (n == 2) one_row_column_blocks<2>(ring, i, pass, gu_epi, h0, lo_off, kb0, kb1, st.red, t);
+        else one_row_column_blocks<1>(ring, i, pass, gu_epi, h0, lo_off, kb0, kb1, st.red, t);
         if (j0 == 0) let_dependents_launch();
         if (j0 == 0 && threadIdx.x == 0 && blockIdx.x == 0) TRACE_MARK(TRACE_FIRST_DATA);
         if (warp == 0) {
             for (int j = 0; j < n; ++j) {
                 int idx = blockIdx.x + (j0 + j) * gridDim.x, p = idx / gu_cbs, n0 = (idx % gu_cbs) * 8;
-                Group row = {0, 0, 1, &slot_row[p == 0 ? k : p - 1]};
+                Group row = {0, 0, 1, &st.slot_row[p == 0 ? k : p - 1]};
                 store_fragment(gu_epi, act, row, gu_n, g, n0 + 2 * q, t[j]);
             }
         }

@@ -177,15 +177,20 @@ mod tests {
             for (name, body) in kernel_bodies(src) {
                 kernels += 1;
                 let first: Vec<&str> = body.split(';').map(str::trim).take(2).collect();
-                let waits_first = first.first() == Some(&"wait_for_inputs()");
+                // wait_for_inputs_holding_dependents: a kernel that lets the next one launch
+                // only once it has written what that one reads before its own wait.
+                let is_wait = |s: Option<&&str>| s == Some(&"wait_for_inputs()") || s == Some(&"wait_for_inputs_holding_dependents()");
+                let waits_first = is_wait(first.first());
                 // Work that may come first: the L2 prefetch of the small-row kernels, the
                 // streaming kernels' ring set-up and first weight copies (weights only), and
                 // the recurrent delta rule's loads of its state (written two or more launches
                 // back, or it waits first; gdn.rs tells it which), and the attention's L2
                 // prefetch of its key and value rows; attention's reads of its weights and of the
                 // step's layout (written before the step's first launch); the fused down
-                // projection's look-up of its experts (routed two launches back) and its first
-                // weight copies.
+                // projection's look-up of its experts (routed two launches back, or by the
+                // launch before, which lets it start only once the routing is written; it checks
+                // them after its wait) and its first weight copies; the clustered router's ring,
+                // its share of the router's weights and the experts' weight table.
                 let weight_work = |s: &&str| {
                     s.starts_with("prefetch_small(")
                         || s.starts_with("StreamRing ring = stream_start<")
@@ -194,8 +199,9 @@ mod tests {
                         || s.starts_with("AttnPrepStart st = attn_prep_start(")
                         || s.starts_with("int ctx = positions[")
                         || s.starts_with("FusedDownStart st = fused_down_start(")
+                        || s.starts_with("RouteGateUpStart st = route_gate_up_start(")
                 };
-                let prefetch_then_wait = first.first().is_some_and(weight_work) && first.get(1) == Some(&"wait_for_inputs()");
+                let prefetch_then_wait = first.first().is_some_and(weight_work) && is_wait(first.get(1));
                 assert!(waits_first || prefetch_then_wait, "{module}.cu: kernel {name} does not start with wait_for_inputs(): {:?}", first);
             }
         }
