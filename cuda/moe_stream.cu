@@ -27,6 +27,24 @@
 // expert's gate logit (null: none, a scale of 1), H (a multiple of 8), K (a multiple of 32), k,
 // slots, E and the ring's stage count. Dynamic shared memory: the ring (stages * 8 rows of 2K
 // bytes), then the split activation rows (2 * slots rows of 2K bytes).
+// The ring of a one-token MoE launch: `stages` stages at the start of dynamic shared memory,
+// rows of 2K bytes (padded as stream_start pads them), its barriers in `bars` (initialized by
+// thread 0: a stage is full once its copies land, empty once the k-slice warps are done).
+__device__ __forceinline__ StreamRing one_token_ring(unsigned char* smem, u64* bars, int stages, int K) {
+    StreamRing ring = {};
+    ring.stage0 = smem;
+    ring.full = smem_u32(bars);
+    ring.empty = ring.full + 8 * STREAM_MAX_STAGES;
+    ring.stages = stages;
+    ring.row_bytes = 2 * K + (STREAM_ROW_PAD && (2 * K) % 128 == 0 ? 64 : 0);
+    if (threadIdx.x == 0)
+        for (int s = 0; s < stages; ++s) {
+            mbar_init(ring.full + 8 * s, 1);
+            mbar_init(ring.empty + 8 * s, KSLICES);
+        }
+    return ring;
+}
+
 // What moe_down_combine does before its inputs are ready: its ring, each slot's weights (the
 // routing is complete once this kernel runs: two launches back, the gate/up launch between
 // waited for it before it let this one start; or written by moe_route_gate_up just before,
@@ -49,23 +67,13 @@ __device__ __forceinline__ FusedDownStart fused_down_start(const u64* table, con
     __shared__ const bf16_t* slot_w[FUSED_DOWN_MAX_SLOTS];
     __shared__ int slot_e[FUSED_DOWN_MAX_SLOTS];
     FusedDownStart st = {};
+    st.ring = one_token_ring(stream_smem, bars, stages, K);
     StreamRing& ring = st.ring;
-    ring.stage0 = stream_smem;
-    ring.full = smem_u32(bars);
-    ring.empty = ring.full + 8 * STREAM_MAX_STAGES;
-    ring.stages = stages;
-    ring.row_bytes = 2 * K + (STREAM_ROW_PAD && (2 * K) % 128 == 0 ? 64 : 0);
     st.slot_w = slot_w;
     st.slot_e = slot_e;
     st.early = min(stages, slots);
     st.epi.mode = EPI_STORE;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; ++s) {
-            mbar_init(ring.full + 8 * s, 1);
-            mbar_init(ring.empty + 8 * s, KSLICES);
-        }
-        mbar_init_fence();
-    }
+    if (threadIdx.x == 0) mbar_init_fence();
     if ((int)threadIdx.x < slots) {
         int e = (int)threadIdx.x < k ? load_l2(topk_idx + threadIdx.x) : E;
         slot_e[threadIdx.x] = e;
@@ -334,12 +342,8 @@ __device__ __forceinline__ RouteGateUpStart route_gate_up_start(const bf16_t* ro
     __shared__ int slot_row[FUSED_DOWN_MAX_SLOTS + 1];
     __shared__ int routing_published;
     RouteGateUpStart st = {};
+    st.ring = one_token_ring(stream_smem, bars, stages, K);
     StreamRing& ring = st.ring;
-    ring.stage0 = stream_smem;
-    ring.full = smem_u32(bars);
-    ring.empty = ring.full + 8 * STREAM_MAX_STAGES;
-    ring.stages = stages;
-    ring.row_bytes = 2 * K + (STREAM_ROW_PAD && (2 * K) % 128 == 0 ? 64 : 0);
     ring.norm_bar = smem_u32(&norm_bar);
     ring.norm_s = (const float*)(stream_smem + ((long long)stages * 8 + 2) * ring.row_bytes);
     st.rank = (int)cluster_rank();
@@ -358,10 +362,6 @@ __device__ __forceinline__ RouteGateUpStart route_gate_up_start(const bf16_t* ro
     st.slot_row = slot_row;
     st.routing_published = &routing_published;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; ++s) {
-            mbar_init(ring.full + 8 * s, 1);
-            mbar_init(ring.empty + 8 * s, KSLICES);
-        }
         mbar_init(ring.norm_bar, 1);
         mbar_init_fence();
         routing_published = 0;
