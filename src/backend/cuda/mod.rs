@@ -177,6 +177,18 @@ pub struct CudaBackend {
     pub(super) l2_ahead: bool,
 }
 
+/// The launch attribute for thread block clusters of `blocks` blocks along x.
+fn cluster_attribute(blocks: u32) -> cudarc::driver::sys::CUlaunchAttribute {
+    use cudarc::driver::sys;
+    // SAFETY: an all-zero launch attribute is a valid (empty) value of the C union.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = blocks;
+    attr.value.clusterDim.y = 1;
+    attr.value.clusterDim.z = 1;
+    attr
+}
+
 /// Most arguments a kernel of cuda/*.cu takes.
 const MAX_KERNEL_ARGS: usize = 32;
 
@@ -305,8 +317,8 @@ impl CudaBackend {
                 sk.fused_down_max_dynamic = (optin - open_dynamic_smem(&k.moe_down_combine)?).max(0) as usize;
             }
             // Clusters of 16 blocks: a block's share of 35B-A3B's router is then three column
-            // blocks, and its ring leaves room on the SM for a block of the down projection
-            // after it. More than 8 blocks per cluster is not portable: the kernel must allow it.
+            // blocks (clusters of 8, with five each, were slower on the H100). More than 8
+            // blocks per cluster is not portable: the kernel must allow it.
             sk.route_gate_up_cluster = std::env::var("KESTREL_CUDA_ROUTE_GATE_UP").ok().and_then(|v| v.parse().ok()).unwrap_or(16);
             if sk.route_gate_up_cluster > 0 {
                 sk.route_gate_up_max_dynamic = (optin - open_dynamic_smem(&k.moe_route_gate_up)?).max(0) as usize;
@@ -415,12 +427,7 @@ impl CudaBackend {
         if let Some(&n) = cache.get(&key) {
             return n;
         }
-        // SAFETY: an all-zero launch attribute is a valid (empty) value of the C union.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attr.value.clusterDim.x = cluster as u32;
-        attr.value.clusterDim.y = 1;
-        attr.value.clusterDim.z = 1;
+        let mut attr = cluster_attribute(cluster as u32);
         let cfg = sys::CUlaunchConfig {
             gridDimX: cluster as u32,
             gridDimY: 1,
@@ -472,10 +479,7 @@ impl CudaBackend {
             n_attrs += 1;
         }
         if cluster > 1 {
-            attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[n_attrs].value.clusterDim.x = cluster;
-            attrs[n_attrs].value.clusterDim.y = 1;
-            attrs[n_attrs].value.clusterDim.z = 1;
+            attrs[n_attrs] = cluster_attribute(cluster);
             n_attrs += 1;
         }
         let cfg = sys::CUlaunchConfig {

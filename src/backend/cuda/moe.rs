@@ -237,6 +237,46 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
     let few = t * k <= FEW_ENTRIES;
     let route_here = few && t <= ROUTE_IN_GROUP_MAX_TOKENS;
     let router_launch = super::matmul::router_launch(be, t, w.router.rows, h, w.router.lo.is_some()).filter(|_| route_here);
+    let tables = expert_tables(be, w, fold);
+    let has_lo = |which: usize| w.experts.iter().chain(w.shared.iter().filter(|_| fold)).any(|m| m[which].lo.is_some());
+    // One token whose input norm the streaming router would take, with the shared expert in the
+    // groups: the router, the routing and the gate/up in one launch (moe_route_gate_up), then
+    // the fused down projection: one launch where the router's and the gate/up's were two, and
+    // no hand-over between them.
+    let route_gate_up = match input {
+        MoeInput::Residual(n, eps) if t == 1 && fold && !has_lo(0) && !has_lo(1) && router_launch.as_ref().is_some_and(|l| l.stages > 0) && be.norm_in_registers(n, h) => {
+            super::matmul::route_gate_up(be, w.router.rows, h, inter, k).zip(super::matmul::fused_down(be, slots, h, inter)).map(|plans| (n, eps, plans))
+        }
+        _ => None,
+    };
+    if let Some((norm, eps, (plan, down))) = route_gate_up {
+        // Router logits and the shared expert's gate (written by the launch's first cluster).
+        let parts: Vec<CudaTensor> = widths.iter().map(|&n| be.tensor(t, n)).collect();
+        let act = be.tensor(slots, inter);
+        let outs: Vec<(u64, usize)> = parts.iter().map(|p| (be.ptr(&p.data), p.cols)).collect();
+        let args = [
+            Arg::Ptr(be.ptr(&act.data)),
+            Arg::Ptr(be.ptr(&acc.data)),
+            Arg::Ptr(be.ptr(&w.router.hi)),
+            Arg::I32(w.router.rows as i32),
+            Arg::I32(h as i32),
+            Arg::Epilogue(super::matmul::Epilogue::parts(&outs)),
+            Arg::Ptr(be.ptr(&norm.data)),
+            Arg::F32(eps),
+            Arg::Ptr(be.ptr(&tables[0])),
+            Arg::I32(e as i32),
+            Arg::I32(k as i32),
+            Arg::I32(i32::from(cfg.norm_topk_prob)),
+            Arg::I32(inter as i32),
+            Arg::Ptr(topk_idx),
+            Arg::Ptr(topk_w),
+            Arg::I32(plan.stages as i32),
+        ];
+        be.launch_in_clusters(&be.k.moe_route_gate_up, (plan.blocks, 1, 1), super::matmul::STREAM_THREADS, plan.smem, plan.cluster, &args);
+        let gate = parts.get(1).map_or(0, |s| be.ptr(&s.data));
+        launch_fused_down(be, acc, &act, &tables[1], (topk_idx, topk_w, gate), (h, inter, k, slots, e), &down);
+        return MoeOutput::Added;
+    }
     // The input rows: normalized inside the streaming router (which stores them for the
     // experts) where it can, else by the row norm first.
     let normed_input: CudaTensor;
@@ -258,40 +298,6 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
     .into_iter();
     let logits = parts.next().expect("router logits");
     let shared_gate = parts.next();
-    let tables = expert_tables(be, w, fold);
-    let has_lo = |which: usize| w.experts.iter().chain(w.shared.iter().filter(|_| fold)).any(|m| m[which].lo.is_some());
-    // One token whose input norm the streaming router would take, with the shared expert in the
-    // groups: the router, the routing and the gate/up in one launch (moe_route_gate_up), then
-    // the fused down projection: one launch where the router's and the gate/up's were two, and
-    // no hand-over between them.
-    if let Some((norm, eps)) = router_norm.filter(|_| t == 1 && fold && !has_lo(0) && !has_lo(1)) {
-        if let (Some(plan), Some(down)) = (super::matmul::route_gate_up(be, w.router.rows, h, inter, k), super::matmul::fused_down(be, slots, h, inter)) {
-            let act = be.tensor(slots, inter);
-            let outs: Vec<(u64, usize)> = std::iter::once(&logits).chain(shared_gate.as_ref()).map(|p| (be.ptr(&p.data), p.cols)).collect();
-            let args = [
-                Arg::Ptr(be.ptr(&act.data)),
-                Arg::Ptr(be.ptr(&acc.data)),
-                Arg::Ptr(be.ptr(&w.router.hi)),
-                Arg::I32(w.router.rows as i32),
-                Arg::I32(h as i32),
-                Arg::Epilogue(super::matmul::Epilogue::parts(&outs)),
-                Arg::Ptr(be.ptr(&norm.data)),
-                Arg::F32(eps),
-                Arg::Ptr(be.ptr(&tables[0])),
-                Arg::I32(e as i32),
-                Arg::I32(k as i32),
-                Arg::I32(i32::from(cfg.norm_topk_prob)),
-                Arg::I32(inter as i32),
-                Arg::Ptr(topk_idx),
-                Arg::Ptr(topk_w),
-                Arg::I32(plan.stages as i32),
-            ];
-            be.launch_in_clusters(&be.k.moe_route_gate_up, (plan.blocks, 1, 1), super::matmul::STREAM_THREADS, plan.smem, plan.cluster, &args);
-            let gate = shared_gate.as_ref().map_or(0, |s| be.ptr(&s.data));
-            launch_fused_down(be, acc, &act, &tables[1], (topk_idx, topk_w, gate), (h, inter, k, slots, e), &down);
-            return MoeOutput::Added;
-        }
-    }
     // moe_route's arguments, which moe_group_few and matmul_router's routing also start with.
     let route_args = [
         Arg::Ptr(topk_idx),
