@@ -48,9 +48,11 @@ __device__ __forceinline__ StreamRing one_token_ring(unsigned char* smem, u64* b
 // What moe_down_combine does before its inputs are ready: its ring, each slot's weights (the
 // routing is complete once this kernel runs: two launches back, the gate/up launch between
 // waited for it before it let this one start; or written by moe_route_gate_up just before,
-// which lets this one start only after its blocks wrote and fenced it), and the producer warp's copies of the first
-// `early` slots (the whole ring while the gate/up launch streams: 32 KB a block) and L2
-// prefetches of the slots past them.
+// which lets this one start only after its blocks wrote and fenced it), and the producer warp's
+// copies of the first `early` slots (the whole ring while the gate/up launch streams: 32 KB a
+// block). The slots past them are not pulled into L2 ahead: since this launch's blocks fit
+// beside moe_route_gate_up's, those prefetches competed with the experts' gate/up stream
+// (35B-A3B decode on the H100: 3.286-3.290 ms per step without them, 3.303-3.332 with).
 struct FusedDownStart {
     StreamRing ring;
     const bf16_t* const* slot_w;
@@ -83,7 +85,6 @@ __device__ __forceinline__ FusedDownStart fused_down_start(const u64* table, con
     if ((int)(threadIdx.x >> 5) == KSLICES) {
         int lane = threadIdx.x & 31, n0 = blockIdx.x * 8;
         for (int i = 0; i < st.early; ++i) stream_issue<1>(ring, slot_w[i], H, K, n0, i, st.epi);
-        for (int i = st.early + lane; i < slots; i += 32) bulk_prefetch_l2(slot_w[i] + (long long)n0 * K, 16u * (u32)K);
     }
     return st;
 }
@@ -196,9 +197,10 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_down_combine(fl
 // gate/up column blocks. The separate router launch met at a global count in its last block,
 // which routed from logits read back from L2, and the gate/up launch then waited for that
 // grid to end and looked its experts up in global memory. On the H100 (35B-A3B, one-token
-// decode) the two launches took 30-31 us of each layer, this one 26-28 us; its blocks know
-// the routing 8-10 us after their inputs are ready (the slowest of a cluster's 16 blocks sets
-// the exchange), and the 20 SMs that do not fit a 16-block cluster stay idle.
+// decode) the two launches took 30-31 us of each layer, this one 23-26 us. After its inputs,
+// a block's normalized row is ready at 1.3-2 us, the cluster's exchange is done at about 5 us
+// (its slowest block sets it), the routing's rounds end 2.5-5 us later, and the first routed
+// weights land at 9-11 us; the 20 SMs that do not fit a 16-block cluster stay idle.
 
 // Gate/up column blocks the k-slice warps of moe_route_gate_up take at once: independent mma
 // chains, where one column block's chain left the warps waiting on each mma's latency (35B-A3B
@@ -207,10 +209,13 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_down_combine(fl
 #ifndef RGU_PASS
 #define RGU_PASS 2
 #endif
-// Most column blocks of one pass (the reduction buffers' size): the router's share of a block
-// (up to three column blocks) goes in passes of two and one. With room for three the larger
-// static shared memory cost more than the pass gained (3.343, 3.387 against 3.322, 3.335 ms).
-#define RGU_MAX_PASS 2
+// Most column blocks of one pass (the reduction buffers' size): a block's share of the router
+// (up to three column blocks) goes in one pass. In passes of two and one, the block with three
+// held its whole cluster's exchange back by a pass (35B-A3B decode on the H100, with the routing
+// published round by round: 3.301-3.320 ms per step against 3.386-3.396).
+#ifndef RGU_MAX_PASS
+#define RGU_MAX_PASS 3
+#endif
 // Most router columns (experts, then the shared expert's gate) moe_route_gate_up keeps.
 #define ROUTE_GU_MAX_COLS (32 * ROUTE_MAX_PER_LANE + 8)
 
@@ -250,7 +255,7 @@ __device__ __forceinline__ void store4_in_cluster_block(const float* local, u32 
 // matmul_stream_body for the reason moe_down_combine gives.
 template <int P>
 __device__ __forceinline__ void one_row_column_blocks(const StreamRing& ring, int i, int pass, const Epilogue& epi, const bf16_t* h0, long long lo_off, int kb0, int kb1,
-        float (*red)[KSLICES][RGU_MAX_PASS][32][4], float t[RGU_MAX_PASS][4]) {
+        float (*red)[KSLICES][RGU_MAX_PASS][4][2], float t[RGU_MAX_PASS][4]) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, S = ring.stages;
     float c[P][4];
     const unsigned char* st[P];
@@ -291,21 +296,26 @@ __device__ __forceinline__ void one_row_column_blocks(const StreamRing& ring, in
     __syncwarp();
     if (lane == 0)
         for (int j = 0; j < P; ++j) mbar_arrive(ring.empty + 8 * ((i + j) % S));
-    // Buffer pass & 1 was last read by warp 0 in pass - 2, before the barrier of pass - 1.
-    float (*rb)[RGU_MAX_PASS][32][4] = red[pass & 1];
+    // Only fragment row 0 (lanes 0-3, their first two values) is the token's; the buffers hold
+    // just that, so that moe_down_combine's blocks fit on the SMs beside this launch's and
+    // copy their first slots while the gate/up products stream. Buffer pass & 1 was last read
+    // by warp 0 in pass - 2, before the barrier of pass - 1.
+    float (*rb)[RGU_MAX_PASS][4][2] = red[pass & 1];
+    if (g == 0)
 #pragma unroll
-    for (int j = 0; j < P; ++j)
+        for (int j = 0; j < P; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) rb[warp][j][lane][e] = c[j][e];
+            for (int e = 0; e < 2; ++e) rb[warp][j][q][e] = c[j][e];
     k_slices_sync();
     if (warp == 0) {
 #pragma unroll
         for (int j = 0; j < P; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) t[j][e] = 0.0f;
-            for (int w = 0; w < KSLICES; ++w)
+            if (g == 0)
+                for (int w = 0; w < KSLICES; ++w)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) t[j][e] += rb[w][j][lane][e];
+                    for (int e = 0; e < 2; ++e) t[j][e] += rb[w][j][q][e];
         }
     }
 }
@@ -319,7 +329,7 @@ struct RouteGateUpStart {
     StreamRing ring;
     int rank, C, nr, n_gu, gu_cbs;
     Epilogue gu_epi;
-    float (*red)[KSLICES][RGU_MAX_PASS][32][4];
+    float (*red)[KSLICES][RGU_MAX_PASS][4][2];
     float* logits;
     const bf16_t** expert_w;
     int* slot_expert;
@@ -327,6 +337,10 @@ struct RouteGateUpStart {
     int* slot_row;
     // Set by warp 0 once the routing's global writes are fenced.
     volatile int* routing_published;
+    // The routing's slots as route_token's rounds choose them: their experts, and a barrier per
+    // slot that the round completes. The producer copies a slot's weights as soon as it is chosen.
+    int* chosen_expert;
+    u32 chosen_bars;
 };
 
 __device__ __forceinline__ RouteGateUpStart route_gate_up_start(const bf16_t* router_w, int router_n, int K, const Epilogue& router_epi, const float* norm_w, const u64* table,
@@ -334,13 +348,15 @@ __device__ __forceinline__ RouteGateUpStart route_gate_up_start(const bf16_t* ro
     extern __shared__ __align__(128) unsigned char stream_smem[];
     __shared__ __align__(8) u64 bars[2 * STREAM_MAX_STAGES];
     __shared__ __align__(8) u64 norm_bar;
-    __shared__ float red[2][KSLICES][RGU_MAX_PASS][32][4];
+    __shared__ float red[2][KSLICES][RGU_MAX_PASS][4][2];
     __shared__ __align__(16) float logits_s[ROUTE_GU_MAX_COLS];
     __shared__ const bf16_t* expert_w[ROUTE_GU_MAX_COLS];
     __shared__ int slot_expert[FUSED_DOWN_MAX_SLOTS];
     __shared__ float slot_weight[FUSED_DOWN_MAX_SLOTS];
     __shared__ int slot_row[FUSED_DOWN_MAX_SLOTS + 1];
     __shared__ int routing_published;
+    __shared__ int chosen_expert[FUSED_DOWN_MAX_SLOTS];
+    __shared__ __align__(8) u64 chosen_bars[FUSED_DOWN_MAX_SLOTS];
     RouteGateUpStart st = {};
     st.ring = one_token_ring(stream_smem, bars, stages, K);
     StreamRing& ring = st.ring;
@@ -361,8 +377,11 @@ __device__ __forceinline__ RouteGateUpStart route_gate_up_start(const bf16_t* ro
     st.slot_weight = slot_weight;
     st.slot_row = slot_row;
     st.routing_published = &routing_published;
+    st.chosen_expert = chosen_expert;
+    st.chosen_bars = smem_u32(chosen_bars);
     if (threadIdx.x == 0) {
         mbar_init(ring.norm_bar, 1);
+        for (int s = 0; s < k; ++s) mbar_init(st.chosen_bars + 8 * s, 1);
         mbar_init_fence();
         routing_published = 0;
     }
@@ -410,28 +429,30 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(f
     const Epilogue& gu_epi = st.gu_epi;
     float* logits_s = st.logits;
     if (warp == KSLICES) {
-        // The producer, its router copies issued: the shared expert's column blocks, then (once
-        // warp 0 has routed) the routed experts'. Phase 1 of the cluster barrier (the logits
+        // The producer, its router copies issued: the shared expert's column blocks, then each
+        // routed slot's as soon as warp 0's routing round has chosen its expert (the first
+        // copies go out before the rounds are done). Phase 1 of the cluster barrier (the logits
         // exchange) needs nothing from this warp; arriving before the gate/up copies keeps it
         // from waiting on stages only the exchange frees.
         cluster_wait();
         cluster_arrive_relaxed();
-        bool routed = false, launched = false;
+        bool launched = false;
         for (int j = 0, i = nr; j < n_gu; ++j, ++i) {
             int idx = blockIdx.x + j * gridDim.x, p = idx / gu_cbs, n0 = (idx % gu_cbs) * 8;
-            if (p > 0 && !routed) {
-                asm volatile("bar.sync 2, 64;" ::: "memory");
-                routed = true;
-            }
             if (i >= stages) mbar_wait(ring.empty + 8 * (i % stages), (u32)((i / stages - 1) & 1));
-            const bf16_t* w = p == 0 ? (const bf16_t*)load_l2(table + 2 * E) : st.expert_w[st.slot_expert[p - 1]];
+            const bf16_t* w;
+            if (p == 0) {
+                w = (const bf16_t*)load_l2(table + 2 * E);
+            } else {
+                mbar_wait(st.chosen_bars + 8 * (p - 1), 0u);
+                w = st.expert_w[st.chosen_expert[p - 1]];
+            }
             stream_issue<1>(ring, w, gu_n, K, n0, i % stages, gu_epi);
             if (!launched && *st.routing_published) {
                 let_dependents_launch();
                 launched = true;
             }
         }
-        if (!routed) asm volatile("bar.sync 2, 64;" ::: "memory");
         return;
     }
     int xstride = ring.row_bytes / 2;
@@ -448,9 +469,10 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(f
     int i = 0, pass = 0;
     float t[RGU_MAX_PASS][4];
     for (; i < nr; ++pass) {
-        // The router's column blocks land together: two in one pass.
+        // The router's column blocks land together: all of a block's share in one pass.
         int n = min(RGU_MAX_PASS, nr - i);
-        if (n == 2) one_row_column_blocks<2>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, st.red, t);
+        if (n == 3) one_row_column_blocks<RGU_MAX_PASS >= 3 ? 3 : 1>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, st.red, t);
+        else if (n == 2) one_row_column_blocks<2>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, st.red, t);
         else one_row_column_blocks<1>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, st.red, t);
         // The column blocks' logits into this block's copy, then (lane r) into block r's.
         if (warp == 0) {
@@ -476,11 +498,11 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(f
     cluster_wait();
     if (warp == 0) {
         // The routing into shared memory first: global stores wait behind the copies' traffic.
-        int e = route_token(0, st.slot_expert, st.slot_weight, logits_s, E, k, renormalize, false);
+        // Each round's expert goes to the producer as it is chosen (chosen_expert and its
+        // barrier); the fence of the routing's global writes (for the next launch, which
+        // reads them before its wait) follows off its path.
+        int e = route_token(0, st.slot_expert, st.slot_weight, logits_s, E, k, renormalize, false, st.chosen_expert, st.chosen_bars);
         __syncwarp();
-        // The producer starts on the routed experts' copies; the fence of the routing's global
-        // writes (for the next launch, which reads them before its wait) follows off its path.
-        asm volatile("bar.arrive 2, 64;" ::: "memory");
         if (lane == 0 && blockIdx.x == 0) TRACE_MARK(TRACE_GROUP_KNOWN);
         if (lane < k) {
             topk_idx[lane] = e;

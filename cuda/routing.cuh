@@ -31,6 +31,20 @@ __device__ __forceinline__ void route_keep(int s, int lane, float bv, int e, flo
     }
 }
 
+// Round s's expert e to a waiting warp of the block, where route_token is given somewhere to
+// put it: the expert into chosen_expert[s], then an arrival on the shared-memory barrier
+// chosen_bars + 8s (count 1), whose wait orders the expert before the waiter's reads. A barrier
+// rather than a flag: the waiting warp may share the routing warp's SM sub-partition, where a
+// spin would take the routing's issue slots.
+__device__ __forceinline__ void route_publish(int s, int lane, int e, int* chosen_expert, unsigned chosen_bars) {
+    if (chosen_expert && lane == 0) {
+        chosen_expert[s] = e;
+#if __CUDA_ARCH__ >= 800
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(chosen_bars + 8u * (unsigned)s) : "memory");
+#endif
+    }
+}
+
 #if __CUDA_ARCH__ >= 800
 // Descending compare-exchange of two composite keys.
 __device__ __forceinline__ void route_cas(u64& a, u64& b) {
@@ -45,7 +59,8 @@ __device__ __forceinline__ void route_cas(u64& a, u64& b) {
 // complement of the expert), by the 19-exchange network for 8; a round then takes the warp's
 // largest head by two integer reductions, and the lane that held it drops its head. The
 // rounds' argmax over 16 registers is a chain of dependent compares in every round.
-__device__ __forceinline__ void route_top_k_sorted(const float p[ROUTE_MAX_PER_LANE], int lane, int k, float sum, float mine_w[2], int mine_i[2], float& total) {
+__device__ __forceinline__ void route_top_k_sorted(const float p[ROUTE_MAX_PER_LANE], int lane, int k, float sum, float mine_w[2], int mine_i[2], float& total,
+        int* chosen_expert, unsigned chosen_bars) {
     u64 s8[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -65,6 +80,7 @@ __device__ __forceinline__ void route_top_k_sorted(const float p[ROUTE_MAX_PER_L
         asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(best) : "r"(candidate));
         bool won = hi == top && lo == best;
         route_keep(s, lane, route_key_value(top), (int)~best, sum, mine_w, mine_i, total);
+        route_publish(s, lane, (int)~best, chosen_expert, chosen_bars);
 #pragma unroll
         for (int i = 0; i < 7; ++i) s8[i] = won ? s8[i + 1] : s8[i];
         s8[7] = won ? 0ull : s8[7];
@@ -79,8 +95,10 @@ __device__ __forceinline__ void route_top_k_sorted(const float p[ROUTE_MAX_PER_L
 // with the same (value, index). Returns the expert of slot `lane` (lanes below k, k <= 32).
 // `logits_in_l2`: whether the logits are in global memory, where other blocks of the same
 // launch may have written them (matmul_router), so they are read from L2; otherwise they are
-// in this block's shared memory (moe_route_gate_up).
-__device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize, bool logits_in_l2 = true) {
+// in this block's shared memory (moe_route_gate_up). `chosen_expert` (shared memory, or null)
+// and `chosen_bars`: where each round's expert goes as the rounds run (route_publish).
+__device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, const float* logits, int E, int k, int renormalize, bool logits_in_l2 = true,
+        int* chosen_expert = nullptr, unsigned chosen_bars = 0) {
     int lane = threadIdx.x & 31;
     const float* l = logits + (long long)t * E;
     // Probabilities of this lane's experts; NEG_INF marks a chosen or missing one.
@@ -109,7 +127,7 @@ __device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, 
     float total = 0.0f;
 #if __CUDA_ARCH__ >= 800
     if (ROUTE_SORTED && E <= 8 * 32) {
-        route_top_k_sorted(p, lane, k, sum, mine_w, mine_i, total);
+        route_top_k_sorted(p, lane, k, sum, mine_w, mine_i, total, chosen_expert, chosen_bars);
     } else
 #endif
     for (int s = 0; s < k; ++s) {
@@ -139,6 +157,7 @@ __device__ __forceinline__ int route_token(int t, int* topk_idx, float* topk_w, 
         }
 #endif
         route_keep(s, lane, bv, bi, sum, mine_w, mine_i, total);
+        route_publish(s, lane, bi, chosen_expert, chosen_bars);
 #pragma unroll
         for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i)
             if (lane + 32 * i == bi) p[i] = NEG_INF;
