@@ -332,8 +332,6 @@ struct RouteGateUpStart {
     float (*red)[KSLICES][RGU_MAX_PASS][4][2];
     float* logits;
     const bf16_t** expert_w;
-    int* slot_expert;
-    float* slot_weight;
     int* slot_row;
     // Set by warp 0 once the routing's global writes are fenced.
     volatile int* routing_published;
@@ -351,8 +349,6 @@ __device__ __forceinline__ RouteGateUpStart route_gate_up_start(const bf16_t* ro
     __shared__ float red[2][KSLICES][RGU_MAX_PASS][4][2];
     __shared__ __align__(16) float logits_s[ROUTE_GU_MAX_COLS];
     __shared__ const bf16_t* expert_w[ROUTE_GU_MAX_COLS];
-    __shared__ int slot_expert[FUSED_DOWN_MAX_SLOTS];
-    __shared__ float slot_weight[FUSED_DOWN_MAX_SLOTS];
     __shared__ int slot_row[FUSED_DOWN_MAX_SLOTS + 1];
     __shared__ int routing_published;
     __shared__ int chosen_expert[FUSED_DOWN_MAX_SLOTS];
@@ -373,8 +369,6 @@ __device__ __forceinline__ RouteGateUpStart route_gate_up_start(const bf16_t* ro
     st.red = red;
     st.logits = logits_s;
     st.expert_w = expert_w;
-    st.slot_expert = slot_expert;
-    st.slot_weight = slot_weight;
     st.slot_row = slot_row;
     st.routing_published = &routing_published;
     st.chosen_expert = chosen_expert;
@@ -497,17 +491,11 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(f
     cluster_arrive_release();
     cluster_wait();
     if (warp == 0) {
-        // The routing into shared memory first: global stores wait behind the copies' traffic.
         // Each round's expert goes to the producer as it is chosen (chosen_expert and its
-        // barrier); the fence of the routing's global writes (for the next launch, which
-        // reads them before its wait) follows off its path.
-        int e = route_token(0, st.slot_expert, st.slot_weight, logits_s, E, k, renormalize, false, st.chosen_expert, st.chosen_bars);
-        __syncwarp();
+        // barrier); the routing's global writes come after the last round, and their fence (for
+        // the next launch, which reads them before its wait) is off the producer's path.
+        route_token(0, topk_idx, topk_w, logits_s, E, k, renormalize, false, st.chosen_expert, st.chosen_bars);
         if (lane == 0 && blockIdx.x == 0) TRACE_MARK(TRACE_GROUP_KNOWN);
-        if (lane < k) {
-            topk_idx[lane] = e;
-            topk_w[lane] = st.slot_weight[lane];
-        }
         __threadfence();
         if (lane == 0) *st.routing_published = 1;
     }

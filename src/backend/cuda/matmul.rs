@@ -443,9 +443,8 @@ impl StreamKernels {
 /// Shared memory `moe_down_combine`'s ring and split rows aim for: a block then fits on an SM
 /// beside two blocks of the gate/up launch before it (as the grouped down launch's ring does,
 /// [`GROUPED_RING_BYTES`]), or beside one of `moe_route_gate_up`. At 35B-A3B's sizes (nine
-/// slots of K = 512), four stages of 8 rows beside the 19 KB of split rows. (Five, which also
-/// fit beside `moe_route_gate_up`, were slower on the H100: 3.312-3.329 against 3.266-3.284 ms
-/// per step.)
+/// slots of K = 512), four stages of 8 rows beside the 19 KB of split rows (five, which also fit
+/// there, were slower on the H100: 3.312-3.329 against 3.266-3.284 ms per step).
 const FUSED_DOWN_BYTES: usize = 54 * 1024;
 /// Most slots (routed experts and the shared one) of `moe_down_combine` (FUSED_DOWN_MAX_SLOTS in
 /// cuda/moe_stream.cu).
@@ -649,8 +648,8 @@ mod tests {
     #[test]
     fn route_gate_up_ring_holds_the_router_share_or_falls_back() {
         // An H100 (227 KB per block, 228 KB per SM, 1 KB of each block's reserved) beside the
-        // kernel's 8.3 KB of static shared memory.
-        let (smem_per_sm, static_smem) = (228 * 1024, 8448);
+        // kernel's 8.1 KB of static shared memory.
+        let (smem_per_sm, static_smem) = (228 * 1024, 8320);
         let max_dynamic = 227 * 1024 - static_smem;
         let row = 2 * 2048 + 64;
         // 35B-A3B: 257 router columns (256 experts and the shared gate) in 33 column blocks,
@@ -660,11 +659,9 @@ mod tests {
         // A block of the down projection after it (4.4 KB static, four stages) fits on the same
         // SM, so that it copies its first slots while the gate/up products stream.
         let down_static = 4480;
-        let (down_stages, down_smem) = fused_down_shape_of(227 * 1024 - down_static, 9, 2048, 512).expect("35B-A3B's down projection fuses");
-        assert_eq!(down_stages, 4);
-        assert!(smem + static_smem + 1024 + down_smem + down_static + 1024 <= smem_per_sm);
-        // Clusters of 8: five router column blocks per block, six stages; clusters of 4: nine,
-        // past shared memory.
+        let down = fused_down_shape_of(227 * 1024 - down_static, 9, 2048, 512).expect("35B-A3B's down projection fuses");
+        assert!(down.0 == 4 && smem + static_smem + 1024 + down.1 + down_static + 1024 <= smem_per_sm);
+        // Clusters of 8: five router column blocks a block, six stages; of 4: nine, too many.
         assert_eq!(route_gate_up_shape_of(max_dynamic, 8, 257, 2048, 512, 8), Some((6, 6 * 8 * row + 2 * row + 4 * 2048)));
         assert_eq!(route_gate_up_shape_of(max_dynamic, 4, 257, 2048, 512, 8), None, "the router's share past shared memory");
         // A small router still takes four stages; one of 16 blocks per cluster takes none.
