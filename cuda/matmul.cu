@@ -191,22 +191,22 @@ __device__ __forceinline__ void small_kblock(float c[NT][4], const float* xr0, c
     for (int j = 0; j < NT; ++j) mma_kblock(c[j], ahi, alo, bh[j], bl[j], has_lo);
 }
 
+// One fragment row's 8 bf16 hi and lo halves at k of an activation row split ahead of time
+// (`h`, its lo halves `lo_off` elements further on).
+__device__ __forceinline__ void load_split8(const bf16_t* h, long long lo_off, int k, u32 hi[4], u32 lo[4]) {
+    uint4 a = *(const uint4*)(h + k), b = *(const uint4*)(h + lo_off + k);
+    hi[0] = a.x; hi[1] = a.y; hi[2] = a.z; hi[3] = a.w;
+    lo[0] = b.x; lo[1] = b.y; lo[2] = b.z; lo[3] = b.w;
+}
+
 // small_kblock on activations split ahead of time (split_activations): rows g and g+8 of the
 // tile come as bf16 hi arrays `h0`/`h1` with their lo halves `lo_off` elements further on.
 // The fragments are exactly those split8 makes, so the results are bitwise the same.
 template <int NT>
 __device__ __forceinline__ void small_kblock_split(float c[NT][4], const bf16_t* h0, const bf16_t* h1, long long lo_off, bool two, int k, const uint4 bh[NT], const uint4 zero[NT]) {
     u32 hi0[4] = {0, 0, 0, 0}, lo0[4] = {0, 0, 0, 0}, hi1[4] = {0, 0, 0, 0}, lo1[4] = {0, 0, 0, 0}, ahi[2][4], alo[2][4];
-    if (h0) {
-        uint4 a = *(const uint4*)(h0 + k), b = *(const uint4*)(h0 + lo_off + k);
-        hi0[0] = a.x; hi0[1] = a.y; hi0[2] = a.z; hi0[3] = a.w;
-        lo0[0] = b.x; lo0[1] = b.y; lo0[2] = b.z; lo0[3] = b.w;
-    }
-    if (two && h1) {
-        uint4 a = *(const uint4*)(h1 + k), b = *(const uint4*)(h1 + lo_off + k);
-        hi1[0] = a.x; hi1[1] = a.y; hi1[2] = a.z; hi1[3] = a.w;
-        lo1[0] = b.x; lo1[1] = b.y; lo1[2] = b.z; lo1[3] = b.w;
-    }
+    if (h0) load_split8(h0, lo_off, k, hi0, lo0);
+    if (two && h1) load_split8(h1, lo_off, k, hi1, lo1);
     make_frags(hi0, hi1, ahi);
     make_frags(lo0, lo1, alo);
 #pragma unroll

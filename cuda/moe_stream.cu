@@ -213,9 +213,7 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_down_combine(fl
 // (up to three column blocks) goes in one pass. In passes of two and one, the block with three
 // held its whole cluster's exchange back by a pass (35B-A3B decode on the H100, with the routing
 // published round by round: 3.301-3.320 ms per step against 3.386-3.396).
-#ifndef RGU_MAX_PASS
 #define RGU_MAX_PASS 3
-#endif
 // Most router columns (experts, then the shared expert's gate) moe_route_gate_up keeps.
 #define ROUTE_GU_MAX_COLS (32 * ROUTE_MAX_PER_LANE + 8)
 
@@ -275,12 +273,7 @@ __device__ __forceinline__ void one_row_column_blocks(const StreamRing& ring, in
         // order, so chain by chain each mma waited for the one before it.
         u32 hi0[4] = {0, 0, 0, 0}, lo0[4] = {0, 0, 0, 0}, ahi[2][4], alo[2][4];
         const u32 none[4] = {0, 0, 0, 0};
-        if (h0) {
-            int k = kb * 32 + q * 8;
-            uint4 a = *(const uint4*)(h0 + k), b = *(const uint4*)(h0 + lo_off + k);
-            hi0[0] = a.x; hi0[1] = a.y; hi0[2] = a.z; hi0[3] = a.w;
-            lo0[0] = b.x; lo0[1] = b.y; lo0[2] = b.z; lo0[3] = b.w;
-        }
+        if (h0) load_split8(h0, lo_off, kb * 32 + q * 8, hi0, lo0);
         make_frags(hi0, none, ahi);
         make_frags(lo0, none, alo);
 #pragma unroll
@@ -465,7 +458,7 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(f
     for (; i < nr; ++pass) {
         // The router's column blocks land together: all of a block's share in one pass.
         int n = min(RGU_MAX_PASS, nr - i);
-        if (n == 3) one_row_column_blocks<RGU_MAX_PASS >= 3 ? 3 : 1>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, st.red, t);
+        if (n == 3) one_row_column_blocks<3>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, st.red, t);
         else if (n == 2) one_row_column_blocks<2>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, st.red, t);
         else one_row_column_blocks<1>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, st.red, t);
         // The column blocks' logits into this block's copy, then (lane r) into block r's.
