@@ -419,10 +419,11 @@ STREAM_NORM_KERNEL(matmul_stream_combine_nt1, 1, STREAM_INPUT_COMBINE)
 STREAM_NORM_KERNEL(matmul_stream_combine_nt2, 2, STREAM_INPUT_COMBINE)
 STREAM_NORM_KERNEL(matmul_stream_combine_nt4, 4, STREAM_INPUT_COMBINE)
 
-// The shared expert's weights (gate/up, then down), which the launches after the router
-// stream, pulled into L2 by the router's blocks while its chain runs: its norm, matmul, count
-// and routing are latencies with the memory idle, since the routed experts' weights are not
-// known before it ends. Zero bytes: none.
+// Weights the launches after a router stream, pulled into L2 by the router's blocks while its
+// chain runs: its norm, matmul, count and routing are latencies with the memory idle, since
+// the routed experts' weights are not known before it ends. The streaming router takes the
+// shared expert's (gate/up, then down); moe_route_gate_up the next input projection's last
+// rows. Zero bytes: none.
 struct L2Ahead {
     const unsigned char* ptr[2];
     long long bytes[2];

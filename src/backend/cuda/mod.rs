@@ -175,6 +175,10 @@ pub struct CudaBackend {
     /// Whether the streaming router pulls the shared expert's weights into L2 while its chain
     /// runs (`KESTREL_CUDA_L2_AHEAD=0` turns it off for A/B runs).
     pub(super) l2_ahead: bool,
+    /// Bytes of the next input projection's last weight rows that the one-token MoE launch
+    /// pulls into L2 in its routing window (moe::L2Ahead::projection_tail;
+    /// `KESTREL_CUDA_L2_TAIL_MB` sets it in MiB for A/B runs, 0 turns it off).
+    pub(super) l2_tail_bytes: usize,
 }
 
 /// The launch attribute for thread block clusters of `blocks` blocks along x.
@@ -361,6 +365,7 @@ impl CudaBackend {
             active_clusters: Mutex::new(HashMap::new()),
             tracer,
             l2_ahead: std::env::var("KESTREL_CUDA_L2_AHEAD").map_or(true, |v| v != "0"),
+            l2_tail_bytes: std::env::var("KESTREL_CUDA_L2_TAIL_MB").ok().and_then(|v| v.parse::<usize>().ok()).map_or(moe::PROJECTION_TAIL_BYTES, |mb| mb << 20),
         })
     }
 
