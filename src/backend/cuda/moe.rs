@@ -228,6 +228,8 @@ impl PendingCombine {
 
 /// Routing and the experts' rows for the MoE on `acc`'s rows; the combine pass is left to the
 /// caller ([`PendingCombine`]) unless the down projection added the sum into `acc` itself.
+/// `ahead`: weights of later launches that the one-token launch (`moe_route_gate_up`) pulls
+/// into L2 in its routing window; the other paths have no such window and ignore it.
 fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig, ahead: L2Ahead) -> MoeOutput {
     let (t, h) = (acc.rows, acc.cols);
     let (e, k, inter) = (cfg.num_experts, cfg.top_k, cfg.expert_intermediate);
