@@ -35,7 +35,8 @@ __device__ __forceinline__ void route_keep(int s, int lane, float bv, int e, flo
 // put it: the expert into chosen_expert[s], then an arrival on the shared-memory barrier
 // chosen_bars + 8s (count 1), whose wait orders the expert before the waiter's reads. A barrier
 // rather than a flag: the waiting warp may share the routing warp's SM sub-partition, where a
-// spin would take the routing's issue slots.
+// spin would take the routing's issue slots. The arrival is written out here because
+// mbar_arrive (cuda/matmul_stream.cu) is not in the moe module, which includes this file too.
 __device__ __forceinline__ void route_publish(int s, int lane, int e, int* chosen_expert, unsigned chosen_bars) {
     if (chosen_expert && lane == 0) {
         chosen_expert[s] = e;
