@@ -1,7 +1,9 @@
 // Gated DeltaNet: causal conv with its window, gates and l2-normalized q/k, the delta rule
 // (chunked over chunks of 64 aligned to absolute positions for prefill rows; recurrent with a
 // state snapshot per token for generate rows) and the gated output RMSNorm.
-// Recurrent state per value head is S[i][j] (i over dk, j over dv), f32, as on the CPU.
+// Recurrent state per value head is S[i][j] (i over dk, j over dv), f32, as on the CPU, stored
+// in the order state_index gives (the host reads it back through `recurrent_state_index` in
+// backend/cuda/cache.rs).
 
 #define CHUNK 64
 #define MAX_DK 128
@@ -99,6 +101,37 @@ extern "C" __global__ void gdn_conv_state(float* conv_state, const float* mixed,
 }
 
 #define REC_GROUPS 4   // threads per value column of the recurrent kernel
+
+// Whether the recurrent state is stored in gdn_recurrent's thread order (1) or row by row (0;
+// `KESTREL_CUDA_DEFINES=GDN_STATE_TILED=0` for A/B runs, timing only: the host's read-back
+// assumes 1).
+#ifndef GDN_STATE_TILED
+#define GDN_STATE_TILED 1
+#endif
+
+// Whether a head's state is in gdn_recurrent's thread order (state_index): dk a multiple of
+// 4 * REC_GROUPS, so that every thread holds whole quads of rows.
+__device__ __forceinline__ bool state_tiled(int dk) { return GDN_STATE_TILED && dk % (4 * REC_GROUPS) == 0; }
+
+// Where element (i, j) of a head's dk x dv state sits among its dk * dv floats. Tiled: thread
+// (column j, group r) of gdn_recurrent holds rows r * src + m, m < src = dk / REC_GROUPS, in
+// registers, and its rows 4a .. 4a + 3 are one float4; float4 a of every thread of the block
+// is one run, thread after thread, so that a warp stores 512 contiguous bytes at once. A
+// decode step writes the whole state of every linear layer back: row by row, a warp's store
+// of one element touched four rows (four 32-byte pieces of four lines) and each thread made
+// 32 stores, and their issue held the delta rule's chain up. 35B-A3B decode on the H100,
+// alternated with row by row: a float per store in this order 3.231-3.245 ms per step against
+// 3.247-3.272 on three machines; float4s 3.226-3.242 against 3.240-3.255, and 3.252-3.254
+// against 3.246-3.263 on a fourth. Otherwise row by row.
+__device__ __forceinline__ long long state_index(int i, int j, int dk, int dv) {
+    if (!state_tiled(dk)) return (long long)i * dv + j;
+    int src = dk / REC_GROUPS, m = i % src;
+    return (((long long)(m >> 2) * dv + j) * REC_GROUPS + i / src) * 4 + (m & 3);
+}
+// state_index of rows 4a .. 4a + 3 of group r (rows r * src + 4a on) in column j, tiled: the
+// float4 they make, counted in float4s.
+__device__ __forceinline__ long long state_quad_index(int r, int a, int j, int dv) { return ((long long)a * dv + j) * REC_GROUPS + r; }
+
 // Whether a generate row's first token takes its conv weights, windows and gate parameters
 // from recurrent_start's registers (1) or loads them after the wait (0, for A/B runs through
 // `KESTREL_CUDA_DEFINES=GDN_FIRST_PRELOAD=0`).
@@ -160,9 +193,21 @@ __device__ __forceinline__ RecurrentStart recurrent_start(int state_early, const
     st.row = rows[row_ids[blockIdx.x]];
     int j = threadIdx.x / REC_GROUPS, rg = threadIdx.x % REC_GROUPS;
     bool col_ok = j < dv;
-    const float* sp = rec + st.row.state_slot * ((long long)nv * dk * dv) + (long long)blockIdx.y * dk * dv + (long long)rg * src * dv + j;
+    const float* sp = rec + st.row.state_slot * ((long long)nv * dk * dv) + (long long)blockIdx.y * dk * dv;
+    if (state_tiled(dk)) {
 #pragma unroll
-    for (int i = 0; i < MAX_DK / REC_GROUPS; ++i) st.s[i] = (group_has_row(i, src, rg * src, dk) && col_ok) ? sp[(long long)i * dv] : 0.0f;
+        for (int a = 0; a < MAX_DK / REC_GROUPS / 4; ++a) {
+            float4 v = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (4 * a < src && col_ok) v = ((const float4*)sp)[state_quad_index(rg, a, j, dv)];
+            st.s[4 * a] = v.x;
+            st.s[4 * a + 1] = v.y;
+            st.s[4 * a + 2] = v.z;
+            st.s[4 * a + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < MAX_DK / REC_GROUPS; ++i) st.s[i] = (group_has_row(i, src, rg * src, dk) && col_ok) ? sp[state_index(rg * src + i, j, dk, dv)] : 0.0f;
+    }
     if (GDN_FIRST_PRELOAD && KW == 4) {
         int h = blockIdx.y, kh = h / (nv / nk), key_dim = nk * dk;
         const float* window = conv_state + (long long)st.row.state_slot * (KW - 1) * conv_dim;
@@ -346,10 +391,16 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
             // A row of one token writes the canonical state itself (delta_state_in_place in
             // backend/mod.rs); this block's thread read those rows before and nothing else does.
             float* dst = row.num_tokens == 1 ? rec + row.state_slot * state_len : rec_snap + (long long)(row.snapshot_base + n) * state_len;
-            float* snap = dst + (long long)h * head_len + (long long)r0 * dv + j;
+            float* snap = dst + (long long)h * head_len;
+            if (state_tiled(dk)) {
 #pragma unroll
-            for (int i = 0; i < MAX_DK / REC_GROUPS; ++i) {
-                if (group_has_row(i, src, r0, dk)) snap[(long long)i * dv] = st.s[i];
+                for (int a = 0; a < MAX_DK / REC_GROUPS / 4; ++a)
+                    if (4 * a < src) ((float4*)snap)[state_quad_index(rg, a, j, dv)] = make_float4(st.s[4 * a], st.s[4 * a + 1], st.s[4 * a + 2], st.s[4 * a + 3]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < MAX_DK / REC_GROUPS; ++i) {
+                    if (group_has_row(i, src, r0, dk)) snap[state_index(r0 + i, j, dk, dv)] = st.s[i];
+                }
             }
         }
         float ss = block_sum(col_ok && rg == 0 ? o * o : 0.0f, scratch);
@@ -407,7 +458,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const
 #pragma unroll
     for (int i = 0; i < SR; ++i) {
         int a = rg + ROW_GROUPS * i;
-        s[i] = (a < dk && col_ok) ? sp[a * dv + j] : 0.0f;
+        s[i] = (a < dk && col_ok) ? sp[state_index(a, j, dk, dv)] : 0.0f;
     }
     int i0 = 0;
     while (i0 < row.num_tokens) {
@@ -516,7 +567,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const
 #pragma unroll
         for (int i = 0; i < SR; ++i) {
             int a = rg + ROW_GROUPS * i;
-            if (a < dk) sp[a * dv + j] = s[i];
+            if (a < dk) sp[state_index(a, j, dk, dv)] = s[i];
         }
     }
 }

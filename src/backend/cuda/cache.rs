@@ -1,7 +1,9 @@
 //! Attention KV blocks and recurrent-state slots on the device, in the CPU backend's layouts:
 //! per attention layer K and V `[num_blocks * block_size, kv_heads * head_dim]`; per linear
 //! layer conv windows `[slots, (K-1) * conv_dim]` (oldest input first) and delta-rule states
-//! `[slots, nv, dk, dv]`, each with a snapshot array of the same shape per snapshot slot.
+//! `[slots, nv, dk * dv]`, each with a snapshot array of the same shape per snapshot slot. A
+//! head's `dk * dv` state elements are in the decode kernel's thread order
+//! ([`recurrent_state_index`]) rather than the CPU's row order.
 
 use super::{ck, Arg, CudaBackend};
 use crate::backend::{BackendError, CacheSpec, StateCommit};
@@ -94,6 +96,35 @@ fn launch_per_request(be: &CudaBackend, cache: &CudaCache, f: &cudarc::driver::C
     be.launch(f, (requests as u32, cache.spec.linear_layers as u32, STATE_CHUNKS), STATE_THREADS, 0, &args);
 }
 
+/// Where element (i, j) of a head's `dk x dv` delta-rule state sits among its `dk * dv` floats
+/// on the device: state_index in cuda/gdn.cu. With dk a multiple of 16, thread (column j, group
+/// r) of the decode kernel holds rows `r * dk/4 + m` in registers, its rows `4a .. 4a + 3` are
+/// one float4, and float4 a of all its threads is one run, thread after thread, so that each
+/// warp's store of the state is one contiguous run. Otherwise row by row.
+pub fn recurrent_state_index(i: usize, j: usize, dk: usize, dv: usize) -> usize {
+    const GROUPS: usize = 4;
+    if !dk.is_multiple_of(4 * GROUPS) {
+        return i * dv + j;
+    }
+    let rows_per_group = dk / GROUPS;
+    let m = i % rows_per_group;
+    (((m / 4) * dv + j) * GROUPS + i / rows_per_group) * 4 + m % 4
+}
+
+/// Delta-rule states (whole heads of `dk * dv` floats) from the device's order into the CPU's.
+fn recurrent_states_to_row_order(device: &[f32], dk: usize, dv: usize) -> Vec<f32> {
+    let head = dk * dv;
+    let mut host = vec![0.0; device.len()];
+    for (d, h) in device.chunks_exact(head).zip(host.chunks_exact_mut(head)) {
+        for i in 0..dk {
+            for j in 0..dv {
+                h[i * dv + j] = d[recurrent_state_index(i, j, dk, dv)];
+            }
+        }
+    }
+    host
+}
+
 impl CudaBackend {
     /// A host copy of the cache in the CPU backend's layout (for comparisons and debugging).
     pub fn cache_to_host(&self, cache: &CudaCache) -> crate::backend::cpu::CpuCache {
@@ -109,14 +140,42 @@ impl CudaBackend {
         let s = &cache.spec;
         let kv = s.num_blocks * s.block_size * s.kv_heads * s.head_dim;
         let (conv, rec) = (s.linear.conv_state_len(), s.linear.recurrent_state_len());
+        let (dk, dv) = (s.linear.key_head_dim, s.linear.value_head_dim);
         crate::backend::cpu::CpuCache {
             spec: s.clone(),
             k: host(&cache.k, kv),
             v: host(&cache.v, kv),
             conv: host(&cache.conv, s.state_slots * conv),
-            rec: host(&cache.rec, s.state_slots * rec),
+            rec: host(&cache.rec, s.state_slots * rec).iter().map(|r| recurrent_states_to_row_order(r, dk, dv)).collect(),
             conv_snap: host(&cache.conv_snap, s.snapshot_slots * conv),
-            rec_snap: host(&cache.rec_snap, s.snapshot_slots * rec),
+            rec_snap: host(&cache.rec_snap, s.snapshot_slots * rec).iter().map(|r| recurrent_states_to_row_order(r, dk, dv)).collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::recurrent_state_index;
+
+    /// The device order is a permutation of each head's elements, and puts a decode warp's
+    /// float4 a (columns j0 .. j0 + 7, groups 0 .. 3, rows 4a .. 4a + 3 of each group) in one
+    /// run of 128 floats.
+    #[test]
+    fn recurrent_state_index_is_a_permutation_in_thread_order() {
+        for (dk, dv) in [(128, 128), (32, 48), (16, 5), (8, 12), (6, 5), (3, 4)] {
+            let mut seen = vec![false; dk * dv];
+            for i in 0..dk {
+                for j in 0..dv {
+                    let at = recurrent_state_index(i, j, dk, dv);
+                    assert!(at < dk * dv && !seen[at], "dk {dk} dv {dv}: ({i}, {j}) -> {at}");
+                    seen[at] = true;
+                }
+            }
+        }
+        let (dk, dv) = (128, 128);
+        let warp: Vec<usize> = (0..32 * 4).map(|e| recurrent_state_index(((e / 4) % 4) * dk / 4 + 8 + e % 4, 8 + e / 16, dk, dv)).collect();
+        assert!(warp.windows(2).all(|w| w[1] == w[0] + 1), "{warp:?}");
+        // dk not a multiple of 16: row order.
+        assert_eq!(recurrent_state_index(2, 3, 8, 5), 13);
     }
 }
