@@ -607,7 +607,9 @@ __device__ __forceinline__ void zero_floats(float* dst, long long n) {
 
 // Chunk blockIdx.z's share [lo, hi) of a state of `len` floats (whole float4s but the last).
 __device__ __forceinline__ void state_chunk(long long len, long long* lo, long long* hi) {
-    long long per = (len / STATE_CHUNKS + 3) & ~3LL;
+    // Rounded up to whole float4s: rounded down first, a length whose sixteenth is a multiple
+    // of 4 plus a fraction (a conv window of 3 * 88 floats) lost its last floats.
+    long long per = ((len + STATE_CHUNKS - 1) / STATE_CHUNKS + 3) & ~3LL;
     *lo = min((long long)blockIdx.z * per, len);
     *hi = min(*lo + per, len);
 }

@@ -357,7 +357,9 @@ fn gated_delta_net_matches_cpu() {
     let Some(gpu) = gpu() else { return };
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(seed());
-    for (nk, nv, dk, dv) in [(2, 4, 16, 24), (3, 3, 32, 32), (1, 2, 128, 128), (2, 2, 64, 128), (1, 3, 32, 48)] {
+    // (1, 2, 24, 20): dk not a multiple of 16 (the device keeps such states row by row) and a
+    // conv window of 3 * 88 floats, which commit_states' chunks once left a tail of.
+    for (nk, nv, dk, dv) in [(2, 4, 16, 24), (3, 3, 32, 32), (1, 2, 128, 128), (2, 2, 64, 128), (1, 3, 32, 48), (1, 2, 24, 20)] {
         let cfg = LinearAttnConfig { num_key_heads: nk, num_value_heads: nv, key_head_dim: dk, value_head_dim: dv, conv_kernel: 4 };
         let what = format!("gdn {nk}/{nv} heads, dk {dk}, dv {dv}");
         let spec = linear_spec(cfg.clone());
