@@ -7,7 +7,7 @@
 //! ```
 //! Chained drafting feeds `hm` back as the hidden state of the next step.
 
-use super::qwen35::{DecoderLayer, LayerInput, LoadError, Loader, Qwen35};
+use super::qwen35::{logits_of_rows, DecoderLayer, LayerInput, LoadError, Loader, Qwen35};
 use crate::backend::{Backend, BatchLayout};
 use crate::model::config::{LayerKind, ModelConfig};
 use crate::model::weights::WeightStore;
@@ -53,7 +53,7 @@ impl<B: Backend> Mtp<B> {
         let mut x = b.matmul(&b.concat_cols(&e, &hn), &self.fc);
         let h = b.rms_norm(&x, &self.layer.input_norm, eps);
         let hidden = self.layer.forward(model, b, &mut x, LayerInput::Normed(h), &self.final_norm, None, layout, cache).normed();
-        let logits = b.matmul(&b.gather_rows(&hidden, logit_rows), model.lm_head());
+        let logits = logits_of_rows(b, &hidden, tokens.len(), logit_rows, model.lm_head());
         MtpOutput { logits, hidden }
     }
 }

@@ -261,7 +261,7 @@ impl<B: Backend> Qwen35<B> {
         }
         // The last layer has no next projection: its output is the final-normed rows.
         let h = input.normed();
-        let logits = b.matmul(&b.gather_rows(&h, logit_rows), self.lm_head());
+        let logits = logits_of_rows(b, &h, layout.num_tokens(), logit_rows, self.lm_head());
         ForwardOutput { hidden: h, logits }
     }
 }
@@ -353,6 +353,18 @@ impl<B: Backend> AttnLayer<B> {
         let mut next = || p.next().expect("three projection parts");
         let (qg, k, v) = (next(), next(), next());
         b.gated_attention(&qg, &k, &v, &self.q_norm, &self.k_norm, &m.attention_dims(), layout, cache, self.attention_index)
+    }
+}
+
+/// The logits of rows `logit_rows` of `h` (`num_rows` rows). Where those are all of h's rows
+/// in order (a decode step of one-token rows), the rows are h itself: gathering them would be a
+/// copy, and on the GPU a launch of its own in every step.
+pub(crate) fn logits_of_rows<B: Backend>(b: &B, h: &B::Tensor, num_rows: usize, logit_rows: &[u32], lm_head: &B::Matrix) -> B::Tensor {
+    let all_in_order = logit_rows.len() == num_rows && logit_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
+    if all_in_order {
+        b.matmul(h, lm_head)
+    } else {
+        b.matmul(&b.gather_rows(h, logit_rows), lm_head)
     }
 }
 
@@ -459,5 +471,34 @@ impl<B: Backend> Loader<'_, B> {
         view.expect_shape(shape)?;
         let cols = *shape.last().unwrap_or(&0);
         Ok(view.matrix(view.numel() / cols.max(1), cols)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::logits_of_rows;
+    use crate::backend::cpu::CpuBackend;
+    use crate::backend::Backend;
+    use crate::model::weights::MatrixBytes;
+
+    /// All rows in order take the rows as they are; any other choice gathers them; both give
+    /// the logits of exactly the rows asked for.
+    #[test]
+    fn logits_of_rows_takes_the_rows_asked_for() {
+        let b = CpuBackend::new();
+        let (rows, h, vocab) = (3, 4, 5);
+        let x: Vec<f32> = (0..rows * h).map(|i| i as f32 * 0.25 - 1.0).collect();
+        let w: Vec<f32> = (0..vocab * h).map(|i| (i % 7) as f32 - 3.0).collect();
+        let lm_head = b.upload_matrix(&MatrixBytes::from_f32(w.clone(), vocab, h)).expect("matrix");
+        let hx = b.from_host(&x, rows, h);
+        let row_logits = |r: usize| -> Vec<f32> { (0..vocab).map(|v| (0..h).map(|k| x[r * h + k] * w[v * h + k]).sum()).collect() };
+        for pick in [vec![0u32, 1, 2], vec![2], vec![1, 0, 2], vec![0, 1]] {
+            let got = b.to_host(&logits_of_rows(&b, &hx, rows, &pick, &lm_head));
+            let want: Vec<f32> = pick.iter().flat_map(|&r| row_logits(r as usize)).collect();
+            assert_eq!(got.len(), want.len(), "rows {pick:?}");
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() < 1e-4, "rows {pick:?}: {got:?} against {want:?}");
+            }
+        }
     }
 }
