@@ -1,12 +1,13 @@
 // Gated full attention: q/gate split, per-head q/k RMSNorm, partial NeoX RoPE, paged KV
 // writes (attn_prep), then causal attention per (token, head) over key tiles of 64 aligned to
-// absolute positions, with an online softmax (attn_core). A query's context is cut into
-// ATTN_SPLITS contiguous ranges of whole tiles (their length from the context length alone);
-// each range gets its own online softmax, and the range results are merged in range order
-// (merge_range). The ranges run in one block one after another, or, for steps with few rows, in
-// blocks of their own whose results attn_combine merges: the same arithmetic either way. A
-// query's arithmetic depends only on its own context, so it is the same alone, in any batch,
-// and in any prefill split.
+// absolute positions, with an online softmax (attn_core). A step whose every row is one token
+// does both in one launch (attn_decode). A query's context is cut into ATTN_SPLITS contiguous
+// ranges of whole tiles (their length from the context length alone); each range gets its own
+// online softmax, and the range results are merged in range order (merge_scales, merge_sum).
+// The ranges run in one block one after another, or, for steps with few rows, in blocks of
+// their own whose results attn_combine merges: the same arithmetic either way. A query's
+// arithmetic depends only on its own context, so it is the same alone, in any batch, and in
+// any prefill split.
 
 #define KEY_TILE 64
 #define MAX_ELEMS_PER_THREAD 8
@@ -41,6 +42,56 @@ __device__ __forceinline__ long long cache_slot(const int* tok_row, const RowInf
     return (long long)block_tables[row.block_table_offset + p / block_size] * block_size + p % block_size;
 }
 
+// One warp prepares one head row of `hd` elements into `dst`: the RMS norm (lane l sums
+// elements l, l + 32, ... in order, then a butterfly), the norm weight `w`, and the NeoX
+// rotation of the first `rot` elements at position `pos`; `normed` is hd floats of shared
+// scratch. Products and sums are rounded one by one (no contraction), so attn_prep and
+// attn_decode give a head the same bits.
+__device__ __forceinline__ void norm_rope_head(float* dst, float* normed, const float* src, const float* w, const float* freq, int hd, int rot, int pos, float eps) {
+    int lane = threadIdx.x & 31;
+    __syncwarp();  // w and freq were stored by other lanes
+    float x[MAX_DIMS_PER_LANE];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < MAX_DIMS_PER_LANE; ++i) {
+        int d = lane + 32 * i;
+        x[i] = d < hd ? src[d] : 0.0f;
+        ss = __fmaf_rn(x[i], x[i], ss);
+    }
+    float inv = 1.0f / sqrtf(warp_sum(ss) / (float)hd + eps);
+#pragma unroll
+    for (int i = 0; i < MAX_DIMS_PER_LANE; ++i) {
+        int d = lane + 32 * i;
+        if (d < hd) normed[d] = __fmul_rn(__fmul_rn(x[i], inv), w[d]);
+    }
+    __syncwarp();
+    int half = rot / 2;
+#pragma unroll
+    for (int i = 0; i < MAX_DIMS_PER_LANE; ++i) {
+        int d = lane + 32 * i;
+        if (d >= hd) break;
+        float val = normed[d];
+        if (d < rot) {
+            float s, c;
+            sincosf((float)pos * freq[d < half ? d : d - half], &s, &c);
+            val = d < half ? __fsub_rn(__fmul_rn(val, c), __fmul_rn(normed[d + half], s)) : __fadd_rn(__fmul_rn(val, c), __fmul_rn(normed[d - half], s));
+        }
+        dst[d] = val;
+    }
+}
+
+// One warp copies a row of `hd` (at most 32 * MAX_DIMS_PER_LANE) floats: every load issued
+// before the first store (a copy is its load latency).
+__device__ __forceinline__ void copy_row_warp(float* dst, const float* src, int hd) {
+    int lane = threadIdx.x & 31;
+    float x[MAX_DIMS_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < MAX_DIMS_PER_LANE; ++i) x[i] = lane + 32 * i < hd ? src[lane + 32 * i] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < MAX_DIMS_PER_LANE; ++i)
+        if (lane + 32 * i < hd) dst[lane + 32 * i] = x[i];
+}
+
 // What attn_prep reads before it waits for its inputs, each a round trip to memory that sat in
 // its chain: the head's norm weight and the rotation's frequencies (weights), copied to shared
 // memory after the `hd` floats of normalized rows, and the token's position and (key heads) its
@@ -65,64 +116,41 @@ __device__ __forceinline__ AttnPrepStart attn_prep_start(const float* q_norm, co
     return st;
 }
 
-// grid (T, nq + nkv), 128 threads; dynamic shared memory: 2 * hd + rot / 2 floats.
+// grid (T, nq + nkv), 64 threads per (token, head); dynamic shared memory: 2 * hd + rot / 2
+// floats. Warp 0 prepares the head row (a query head into `q_out`, a key head into the
+// token's cache slot) while warp 1 copies the query's gate or the key's value.
 extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cache, float* v_cache, const float* qg, const float* k, const float* v,
         const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows,
         const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, float eps) {
     AttnPrepStart st = attn_prep_start(q_norm, k_norm, inv_freq, tok_row, positions, rows, block_tables, nq, hd, rot, block_size);
     wait_for_inputs();
     extern __shared__ float normed[];
-    __shared__ float scratch[33];
-    int t = blockIdx.x, h = blockIdx.y;
-    bool is_q = h < nq;
-    const float* src = is_q ? qg + (long long)t * nq * 2 * hd + (long long)h * 2 * hd : k + (long long)t * nkv * hd + (long long)(h - nq) * hd;
-    float ss = 0.0f;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) ss += src[d] * src[d];
-    ss = block_sum(ss, scratch);
-    float inv = 1.0f / sqrtf(ss / (float)hd + eps);
-    // st.w[d] was stored by this same thread (the same d).
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) normed[d] = src[d] * inv * st.w[d];
-    __syncthreads();
-    int pos = st.pos, half = rot / 2;
-    float* dst;
-    float* vdst = 0;
-    const float* vsrc = 0;
-    if (is_q) {
-        dst = q_out + (long long)t * nq * hd + (long long)h * hd;
-        const float* gsrc = src + hd;
-        float* gdst = gate_out + (long long)t * nq * hd + (long long)h * hd;
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) gdst[d] = gsrc[d];
+    __syncthreads();  // the weights both warps copied
+    int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x >> 5;
+    if (h < nq) {
+        const float* src = qg + ((long long)t * nq + h) * 2 * hd;
+        if (warp == 0) norm_rope_head(q_out + ((long long)t * nq + h) * hd, normed, src, st.w, st.freq, hd, rot, st.pos, eps);
+        else copy_row_warp(gate_out + ((long long)t * nq + h) * hd, src + hd, hd);
     } else {
-        dst = k_cache + st.slot * nkv * hd + (long long)(h - nq) * hd;
-        vdst = v_cache + st.slot * nkv * hd + (long long)(h - nq) * hd;
-        vsrc = v + (long long)t * nkv * hd + (long long)(h - nq) * hd;
-    }
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float val = normed[d];
-        if (d < rot) {
-            int j = d < half ? d : d - half;
-            float s, c;
-            sincosf((float)pos * st.freq[j], &s, &c);
-            val = d < half ? normed[d] * c - normed[d + half] * s : normed[d] * c + normed[d - half] * s;
-        }
-        dst[d] = val;
-        if (vdst) vdst[d] = vsrc[d];
+        long long off = st.slot * nkv * hd + (long long)(h - nq) * hd, src = ((long long)t * nkv + h - nq) * hd;
+        if (warp == 0) norm_rope_head(k_cache + off, normed, k + src, st.w, st.freq, hd, rot, st.pos, eps);
+        else copy_row_warp(v_cache + off, v + src, hd);
     }
     if (threadIdx.x == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
 
-// Whether attn_core's split blocks pull their key and value rows into L2 before waiting
-// (`KESTREL_CUDA_DEFINES=ATTN_PREFETCH=0` for A/B runs).
+// Whether the split blocks of attn_core and attn_decode pull their key and value rows into L2
+// before waiting (`KESTREL_CUDA_DEFINES=ATTN_PREFETCH=0` for A/B runs).
 #ifndef ATTN_PREFETCH
 #define ATTN_PREFETCH 1
 #endif
 
-// Before a split block of attn_core waits for its inputs: the first query head block of each
-// kv group pulls its range's key and value rows into L2 (a decode block's time is its chain of
-// loads, and the rows of earlier steps are in memory, not L2; on the H100, 35B-A3B decode
-// 3.608-3.621 against 3.648-3.723 ms per step). Only the step's layout (written before the
-// step's first launch) is read; a prefetch moves lines into L2 and reads nothing into the
-// kernel, so the row attn_prep (the launch before) is writing is no hazard.
+// Before a split block waits for its inputs: the first query head block of each kv group pulls
+// its range's key and value rows into L2 (a decode block's time is its chain of loads, and the
+// rows of earlier steps are in memory, not L2; on the H100, 35B-A3B decode 3.608-3.621 against
+// 3.648-3.723 ms per step). Only the step's layout (written before the step's first launch) is
+// read; a prefetch moves lines into L2 and reads nothing into the kernel, so the rows the
+// launch before may be writing are no hazard.
 __device__ __forceinline__ void attn_prefetch_range(const float* k_cache, const float* v_cache, const int* tok_row, const int* positions, const RowInfo* rows,
         const int* block_tables, int nq, int nkv, int hd, int block_size, int heads_per_block) {
     if (!ATTN_PREFETCH || gridDim.z == 1) return;
@@ -144,17 +172,71 @@ __device__ __forceinline__ void attn_prefetch_range(const float* k_cache, const 
 #endif
 }
 
-// grid (T, nq / heads_per_block, 1 or ATTN_SPLITS), 256 threads. A block serves
-// heads_per_block query heads of one kv group (sharing the key/value reads); the per-(query,
-// head) arithmetic is identical for any heads_per_block. With gridDim.z == 1 a block walks all
-// ranges and merges them; with gridDim.z == ATTN_SPLITS block z computes range z only and
-// writes its (m, l, acc) to `partial` ([T][nq][ATTN_SPLITS][hd + 2]) for attn_combine.
-// Dynamic shared memory: heads_per_block * (hd + KEY_TILE + 5) floats.
-extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const float* q, const float* gate, const float* k_cache, const float* v_cache,
-        const int* tok_row, const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd, int block_size,
-        int heads_per_block, float scale, float* partial) {
+// attn_decode's shared memory after attn_body's own (one head per block): the q and k norm
+// weights, two heads' norm scratch, the rotation's frequencies.
+struct DecodeSmem {
+    float *wq, *wk, *scratch, *freq;
+};
+__device__ __forceinline__ DecodeSmem decode_smem(int hd) {
+    extern __shared__ float decode_sm[];
+    float* b = decode_sm + hd + KEY_TILE + 5;
+    DecodeSmem s = {b, b + hd, b + 2 * hd, b + 4 * hd};
+    return s;
+}
+
+// What a block of attn_core or attn_decode knows before its inputs are ready: the query's
+// context from the step's layout (written before the step's first launch), whether its range
+// holds any key, its row's block table, and (attn_decode) the cache slot of the token's own
+// position; attn_decode also copies its norm weights and the rotation's frequencies to shared
+// memory.
+struct AttnStart {
+    int ctx, span;
+    bool live;
+    const int* table;
+    long long slot;
+};
+template <bool DECODE>
+__device__ __forceinline__ AttnStart attn_start(const float* k_cache, const float* v_cache, const float* q_norm, const float* k_norm, const float* inv_freq,
+        const int* tok_row, const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd, int rot, int block_size,
+        int heads_per_block) {
     attn_prefetch_range(k_cache, v_cache, tok_row, positions, rows, block_tables, nq, nkv, hd, block_size, heads_per_block);
-    wait_for_inputs();
+    AttnStart st;
+    st.ctx = positions[blockIdx.x] + 1;
+    st.span = range_keys(st.ctx);
+    st.live = gridDim.z == 1 || (int)blockIdx.z * st.span < st.ctx;
+    st.table = block_tables + rows[tok_row[blockIdx.x]].block_table_offset;
+    st.slot = 0;
+    if (DECODE) {
+        int p = st.ctx - 1;
+        st.slot = (long long)st.table[p / block_size] * block_size + p % block_size;
+        DecodeSmem s = decode_smem(hd);
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            s.wq[d] = q_norm[d];
+            s.wk[d] = k_norm[d];
+        }
+        for (int j = threadIdx.x; j < rot / 2; j += blockDim.x) s.freq[j] = inv_freq[j];
+    }
+    return st;
+}
+
+// The attention of a block's query heads, after its wait. A block serves heads_per_block query
+// heads of one kv group (sharing the key/value reads); the per-(query, head) arithmetic is
+// identical for any heads_per_block. With gridDim.z == 1 a block walks all ranges and merges
+// them; with gridDim.z == ATTN_SPLITS block z computes range z only and writes its (m, l, acc)
+// to `partial` ([T][nq][ATTN_SPLITS][hd + 2]) for attn_combine.
+//
+// DECODE (attn_decode, every row one token, one head per block): the block prepares its query
+// head from `q` (the q/gate projection) exactly as attn_prep does. Each block whose range holds
+// the token's own position also prepares its kv head's new key from `k_new` into the token's
+// cache slot and copies the value from `v_new` there, then reads them back like any other key
+// after its barrier. The group's query heads write the same bits to the same slot, so what a
+// block reads back does not depend on which write lands last, and no block waits for another:
+// one launch does what attn_prep and attn_core do in two.
+template <bool DECODE>
+__device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const float* q, const float* gate, const float* k_new, const float* v_new,
+        float* k_cache, float* v_cache, int nq, int nkv, int hd, int rot, int block_size, int heads_per_block, float eps, float scale,
+        float* partial) {
+    if (!st.live) return;  // an empty range: attn_combine skips it
     extern __shared__ float sm[];
     __shared__ long long slots[KEY_TILE];
     int hpb = heads_per_block;
@@ -168,15 +250,22 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
     int t = blockIdx.x, h0 = blockIdx.y * hpb;
     int group = nq / nkv, kvh = h0 / group;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = blockDim.x >> 5;
-    int ctx = positions[t] + 1;
-    int span = range_keys(ctx);
+    int ctx = st.ctx, span = st.span, pos = ctx - 1;
     bool split = gridDim.z > 1;
-    if (split && (int)blockIdx.z * span >= ctx) return;  // an empty range: attn_combine skips it
-    for (int e = tid; e < hpb * hd; e += blockDim.x) qs[e] = q[(long long)t * nq * hd + (long long)h0 * hd + e];
-    if (tid < hpb) { mtot[tid] = NEG_INF; ltot[tid] = 0.0f; }
-    RowInfo row = rows[tok_row[t]];
-    const int* table = block_tables + row.block_table_offset;
     int kv_stride = nkv * hd;
+    if (DECODE) {
+        DecodeSmem ds = decode_smem(hd);
+        bool holds_own = !split || pos / span == (int)blockIdx.z;
+        long long own = st.slot * kv_stride + (long long)kvh * hd;
+        __syncthreads();  // the weights every thread copied before the wait
+        if (warp == 0) norm_rope_head(qs, ds.scratch, q + ((long long)t * nq + h0) * 2 * hd, ds.wq, ds.freq, hd, rot, pos, eps);
+        else if (warp == 1 && holds_own) norm_rope_head(k_cache + own, ds.scratch + hd, k_new + ((long long)t * nkv + kvh) * hd, ds.wk, ds.freq, hd, rot, pos, eps);
+        else if (warp == 2 && holds_own) copy_row_warp(v_cache + own, v_new + ((long long)t * nkv + kvh) * hd, hd);
+    } else {
+        for (int e = tid; e < hpb * hd; e += blockDim.x) qs[e] = q[(long long)t * nq * hd + (long long)h0 * hd + e];
+    }
+    if (tid < hpb) { mtot[tid] = NEG_INF; ltot[tid] = 0.0f; }
+    const int* table = st.table;
     float tot[MAX_ELEMS_PER_THREAD];
 #pragma unroll
     for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) tot[i] = 0.0f;
@@ -300,18 +389,42 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
     for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) {
         int e = tid + i * blockDim.x;
         if (e >= hpb * hd) break;
-        int g = e / hd;
-        long long o = (long long)t * nq * hd + (long long)h0 * hd + e;
-        out[o] = tot[i] / ltot[g] * sigmoidf_(gate[o]);
+        int g = e / hd, d = e % hd;
+        // The gate: the q/gate projection's second half (attn_decode), or attn_prep's copy.
+        float gt = DECODE ? q[((long long)t * nq + h0 + g) * 2 * hd + hd + d] : gate[((long long)t * nq + h0 + g) * hd + d];
+        out[((long long)t * nq + h0 + g) * hd + d] = tot[i] / ltot[g] * sigmoidf_(gt);
     }
     if (tid == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
 
-// grid (T, nq), hd threads (rounded up to a warp): merges the ranges attn_core wrote to
-// `partial`, in range order, exactly as attn_core merges them in one block.
-// The context length comes from the step's layout (written before the step's first launch),
-// read before the wait: it decides which partials are loaded.
-extern "C" __global__ void attn_combine(float* out, const float* gate, const float* partial, const int* positions, int nq, int hd) {
+// grid (T, nq / heads_per_block, 1 or ATTN_SPLITS), 256 threads: attention of rows attn_prep
+// prepared (`q`, `gate`, and the keys and values in the cache). Dynamic shared memory:
+// heads_per_block * (hd + KEY_TILE + 5) floats.
+extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const float* q, const float* gate, float* k_cache, float* v_cache,
+        const int* tok_row, const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd, int block_size,
+        int heads_per_block, float scale, float* partial) {
+    AttnStart st = attn_start<false>(k_cache, v_cache, 0, 0, 0, tok_row, positions, rows, block_tables, nq, nkv, hd, 0, block_size, heads_per_block);
+    wait_for_inputs();
+    attn_body<false>(st, out, q, gate, 0, 0, k_cache, v_cache, nq, nkv, hd, 0, block_size, heads_per_block, 0.0f, scale, partial);
+}
+
+// grid (T, nq, 1 or ATTN_SPLITS), 256 threads: a step whose every row is one token, straight
+// from the q/gate, key and value projections (attn_prep's work done in the same launch).
+// Dynamic shared memory: 5 * hd + KEY_TILE + 5 + rot / 2 floats.
+extern "C" __global__ void __launch_bounds__(256) attn_decode(float* out, const float* qg, const float* k, const float* v, float* k_cache, float* v_cache,
+        const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows,
+        const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, float eps, float scale, float* partial) {
+    AttnStart st = attn_start<true>(k_cache, v_cache, q_norm, k_norm, inv_freq, tok_row, positions, rows, block_tables, nq, nkv, hd, rot, block_size, 1);
+    wait_for_inputs();
+    attn_body<true>(st, out, qg, 0, k, v, k_cache, v_cache, nq, nkv, hd, rot, block_size, 1, eps, scale, partial);
+}
+
+// grid (T, nq), hd threads (rounded up to a warp): merges the ranges the split blocks wrote to
+// `partial`, in range order, exactly as a block walking them merges them. The gate of head h is
+// `gate[(t * nq + h) * gate_stride + d]` (attn_prep's copy, or the q/gate projection's second
+// half). The context length comes from the step's layout (written before the step's first
+// launch), read before the wait: it decides which partials are loaded.
+extern "C" __global__ void attn_combine(float* out, const float* gate, const float* partial, const int* positions, int nq, int hd, int gate_stride) {
     int ctx = positions[blockIdx.x] + 1;
     wait_for_inputs();
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
@@ -335,9 +448,6 @@ extern "C" __global__ void attn_combine(float* out, const float* gate, const flo
         L = merge_sum(L, pm1[r], c_old, c_new);
         if (d < hd) ACC = merge_sum(ACC, pa[r], c_old, c_new);
     }
-    if (d < hd) {
-        long long o = ((long long)t * nq + h) * hd + d;
-        out[o] = ACC / L * sigmoidf_(gate[o]);
-    }
+    if (d < hd) out[((long long)t * nq + h) * hd + d] = ACC / L * sigmoidf_(gate[((long long)t * nq + h) * gate_stride + d]);
     if (d == 0) TRACE_MARK(TRACE_BLOCK_END);
 }

@@ -236,10 +236,15 @@ fn sequences(rng: &mut Rng, blocks_each: usize) -> Vec<Seq> {
 }
 
 /// Steps of a cache test: prefill rows from position 0, a prefill continuing at an unaligned
-/// position, generate rows of 1 and 3 tokens.
+/// position, generate rows of 1 and 3 tokens, then a plain decode step (every row one token).
 fn cache_steps() -> Vec<Vec<(RowKind, usize, usize)>> {
     use RowKind::*;
-    vec![vec![(Prefill, 0, 37), (Prefill, 1, 100)], vec![(Prefill, 0, 40), (Generate, 1, 3), (Prefill, 2, 5)], vec![(Generate, 0, 1), (Generate, 2, 2), (Generate, 1, 1)]]
+    vec![
+        vec![(Prefill, 0, 37), (Prefill, 1, 100)],
+        vec![(Prefill, 0, 40), (Generate, 1, 3), (Prefill, 2, 5)],
+        vec![(Generate, 0, 1), (Generate, 2, 2), (Generate, 1, 1)],
+        vec![(Generate, 1, 1), (Generate, 0, 1), (Generate, 2, 1)],
+    ]
 }
 
 /// One attention layer's cache (blocks of 16 positions) and no linear layers.
@@ -293,8 +298,11 @@ fn gated_attention_matches_cpu() {
 }
 
 /// A decode step with few rows gives each context range of a query its own block and merges
-/// them in a second launch; a step with many rows walks the ranges in one block. The two must
-/// agree bitwise (speculation and preemption put the same query in steps of any size).
+/// them in a second launch; a step with many rows walks the ranges in one block. A step whose
+/// rows are all one token prepares its queries, keys and values in the attention launch itself
+/// (attn_decode); other steps prepare them in a launch before (attn_prep). Outputs and cached
+/// keys and values must agree bitwise (speculation and preemption put the same query in steps
+/// of any size).
 #[test]
 fn attention_ranges_merge_the_same_in_split_and_walked_blocks() {
     let Some(gpu) = gpu() else { return };
@@ -304,16 +312,16 @@ fn attention_ranges_merge_the_same_in_split_and_walked_blocks() {
     let dims = AttentionDims { num_heads: nq, num_kv_heads: nkv, head_dim: hd, rotary_dim: 16, rope_theta: 1e6, eps: 1e-6 };
     let spec = attention_spec(nkv, hd, 3 * 90);
     let (mut gcache, mut ccache) = (gpu.alloc_cache(&spec).unwrap(), cpu.alloc_cache(&spec).unwrap());
-    let norm = gpu.upload_vector(&vec![1.0; hd]).unwrap();
-    let cnorm = vec![1.0; hd];
+    let (cqn, ckn): (Vec<f32>, Vec<f32>) = (rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect(), rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect());
+    let (qn, kn) = (gpu.upload_vector(&cqn).unwrap(), gpu.upload_vector(&ckn).unwrap());
     let mut seqs = sequences(&mut rng, 90);
     let mut run = |seqs: &[Seq], rows: &[(RowKind, usize, usize)], rng: &mut Rng, check_cpu: bool| {
         let lay = layout(seqs, rows);
         let t = lay.num_tokens();
         let (qg, k, v) = (rng.vec(t * nq * 2 * hd, 2.0), rng.vec(t * nkv * hd, 2.0), rng.vec(t * nkv * hd, 1.0));
-        let got = gpu.to_host(&gpu.gated_attention(&gpu.from_host(&qg, t, nq * 2 * hd), &gpu.from_host(&k, t, nkv * hd), &gpu.from_host(&v, t, nkv * hd), &norm, &norm, &dims, &lay, &mut gcache, 0));
+        let got = gpu.to_host(&gpu.gated_attention(&gpu.from_host(&qg, t, nq * 2 * hd), &gpu.from_host(&k, t, nkv * hd), &gpu.from_host(&v, t, nkv * hd), &qn, &kn, &dims, &lay, &mut gcache, 0));
         if check_cpu {
-            let want = cpu.gated_attention(&cpu.from_host(&qg, t, nq * 2 * hd), &cpu.from_host(&k, t, nkv * hd), &cpu.from_host(&v, t, nkv * hd), &cnorm, &cnorm, &dims, &lay, &mut ccache, 0);
+            let want = cpu.gated_attention(&cpu.from_host(&qg, t, nq * 2 * hd), &cpu.from_host(&k, t, nkv * hd), &cpu.from_host(&v, t, nkv * hd), &cqn, &ckn, &dims, &lay, &mut ccache, 0);
             let err = relative_error(&got, &cpu.to_host(&want));
             assert!(err < 1e-4, "attention with {t} tokens: relative error {err}");
         }
@@ -328,7 +336,8 @@ fn attention_ranges_merge_the_same_in_split_and_walked_blocks() {
     let alone = [(RowKind::Generate, 0, 1)];
     let lay = layout(&seqs, &alone);
     let (qg, k, v) = (rng.vec(nq * 2 * hd, 2.0), rng.vec(nkv * hd, 2.0), rng.vec(nkv * hd, 1.0));
-    let single = gpu.to_host(&gpu.gated_attention(&gpu.from_host(&qg, 1, nq * 2 * hd), &gpu.from_host(&k, 1, nkv * hd), &gpu.from_host(&v, 1, nkv * hd), &norm, &norm, &dims, &lay, &mut gcache, 0));
+    let single = gpu.to_host(&gpu.gated_attention(&gpu.from_host(&qg, 1, nq * 2 * hd), &gpu.from_host(&k, 1, nkv * hd), &gpu.from_host(&v, 1, nkv * hd), &qn, &kn, &dims, &lay, &mut gcache, 0));
+    let cached_alone = gpu.cache_to_host(&gcache);
     let crowd = [(RowKind::Generate, 0, 1), (RowKind::Prefill, 1, 150)];
     let lay = layout(&seqs, &crowd);
     let t = lay.num_tokens();
@@ -338,9 +347,16 @@ fn attention_ranges_merge_the_same_in_split_and_walked_blocks() {
     k_all.extend(rng.vec((t - 1) * nkv * hd, 2.0));
     let mut v_all = v.clone();
     v_all.extend(rng.vec((t - 1) * nkv * hd, 1.0));
-    let many = gpu.to_host(&gpu.gated_attention(&gpu.from_host(&qg_all, t, nq * 2 * hd), &gpu.from_host(&k_all, t, nkv * hd), &gpu.from_host(&v_all, t, nkv * hd), &norm, &norm, &dims, &lay, &mut gcache, 0));
+    let many = gpu.to_host(&gpu.gated_attention(&gpu.from_host(&qg_all, t, nq * 2 * hd), &gpu.from_host(&k_all, t, nkv * hd), &gpu.from_host(&v_all, t, nkv * hd), &qn, &kn, &dims, &lay, &mut gcache, 0));
     assert!(bitwise_equal(&single, &many[..nq * hd]), "a query's attention differs between a 1-token and a {t}-token step");
-    let want = cpu.gated_attention(&cpu.from_host(&qg, 1, nq * 2 * hd), &cpu.from_host(&k, 1, nkv * hd), &cpu.from_host(&v, 1, nkv * hd), &cnorm, &cnorm, &dims, &layout(&seqs, &alone), &mut ccache, 0);
+    // The crowd step wrote the query's key and value again (and the prefill row's, elsewhere).
+    let cached_crowd = gpu.cache_to_host(&gcache);
+    let (table, p) = (&seqs[0].table, seqs[0].pos);
+    let slot = (table[p / 16] as usize * 16 + p % 16) * nkv * hd;
+    for (what, alone, crowd) in [("key", &cached_alone.k[0], &cached_crowd.k[0]), ("value", &cached_alone.v[0], &cached_crowd.v[0])] {
+        assert!(bitwise_equal(&alone[slot..slot + nkv * hd], &crowd[slot..slot + nkv * hd]), "the query's cached {what} differs between a 1-token and a {t}-token step");
+    }
+    let want = cpu.gated_attention(&cpu.from_host(&qg, 1, nq * 2 * hd), &cpu.from_host(&k, 1, nkv * hd), &cpu.from_host(&v, 1, nkv * hd), &cqn, &ckn, &dims, &layout(&seqs, &alone), &mut ccache, 0);
     let err = relative_error(&single, &cpu.to_host(&want));
     assert!(err < 1e-4, "decode attention over 1101 keys: relative error {err}");
 }

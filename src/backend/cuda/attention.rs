@@ -46,14 +46,65 @@ pub(super) fn gated_attention(
     }
     let base = dl.base;
     let at = |off: usize| base + 4 * off as u64;
-    let q = be.tensor(t, nq * hd);
-    let gate = be.tensor(t, nq * hd);
     let inv_freq = be.rope_table(d.rope_theta, d.rotary_dim);
     let (kc, vc) = (be.ptr(&cache.k[layer]), be.ptr(&cache.v[layer]));
+    let group = nq / nkv;
+    let heads_per_block = if t >= GROUPED_HEADS_MIN_TOKENS && group * hd <= MAX_BLOCK_ELEMS { group } else { 1 };
+    let out = be.tensor(t, nq * hd);
+    // A step whose (token, head) blocks cannot fill the GPU gives each context range a block of
+    // its own and merges the ranges in a second launch (the same arithmetic as one block
+    // walking them all), so a decode step reads its keys on ATTN_SPLITS times more SMs.
+    let split = t * (nq / heads_per_block) < be.sm_count;
+    let splits = if split { ATTN_SPLITS as u32 } else { 1 };
+    let partial = split.then(|| be.alloc_f32(t * nq * ATTN_SPLITS * (hd + 2)));
+    let partial_ptr = partial.as_ref().map_or(0, |p| be.ptr(p));
+    let scale = 1.0 / (hd as f32).sqrt();
+    // Every row one token (plain decode): no token's context holds another of the step, so the
+    // attention launch prepares each query and its kv head's new key and value itself.
+    if be.attn_decode && heads_per_block == 1 && layout.rows.iter().all(|r| r.num_tokens == 1) {
+        let smem = (5 * hd + KEY_TILE + 5 + d.rotary_dim / 2) * 4;
+        assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
+        be.launch(
+            &be.k.attn_decode,
+            (t as u32, nq as u32, splits),
+            256,
+            smem,
+            &[
+                Arg::Ptr(be.ptr(&out.data)),
+                Arg::Ptr(be.ptr(&q_gate.data)),
+                Arg::Ptr(be.ptr(&k.data)),
+                Arg::Ptr(be.ptr(&v.data)),
+                Arg::Ptr(kc),
+                Arg::Ptr(vc),
+                Arg::Ptr(be.ptr(&q_norm.data)),
+                Arg::Ptr(be.ptr(&k_norm.data)),
+                Arg::Ptr(be.ptr(&*inv_freq)),
+                Arg::Ptr(at(dl.tok_row_off)),
+                Arg::Ptr(at(dl.pos_off)),
+                Arg::Ptr(base),
+                Arg::Ptr(base),
+                Arg::I32(nq as i32),
+                Arg::I32(nkv as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(d.rotary_dim as i32),
+                Arg::I32(bs as i32),
+                Arg::F32(d.eps),
+                Arg::F32(scale),
+                Arg::Ptr(partial_ptr),
+            ],
+        );
+        if let Some(partial) = &partial {
+            // The gates are the q/gate projection's second halves.
+            combine_ranges(be, &out, be.ptr(&q_gate.data) + 4 * hd as u64, 2 * hd, partial, at(dl.pos_off), t, nq, hd);
+        }
+        return out;
+    }
+    let q = be.tensor(t, nq * hd);
+    let gate = be.tensor(t, nq * hd);
     be.launch(
         &be.k.attn_prep,
         (t as u32, (nq + nkv) as u32, 1),
-        128,
+        64,
         (2 * hd + d.rotary_dim / 2) * 4,
         &[
             Arg::Ptr(be.ptr(&q.data)),
@@ -78,19 +129,11 @@ pub(super) fn gated_attention(
             Arg::F32(d.eps),
         ],
     );
-    let group = nq / nkv;
-    let heads_per_block = if t >= GROUPED_HEADS_MIN_TOKENS && group * hd <= MAX_BLOCK_ELEMS { group } else { 1 };
     let smem = heads_per_block * (hd + KEY_TILE + 5) * 4;
     assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
-    let out = be.tensor(t, nq * hd);
-    // A step whose (token, head) blocks cannot fill the GPU gives each context range a block of
-    // its own and merges the ranges in a second launch (the same arithmetic as one block
-    // walking them all), so a decode step reads its keys on ATTN_SPLITS times more SMs.
-    let split = t * (nq / heads_per_block) < be.sm_count;
-    let partial = split.then(|| be.alloc_f32(t * nq * ATTN_SPLITS * (hd + 2)));
     be.launch(
         &be.k.attn_core,
-        (t as u32, (nq / heads_per_block) as u32, if split { ATTN_SPLITS as u32 } else { 1 }),
+        (t as u32, (nq / heads_per_block) as u32, splits),
         256,
         smem,
         &[
@@ -108,18 +151,25 @@ pub(super) fn gated_attention(
             Arg::I32(hd as i32),
             Arg::I32(bs as i32),
             Arg::I32(heads_per_block as i32),
-            Arg::F32(1.0 / (hd as f32).sqrt()),
-            Arg::Ptr(partial.as_ref().map_or(0, |p| be.ptr(p))),
+            Arg::F32(scale),
+            Arg::Ptr(partial_ptr),
         ],
     );
     if let Some(partial) = &partial {
-        be.launch(
-            &be.k.attn_combine,
-            (t as u32, nq as u32, 1),
-            hd.div_ceil(32) as u32 * 32,
-            0,
-            &[Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(be.ptr(&gate.data)), Arg::Ptr(be.ptr(partial)), Arg::Ptr(at(dl.pos_off)), Arg::I32(nq as i32), Arg::I32(hd as i32)],
-        );
+        combine_ranges(be, &out, be.ptr(&gate.data), hd, partial, at(dl.pos_off), t, nq, hd);
     }
     out
+}
+
+/// Merges the context ranges of a split step into `out`, gated by `gate` (element d of head h
+/// of token t at `(t * nq + h) * gate_stride + d` floats).
+#[allow(clippy::too_many_arguments)]
+fn combine_ranges(be: &CudaBackend, out: &CudaTensor, gate: u64, gate_stride: usize, partial: &cudarc::driver::CudaSlice<f32>, positions: u64, t: usize, nq: usize, hd: usize) {
+    be.launch(
+        &be.k.attn_combine,
+        (t as u32, nq as u32, 1),
+        hd.div_ceil(32) as u32 * 32,
+        0,
+        &[Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(gate), Arg::Ptr(be.ptr(partial)), Arg::Ptr(positions), Arg::I32(nq as i32), Arg::I32(hd as i32), Arg::I32(gate_stride as i32)],
+    );
 }

@@ -184,9 +184,9 @@ mod tests {
                 // Work that may come first: the L2 prefetch of the small-row kernels, the
                 // streaming kernels' ring set-up and first weight copies (weights only), and
                 // the recurrent delta rule's loads of its state (written two or more launches
-                // back, or it waits first; gdn.rs tells it which), and the attention's L2
-                // prefetch of its key and value rows; attention's reads of its weights and of the
-                // step's layout (written before the step's first launch); the fused down
+                // back, or it waits first; gdn.rs tells it which); attention's L2 prefetch of its
+                // key and value rows and its reads of its weights and of the step's layout
+                // (written before the step's first launch); the fused down
                 // projection's look-up of its experts (routed two launches back, or by the
                 // launch before, which lets it start only once the routing is written; it checks
                 // them after its wait) and its first weight copies; the clustered router's ring,
@@ -195,7 +195,7 @@ mod tests {
                     s.starts_with("prefetch_small(")
                         || s.starts_with("StreamRing ring = stream_start<")
                         || s.starts_with("RecurrentStart st = recurrent_start<")
-                        || s.starts_with("attn_prefetch_range(")
+                        || s.starts_with("AttnStart st = attn_start<")
                         || s.starts_with("AttnPrepStart st = attn_prep_start(")
                         || s.starts_with("int ctx = positions[")
                         || s.starts_with("FusedDownStart st = fused_down_start(")

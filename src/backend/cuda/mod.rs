@@ -119,7 +119,7 @@ macro_rules! kernel_table {
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth, read_bandwidth],
     "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_stream_norm_nt1, matmul_stream_norm_nt2, matmul_stream_norm_nt4, matmul_stream_combine_nt1, matmul_stream_combine_nt2, matmul_stream_combine_nt4, matmul_router, matmul_router_stream, moe_down_combine, moe_route_gate_up, matmul_tiled, matmul_pipelined, split_activations],
-    "attention" => [attn_prep, attn_core, attn_combine],
+    "attention" => [attn_prep, attn_core, attn_decode, attn_combine],
     "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunked, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
     "sample" => [sample_rows],
@@ -179,6 +179,9 @@ pub struct CudaBackend {
     /// pulls into L2 in its routing window (moe::L2Ahead::projection_tail;
     /// `KESTREL_CUDA_L2_TAIL_MB` sets it in MiB for A/B runs, 0 turns it off).
     pub(super) l2_tail_bytes: usize,
+    /// Whether a step whose rows are all one token runs its attention in one launch
+    /// (`attn_decode`; `KESTREL_CUDA_ATTN_DECODE=0` keeps attn_prep and attn_core for A/B runs).
+    pub(super) attn_decode: bool,
 }
 
 /// The launch attribute for thread block clusters of `blocks` blocks along x.
@@ -261,7 +264,7 @@ impl CudaBackend {
             Ok(fixed)
         };
         let mut max_dynamic_smem = optin;
-        for f in [&k.gdn_chunked, &k.attn_core, &k.moe_group_few, &k.matmul_pipelined] {
+        for f in [&k.gdn_chunked, &k.attn_core, &k.attn_decode, &k.moe_group_few, &k.matmul_pipelined] {
             max_dynamic_smem = max_dynamic_smem.min(optin - open_dynamic_smem(f)?);
         }
         let sm_count = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)?.max(1) as usize;
@@ -365,6 +368,7 @@ impl CudaBackend {
             active_clusters: Mutex::new(HashMap::new()),
             tracer,
             l2_ahead: std::env::var("KESTREL_CUDA_L2_AHEAD").map_or(true, |v| v != "0"),
+            attn_decode: std::env::var("KESTREL_CUDA_ATTN_DECODE").map_or(true, |v| v != "0"),
             l2_tail_bytes: std::env::var("KESTREL_CUDA_L2_TAIL_MB").ok().and_then(|v| v.parse::<usize>().ok()).map_or(moe::PROJECTION_TAIL_BYTES, |mb| mb << 20),
         })
     }
