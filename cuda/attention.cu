@@ -80,16 +80,19 @@ __device__ __forceinline__ void norm_rope_head(float* dst, float* normed, const 
     }
 }
 
-// One warp copies a row of `hd` (at most 32 * MAX_DIMS_PER_LANE) floats: every load issued
-// before the first store (a copy is its load latency).
-__device__ __forceinline__ void copy_row_warp(float* dst, const float* src, int hd) {
+// One warp copies a row of `hd` (at most 32 * MAX_DIMS_PER_LANE) floats to `dst` and, where
+// given, `dst2`: every load issued before the first store (a copy is its load latency).
+__device__ __forceinline__ void copy_row_warp(float* dst, float* dst2, const float* src, int hd) {
     int lane = threadIdx.x & 31;
     float x[MAX_DIMS_PER_LANE];
 #pragma unroll
     for (int i = 0; i < MAX_DIMS_PER_LANE; ++i) x[i] = lane + 32 * i < hd ? src[lane + 32 * i] : 0.0f;
 #pragma unroll
     for (int i = 0; i < MAX_DIMS_PER_LANE; ++i)
-        if (lane + 32 * i < hd) dst[lane + 32 * i] = x[i];
+        if (lane + 32 * i < hd) {
+            dst[lane + 32 * i] = x[i];
+            if (dst2) dst2[lane + 32 * i] = x[i];
+        }
 }
 
 // What attn_prep reads before it waits for its inputs, each a round trip to memory that sat in
@@ -130,11 +133,11 @@ extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cac
     if (h < nq) {
         const float* src = qg + ((long long)t * nq + h) * 2 * hd;
         if (warp == 0) norm_rope_head(q_out + ((long long)t * nq + h) * hd, normed, src, st.w, st.freq, hd, rot, st.pos, eps);
-        else copy_row_warp(gate_out + ((long long)t * nq + h) * hd, src + hd, hd);
+        else copy_row_warp(gate_out + ((long long)t * nq + h) * hd, 0, src + hd, hd);
     } else {
         long long off = st.slot * nkv * hd + (long long)(h - nq) * hd, src = ((long long)t * nkv + h - nq) * hd;
         if (warp == 0) norm_rope_head(k_cache + off, normed, k + src, st.w, st.freq, hd, rot, st.pos, eps);
-        else copy_row_warp(v_cache + off, v + src, hd);
+        else copy_row_warp(v_cache + off, 0, v + src, hd);
     }
     if (threadIdx.x == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
@@ -172,17 +175,28 @@ __device__ __forceinline__ void attn_prefetch_range(const float* k_cache, const 
 #endif
 }
 
-// attn_decode's shared memory after attn_body's own (one head per block): the q and k norm
-// weights, two heads' norm scratch, the rotation's frequencies.
+// Whether attn_decode copies its first tile's values into shared memory before its wait
+// (`KESTREL_CUDA_DEFINES=ATTN_VALUES_EARLY=0` for A/B runs).
+#ifndef ATTN_VALUES_EARLY
+#define ATTN_VALUES_EARLY 1
+#endif
+
+// attn_decode's shared memory after attn_body's own (one head per block), from a 16-byte
+// boundary: the first tile's value rows, the q and k norm weights, two heads' norm scratch,
+// the rotation's frequencies.
 struct DecodeSmem {
-    float *wq, *wk, *scratch, *freq;
+    float *values, *wq, *wk, *scratch, *freq;
 };
 __device__ __forceinline__ DecodeSmem decode_smem(int hd) {
     extern __shared__ float decode_sm[];
-    float* b = decode_sm + hd + KEY_TILE + 5;
-    DecodeSmem s = {b, b + hd, b + 2 * hd, b + 4 * hd};
+    float* b = decode_sm + ((hd + KEY_TILE + 5 + 3) & ~3);
+    float* w = b + KEY_TILE * hd;
+    DecodeSmem s = {b, w, w + hd, w + 2 * hd, w + 4 * hd};
     return s;
 }
+
+// The cache slots of the keys of a block's current tile.
+__shared__ long long attn_slots[KEY_TILE];
 
 // What a block of attn_core or attn_decode knows before its inputs are ready: the query's
 // context from the step's layout (written before the step's first launch), whether its range
@@ -194,6 +208,10 @@ struct AttnStart {
     bool live;
     const int* table;
     long long slot;
+    // attn_decode: the first key of the block's first tile, and whether that tile's slots are
+    // in attn_slots and its values (but the token's own) on their way into shared memory.
+    int k0;
+    bool values_early;
 };
 template <bool DECODE>
 __device__ __forceinline__ AttnStart attn_start(const float* k_cache, const float* v_cache, const float* q_norm, const float* k_norm, const float* inv_freq,
@@ -206,6 +224,8 @@ __device__ __forceinline__ AttnStart attn_start(const float* k_cache, const floa
     st.live = gridDim.z == 1 || (int)blockIdx.z * st.span < st.ctx;
     st.table = block_tables + rows[tok_row[blockIdx.x]].block_table_offset;
     st.slot = 0;
+    st.k0 = gridDim.z > 1 ? (int)blockIdx.z * st.span : 0;
+    st.values_early = false;
     if (DECODE) {
         int p = st.ctx - 1;
         st.slot = (long long)st.table[p / block_size] * block_size + p % block_size;
@@ -215,6 +235,23 @@ __device__ __forceinline__ AttnStart attn_start(const float* k_cache, const floa
             s.wk[d] = k_norm[d];
         }
         for (int j = threadIdx.x; j < rot / 2; j += blockDim.x) s.freq[j] = inv_freq[j];
+        // The first tile's values are cached rows of earlier steps (the token's own comes after
+        // the wait): their copies run beside the launch before instead of in the block's chain.
+        st.values_early = ATTN_VALUES_EARLY && st.live && (hd & 3) == 0;
+        if (st.values_early) {
+            int np = min(KEY_TILE, min(st.ctx, st.k0 + st.span) - st.k0);
+            for (int i = threadIdx.x; i < np; i += blockDim.x) {
+                int q = st.k0 + i;
+                attn_slots[i] = (long long)st.table[q / block_size] * block_size + q % block_size;
+            }
+            __syncthreads();
+            const float* vrow = v_cache + (long long)(blockIdx.y / (nq / nkv)) * hd;
+            for (int c = threadIdx.x; c < np * (hd / 4); c += blockDim.x) {
+                int i = c / (hd / 4), j = 4 * (c % (hd / 4));
+                if (st.k0 + i != p) cp_async16(s.values + i * hd + j, vrow + attn_slots[i] * nkv * hd + j, true);
+            }
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        }
     }
     return st;
 }
@@ -238,7 +275,7 @@ __device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const
         float* partial) {
     if (!st.live) return;  // an empty range: attn_combine skips it
     extern __shared__ float sm[];
-    __shared__ long long slots[KEY_TILE];
+    long long* slots = attn_slots;
     int hpb = heads_per_block;
     float* qs = sm;                      // [hpb][hd]
     float* sc = qs + hpb * hd;           // [hpb][KEY_TILE]
@@ -260,7 +297,8 @@ __device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const
         __syncthreads();  // the weights every thread copied before the wait
         if (warp == 0) norm_rope_head(qs, ds.scratch, q + ((long long)t * nq + h0) * 2 * hd, ds.wq, ds.freq, hd, rot, pos, eps);
         else if (warp == 1 && holds_own) norm_rope_head(k_cache + own, ds.scratch + hd, k_new + ((long long)t * nkv + kvh) * hd, ds.wk, ds.freq, hd, rot, pos, eps);
-        else if (warp == 2 && holds_own) copy_row_warp(v_cache + own, v_new + ((long long)t * nkv + kvh) * hd, hd);
+        else if (warp == 2 && holds_own)
+            copy_row_warp(v_cache + own, st.values_early && pos - st.k0 < KEY_TILE ? ds.values + (pos - st.k0) * hd : 0, v_new + ((long long)t * nkv + kvh) * hd, hd);
     } else {
         for (int e = tid; e < hpb * hd; e += blockDim.x) qs[e] = q[(long long)t * nq * hd + (long long)h0 * hd + e];
     }
@@ -279,7 +317,9 @@ __device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const
     __syncthreads();
     for (int p0 = k0; p0 < k1; p0 += KEY_TILE) {
         int np = min(KEY_TILE, k1 - p0);
-        if (tid < np) {
+        // attn_decode's first tile: slots and values copied before the wait.
+        bool early = DECODE && st.values_early && p0 == st.k0;
+        if (tid < np && !early) {
             int p = p0 + tid;
             slots[tid] = (long long)table[p / block_size] * block_size + p % block_size;
         }
@@ -327,6 +367,7 @@ __device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const
                 corr[g] = c;
             }
         }
+        if (early) asm volatile("cp.async.wait_all;" ::: "memory");
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) {
@@ -336,6 +377,14 @@ __device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const
             const float* s = sc + g * KEY_TILE;
             float a = acc[i] * corr[g];
             const float* vcol = v_cache + (long long)kvh * hd + d;
+            if (early) {
+                // The same products and sums, in key order, from shared memory.
+                DecodeSmem ds = decode_smem(hd);
+#pragma unroll 8
+                for (int p = 0; p < np; ++p) a += s[p] * ds.values[p * hd + d];
+                acc[i] = a;
+                continue;
+            }
             // Values loaded VALUES_IN_FLIGHT keys at a time before use (a decode block's time is
             // its chain of load latencies); the sum stays in key order.
             for (int p0v = 0; p0v < np; p0v += VALUES_IN_FLIGHT) {
@@ -410,7 +459,8 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
 
 // grid (T, nq, 1 or ATTN_SPLITS), 256 threads: a step whose every row is one token, straight
 // from the q/gate, key and value projections (attn_prep's work done in the same launch).
-// Dynamic shared memory: 5 * hd + KEY_TILE + 5 + rot / 2 floats.
+// Dynamic shared memory: attn_body's hd + KEY_TILE + 5 floats rounded up to 4, then
+// DecodeSmem's (KEY_TILE + 4) * hd + rot / 2 (gated_attention, backend/cuda/attention.rs).
 extern "C" __global__ void __launch_bounds__(256) attn_decode(float* out, const float* qg, const float* k, const float* v, float* k_cache, float* v_cache,
         const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows,
         const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, float eps, float scale, float* partial) {

@@ -564,17 +564,6 @@ extern "C" __global__ void split_activations(bf16_t* hi, bf16_t* lo, const float
 #define PBN 128
 #define PSTAGES 3
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-// 16 bytes global -> shared, zero-filled when !valid.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0));
-}
-
 // Many rows, bf16 weights, K a multiple of 32: grid (ceil(N/128), ceil(rows/128), groups),
 // 256 threads as 2x4 warps of 64x32, a 3-stage cp.async pipeline over 32-wide k blocks.
 // Same per-element mma sequence and slice sums as the kernels above.

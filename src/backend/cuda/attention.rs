@@ -62,7 +62,8 @@ pub(super) fn gated_attention(
     // Every row one token (plain decode): no token's context holds another of the step, so the
     // attention launch prepares each query and its kv head's new key and value itself.
     if be.attn_decode && heads_per_block == 1 && layout.rows.iter().all(|r| r.num_tokens == 1) {
-        let smem = (5 * hd + KEY_TILE + 5 + d.rotary_dim / 2) * 4;
+        // attn_body's part from a 16-byte boundary, then DecodeSmem's (cuda/attention.cu).
+        let smem = ((hd + KEY_TILE + 5).next_multiple_of(4) + (KEY_TILE + 4) * hd + d.rotary_dim / 2) * 4;
         assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
         be.launch(
             &be.k.attn_decode,
