@@ -458,13 +458,14 @@ extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const fl
 }
 
 // grid (T, nq, 1 or ATTN_SPLITS), 256 threads: a step whose every row is one token, straight
-// from the q/gate, key and value projections (attn_prep's work done in the same launch).
+// from the q/gate, key and value projections (attn_prep's work done in the same launch; its
+// arguments after the first two are attn_prep's, then the scale).
 // Two blocks per SM (128 registers; without the bound ptxas spilled 92 bytes). Dynamic shared
 // memory: attn_body's hd + KEY_TILE + 5 floats rounded up to 4, then
 // DecodeSmem's (KEY_TILE + 4) * hd + rot / 2 (gated_attention, backend/cuda/attention.rs).
-extern "C" __global__ void __launch_bounds__(256, 2) attn_decode(float* out, const float* qg, const float* k, const float* v, float* k_cache, float* v_cache,
-        const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows,
-        const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, float eps, float scale, float* partial) {
+extern "C" __global__ void __launch_bounds__(256, 2) attn_decode(float* out, float* partial, float* k_cache, float* v_cache, const float* qg, const float* k,
+        const float* v, const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows,
+        const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, float eps, float scale) {
     AttnStart st = attn_start<true>(k_cache, v_cache, q_norm, k_norm, inv_freq, tok_row, positions, rows, block_tables, nq, nkv, hd, rot, block_size, 1);
     wait_for_inputs();
     attn_body<true>(st, out, qg, 0, k, v, k_cache, v_cache, nq, nkv, hd, rot, block_size, 1, eps, scale, partial);

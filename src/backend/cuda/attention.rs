@@ -59,41 +59,36 @@ pub(super) fn gated_attention(
     let partial = split.then(|| be.alloc_f32(t * nq * ATTN_SPLITS * (hd + 2)));
     let partial_ptr = partial.as_ref().map_or(0, |p| be.ptr(p));
     let scale = 1.0 / (hd as f32).sqrt();
+    // What attn_prep and attn_decode read to prepare the step's heads: their arguments after
+    // the first two, in the same order.
+    let head_inputs = [
+        Arg::Ptr(kc),
+        Arg::Ptr(vc),
+        Arg::Ptr(be.ptr(&q_gate.data)),
+        Arg::Ptr(be.ptr(&k.data)),
+        Arg::Ptr(be.ptr(&v.data)),
+        Arg::Ptr(be.ptr(&q_norm.data)),
+        Arg::Ptr(be.ptr(&k_norm.data)),
+        Arg::Ptr(be.ptr(&*inv_freq)),
+        Arg::Ptr(at(dl.tok_row_off)),
+        Arg::Ptr(at(dl.pos_off)),
+        Arg::Ptr(base),
+        Arg::Ptr(base),
+        Arg::I32(nq as i32),
+        Arg::I32(nkv as i32),
+        Arg::I32(hd as i32),
+        Arg::I32(d.rotary_dim as i32),
+        Arg::I32(bs as i32),
+        Arg::F32(d.eps),
+    ];
     // Every row one token (plain decode): no token's context holds another of the step, so the
     // attention launch prepares each query and its kv head's new key and value itself.
     if be.attn_decode && heads_per_block == 1 && layout.rows.iter().all(|r| r.num_tokens == 1) {
         // attn_body's part from a 16-byte boundary, then DecodeSmem's (cuda/attention.cu).
         let smem = ((hd + KEY_TILE + 5).next_multiple_of(4) + (KEY_TILE + 4) * hd + d.rotary_dim / 2) * 4;
         assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
-        be.launch(
-            &be.k.attn_decode,
-            (t as u32, nq as u32, splits),
-            256,
-            smem,
-            &[
-                Arg::Ptr(be.ptr(&out.data)),
-                Arg::Ptr(be.ptr(&q_gate.data)),
-                Arg::Ptr(be.ptr(&k.data)),
-                Arg::Ptr(be.ptr(&v.data)),
-                Arg::Ptr(kc),
-                Arg::Ptr(vc),
-                Arg::Ptr(be.ptr(&q_norm.data)),
-                Arg::Ptr(be.ptr(&k_norm.data)),
-                Arg::Ptr(be.ptr(&*inv_freq)),
-                Arg::Ptr(at(dl.tok_row_off)),
-                Arg::Ptr(at(dl.pos_off)),
-                Arg::Ptr(base),
-                Arg::Ptr(base),
-                Arg::I32(nq as i32),
-                Arg::I32(nkv as i32),
-                Arg::I32(hd as i32),
-                Arg::I32(d.rotary_dim as i32),
-                Arg::I32(bs as i32),
-                Arg::F32(d.eps),
-                Arg::F32(scale),
-                Arg::Ptr(partial_ptr),
-            ],
-        );
+        let args = [&[Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(partial_ptr)][..], &head_inputs, &[Arg::F32(scale)]].concat();
+        be.launch(&be.k.attn_decode, (t as u32, nq as u32, splits), 256, smem, &args);
         if let Some(partial) = &partial {
             // The gates are the q/gate projection's second halves.
             combine_ranges(be, &out, be.ptr(&q_gate.data) + 4 * hd as u64, 2 * hd, partial, at(dl.pos_off), t, nq, hd);
@@ -102,34 +97,8 @@ pub(super) fn gated_attention(
     }
     let q = be.tensor(t, nq * hd);
     let gate = be.tensor(t, nq * hd);
-    be.launch(
-        &be.k.attn_prep,
-        (t as u32, (nq + nkv) as u32, 1),
-        64,
-        (2 * hd + d.rotary_dim / 2) * 4,
-        &[
-            Arg::Ptr(be.ptr(&q.data)),
-            Arg::Ptr(be.ptr(&gate.data)),
-            Arg::Ptr(kc),
-            Arg::Ptr(vc),
-            Arg::Ptr(be.ptr(&q_gate.data)),
-            Arg::Ptr(be.ptr(&k.data)),
-            Arg::Ptr(be.ptr(&v.data)),
-            Arg::Ptr(be.ptr(&q_norm.data)),
-            Arg::Ptr(be.ptr(&k_norm.data)),
-            Arg::Ptr(be.ptr(&*inv_freq)),
-            Arg::Ptr(at(dl.tok_row_off)),
-            Arg::Ptr(at(dl.pos_off)),
-            Arg::Ptr(base),
-            Arg::Ptr(base),
-            Arg::I32(nq as i32),
-            Arg::I32(nkv as i32),
-            Arg::I32(hd as i32),
-            Arg::I32(d.rotary_dim as i32),
-            Arg::I32(bs as i32),
-            Arg::F32(d.eps),
-        ],
-    );
+    let args = [&[Arg::Ptr(be.ptr(&q.data)), Arg::Ptr(be.ptr(&gate.data))][..], &head_inputs].concat();
+    be.launch(&be.k.attn_prep, (t as u32, (nq + nkv) as u32, 1), 64, (2 * hd + d.rotary_dim / 2) * 4, &args);
     let smem = heads_per_block * (hd + KEY_TILE + 5) * 4;
     assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
     be.launch(
