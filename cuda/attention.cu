@@ -202,7 +202,7 @@ __shared__ long long attn_slots[KEY_TILE];
 // context from the step's layout (written before the step's first launch), whether its range
 // holds any key, its row's block table, and (attn_decode) the cache slot of the token's own
 // position; attn_decode also copies its norm weights and the rotation's frequencies to shared
-// memory.
+// memory, and starts the copies of its first tile's cached values (written by earlier steps).
 struct AttnStart {
     int ctx, span;
     bool live;

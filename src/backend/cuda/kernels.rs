@@ -185,8 +185,9 @@ mod tests {
                 // streaming kernels' ring set-up and first weight copies (weights only), and
                 // the recurrent delta rule's loads of its state (written two or more launches
                 // back, or it waits first; gdn.rs tells it which); attention's L2 prefetch of its
-                // key and value rows and its reads of its weights and of the step's layout
-                // (written before the step's first launch); the fused down
+                // key and value rows, its reads of its weights and of the step's layout (written
+                // before the step's first launch) and attn_decode's copies of cached values
+                // (written by earlier steps); the fused down
                 // projection's look-up of its experts (routed two launches back, or by the
                 // launch before, which lets it start only once the routing is written; it checks
                 // them after its wait) and its first weight copies; the clustered router's ring,
