@@ -313,11 +313,42 @@ __device__ __forceinline__ void one_row_column_blocks(const StreamRing& ring, in
     }
 }
 
+// The routing warp's code, called rather than inlined so that one copy of it exists: the
+// warm-up warp runs that copy before the routing warp needs it (see ROUTE_WARM_WARP).
+__device__ __noinline__ void route_gate_up_routing(const float* logits, bool logits_in_l2, int* topk_idx, float* topk_w, int E, int k, int renormalize,
+        int* chosen_expert, u32 chosen_bars) {
+    route_token(0, topk_idx, topk_w, logits, E, k, renormalize, logits_in_l2, chosen_expert, chosen_bars);
+}
+
+// moe_route_gate_up's threads: the k-slice warps, the producer warp, and a warm-up warp that
+// runs the routing's code once on scratch data before the launch's inputs are ready. The
+// routing is one warp's chain of a few thousand instructions, run once a layer; by then its code
+// has left the caches (a layer streams some 125 MB of weights), and the routing warp fetched it
+// from memory line by line. 35B-A3B decode on the H100, device clocks around the routing: 11.8
+// thousand cycles cold, 4.0 thousand right after a warm-up run by the same warp. The warm-up
+// run in a k-slice warp or in the producer delayed their own work in the window (the row's
+// norm; the L2 prefetches and the shared expert's copies) and the step took longer. Its own
+// warp (warp KSLICES + 1, on the sub-partition of warp 1), with the routing in warp 1: the
+// routing 3.5 us after the logits' exchange instead of 6.5, and 3.190-3.221 ms per step against
+// 3.242-3.259 with the warp idle (`KESTREL_CUDA_DEFINES=ROUTE_WARM=0`, for A/B runs), and
+// 3.199-3.217 with the routing in warp 0 (ROUTE_WARP=0).
+#define ROUTE_WARM_WARP (KSLICES + 1)
+#define ROUTE_GATE_UP_THREADS (32 * (KSLICES + 2))
+#ifndef ROUTE_WARM
+#define ROUTE_WARM 1
+#endif
+// The k-slice warp that routes: the one sharing the warm-up warp's sub-partition (warps w and
+// w + 4 issue from the same one), whose instruction cache that warp filled.
+#ifndef ROUTE_WARP
+#define ROUTE_WARP 1
+#endif
+
 // What moe_route_gate_up does before its inputs are ready (weights and the weight table only):
 // its ring, the cluster's first barrier phase (every block has started, so its shared memory
 // may be written), the producer's copies of the norm weight and of the block's share of the
-// router, and the experts' weight pointers (loaded by the k-slice warps, off the producer's
-// path). Its shared arrays are static here and reached through the pointers.
+// router, the experts' weight pointers (loaded by the k-slice warps, off the producer's path)
+// and the warm-up warp's run of the routing code. Its shared arrays are static here and reached
+// through the pointers.
 struct RouteGateUpStart {
     StreamRing ring;
     int rank, C, nr, n_gu, gu_cbs;
@@ -326,7 +357,7 @@ struct RouteGateUpStart {
     float* logits;
     const bf16_t** expert_w;
     int* slot_row;
-    // Set by warp 0 once the routing's global writes are fenced.
+    // Set by the routing warp once the routing's global writes are fenced.
     volatile int* routing_published;
     // The routing's slots as route_token's rounds choose them: their experts, and a barrier per
     // slot that the round completes. The producer copies a slot's weights as soon as it is chosen.
@@ -335,7 +366,7 @@ struct RouteGateUpStart {
 };
 
 __device__ __forceinline__ RouteGateUpStart route_gate_up_start(const bf16_t* router_w, int router_n, int K, const Epilogue& router_epi, const float* norm_w, const u64* table,
-        int E, int k, int inter, int stages) {
+        int E, int k, int renormalize, int inter, int stages) {
     extern __shared__ __align__(128) unsigned char stream_smem[];
     __shared__ __align__(8) u64 bars[2 * STREAM_MAX_STAGES];
     __shared__ __align__(8) u64 norm_bar;
@@ -384,8 +415,19 @@ __device__ __forceinline__ RouteGateUpStart route_gate_up_start(const bf16_t* ro
             if (i >= stages) mbar_wait(ring.empty + 8 * (i % stages), (u32)((i / stages - 1) & 1));
             stream_issue<1>(ring, router_w, router_n, K, (st.rank + st.C * i) * 8, i % stages, router_epi);
         }
-    } else {
+    } else if ((int)(threadIdx.x >> 5) < KSLICES) {
         for (int e = threadIdx.x; e < E; e += 32 * KSLICES) expert_w[e] = (const bf16_t*)load_l2(table + 2 * e);
+    } else {
+        // The warm-up warp: the cluster barrier's phases as the producer takes them (it never
+        // waits on phase 1), then the routing's code with the norm weight for logits (a
+        // weight, readable before the wait) and its choices into scratch, nowhere else.
+        cluster_wait();
+        cluster_arrive_relaxed();
+        if (ROUTE_WARM) {
+            __shared__ int warm_idx[FUSED_DOWN_MAX_SLOTS];
+            __shared__ float warm_w[FUSED_DOWN_MAX_SLOTS];
+            route_gate_up_routing(norm_w, true, warm_idx, warm_w, min(E, K), k, renormalize, nullptr, 0u);
+        }
     }
     return st;
 }
@@ -406,19 +448,20 @@ __device__ __forceinline__ RouteGateUpStart route_gate_up_start(const bf16_t* ro
 // launch only after their routing is written and fenced, and it checks the experts again after
 // its wait. Dynamic shared memory: the ring (stages * 8 rows of 2K bytes), the split row (2
 // rows), the norm weight (K floats); stages >= 2.
-extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(float* act, const float* resid, const bf16_t* router_w, int router_n, int K,
+extern "C" __global__ void __launch_bounds__(ROUTE_GATE_UP_THREADS) moe_route_gate_up(float* act, const float* resid, const bf16_t* router_w, int router_n, int K,
         Epilogue router_epi, const float* norm_w, float eps, const u64* table, int E, int k, int renormalize, int inter, int* topk_idx, float* topk_w,
         int stages, L2Ahead ahead) {
-    RouteGateUpStart st = route_gate_up_start(router_w, router_n, K, router_epi, norm_w, table, E, k, inter, stages);
+    RouteGateUpStart st = route_gate_up_start(router_w, router_n, K, router_epi, norm_w, table, E, k, renormalize, inter, stages);
     wait_for_inputs_holding_dependents();
     const StreamRing& ring = st.ring;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    if (warp == ROUTE_WARM_WARP) return;
     int rank = st.rank, C = st.C, nr = st.nr, n_gu = st.n_gu, gu_cbs = st.gu_cbs, gu_n = 2 * inter;
     const Epilogue& gu_epi = st.gu_epi;
     float* logits_s = st.logits;
     if (warp == KSLICES) {
         // The producer, its router copies issued: the shared expert's column blocks, then each
-        // routed slot's as soon as warp 0's routing round has chosen its expert (the first
+        // routed slot's as soon as the routing warp's round has chosen its expert (the first
         // copies go out before the rounds are done). Phase 1 of the cluster barrier (the logits
         // exchange) needs nothing from this warp; arriving before the gate/up copies keeps it
         // from waiting on stages only the exchange frees.
@@ -490,17 +533,17 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_route_gate_up(f
     // Phase 1: every block's logits are here.
     cluster_arrive_release();
     cluster_wait();
-    if (warp == 0) {
+    if (warp == ROUTE_WARP) {
         // Each round's expert goes to the producer as it is chosen (chosen_expert and its
         // barrier); the routing's global writes come after the last round, and their fence (for
         // the next launch, which reads them before its wait) is off the producer's path.
-        route_token(0, topk_idx, topk_w, logits_s, E, k, renormalize, false, st.chosen_expert, st.chosen_bars);
+        route_gate_up_routing(logits_s, false, topk_idx, topk_w, E, k, renormalize, st.chosen_expert, st.chosen_bars);
         if (lane == 0 && blockIdx.x == 0) TRACE_MARK(TRACE_GROUP_KNOWN);
         __threadfence();
         if (lane == 0) *st.routing_published = 1;
     }
     // Every thread lets the next launch start only once the routing is written and fenced:
-    // after the first pass's barrier (warp 0 fenced before it), or after one of its own.
+    // after the first pass's barrier (the routing warp fenced before it), or after one of its own.
     if (n_gu == 0) k_slices_sync();
     if (n_gu == 0) let_dependents_launch();
     for (int j0 = 0; j0 < n_gu; ++pass) {

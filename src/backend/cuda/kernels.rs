@@ -191,7 +191,8 @@ mod tests {
                 // projection's look-up of its experts (routed two launches back, or by the
                 // launch before, which lets it start only once the routing is written; it checks
                 // them after its wait) and its first weight copies; the clustered router's ring,
-                // its share of the router's weights and the experts' weight table.
+                // its share of the router's weights, the experts' weight table and its warm-up
+                // run of the routing code (on the norm weight, into shared scratch).
                 let weight_work = |s: &&str| {
                     s.starts_with("prefetch_small(")
                         || s.starts_with("StreamRing ring = stream_start<")

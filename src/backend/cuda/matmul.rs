@@ -331,6 +331,9 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
 
 /// Threads of the streaming kernels: the k-slice warps and the producer warp.
 pub(super) const STREAM_THREADS: u32 = 288;
+/// Threads of `moe_route_gate_up`: the streaming kernels' and the warm-up warp
+/// (ROUTE_GATE_UP_THREADS in cuda/moe_stream.cu).
+pub(super) const ROUTE_GATE_UP_THREADS: u32 = STREAM_THREADS + 32;
 /// Most stages of a streaming kernel's ring (STREAM_MAX_STAGES in cuda/matmul_stream.cu).
 const STREAM_MAX_STAGES: usize = 8;
 /// Shared memory a plain streaming launch's ring aims for ([`StreamKernels::ring_bytes`]).
@@ -488,7 +491,7 @@ pub(super) fn route_gate_up(be: &CudaBackend, router_n: usize, h: usize, inter: 
     let sk = be.stream_kernels.as_ref()?;
     let cluster = sk.route_gate_up_cluster;
     let (stages, smem) = route_gate_up_shape_of(sk.route_gate_up_max_dynamic, cluster, router_n, h, inter, k)?;
-    let clusters = be.active_clusters(&be.k.moe_route_gate_up, STREAM_THREADS, smem, cluster)?;
+    let clusters = be.active_clusters(&be.k.moe_route_gate_up, ROUTE_GATE_UP_THREADS, smem, cluster)?;
     Some(RouteGateUp { cluster: cluster as u32, blocks: (cluster * clusters) as u32, stages, smem })
 }
 

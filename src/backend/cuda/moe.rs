@@ -299,7 +299,7 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
             Arg::I32(plan.stages as i32),
             Arg::L2Ahead(ahead),
         ];
-        be.launch_in_clusters(&be.k.moe_route_gate_up, (plan.blocks, 1, 1), super::matmul::STREAM_THREADS, plan.smem, plan.cluster, &args);
+        be.launch_in_clusters(&be.k.moe_route_gate_up, (plan.blocks, 1, 1), super::matmul::ROUTE_GATE_UP_THREADS, plan.smem, plan.cluster, &args);
         let gate = parts.get(1).map_or(0, |s| be.ptr(&s.data));
         launch_fused_down(be, acc, &act, &tables[1], (topk_idx, topk_w, gate), (h, inter, k, slots, e), &down);
         return MoeOutput::Added;
