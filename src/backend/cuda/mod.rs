@@ -17,6 +17,7 @@ pub mod kernels;
 mod layout;
 mod matmul;
 mod moe;
+mod moe_stream;
 mod ops;
 mod profile;
 mod sample;

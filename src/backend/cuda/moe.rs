@@ -271,7 +271,7 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
     // no hand-over between them.
     let route_gate_up = match input {
         MoeInput::Residual(n, eps) if t == 1 && fold && !has_lo(0) && !has_lo(1) && router_launch.as_ref().is_some_and(|l| l.stages > 0) && be.norm_in_registers(n, h) => {
-            super::matmul::route_gate_up(be, w.router.rows, h, inter, k).zip(super::matmul::fused_down(be, slots, h, inter)).map(|plans| (n, eps, plans))
+            super::moe_stream::route_gate_up(be, w.router.rows, h, inter, k).zip(super::moe_stream::fused_down(be, slots, h, inter)).map(|plans| (n, eps, plans))
         }
         _ => None,
     };
@@ -299,7 +299,7 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
             Arg::I32(plan.stages as i32),
             Arg::L2Ahead(ahead),
         ];
-        be.launch_in_clusters(&be.k.moe_route_gate_up, (plan.blocks, 1, 1), super::matmul::ROUTE_GATE_UP_THREADS, plan.smem, plan.cluster, &args);
+        be.launch_in_clusters(&be.k.moe_route_gate_up, (plan.blocks, 1, 1), super::moe_stream::ROUTE_GATE_UP_THREADS, plan.smem, plan.cluster, &args);
         let gate = parts.get(1).map_or(0, |s| be.ptr(&s.data));
         launch_fused_down(be, acc, &act, &tables[1], (topk_idx, topk_w, gate), (h, inter, k, slots, e), &down);
         return MoeOutput::Added;
@@ -421,7 +421,7 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
     // One token: the down projection adds the weighted sum into the residual row itself (the
     // same bits as the grouped launch and the combine pass), so that the next launch reads one
     // row instead of every expert's.
-    let fused_down = (t == 1 && (fold || w.shared.is_none()) && !down.has_lo).then(|| super::matmul::fused_down(be, slots, h, inter)).flatten();
+    let fused_down = (t == 1 && (fold || w.shared.is_none()) && !down.has_lo).then(|| super::moe_stream::fused_down(be, slots, h, inter)).flatten();
     if let Some(launch) = fused_down {
         let gate = shared_gate.as_ref().filter(|_| fold).map_or(0, |s| be.ptr(&s.data));
         launch_fused_down(be, acc, &act, &tables[1], (topk_idx, topk_w, gate), (h, inter, k, slots, e), &launch);
@@ -444,7 +444,7 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
 /// `moe_down_combine`: the experts' rows of one token (`act`, SwiGLU outputs) through their down
 /// projections (`table`), weighted by the routing (topk_idx, topk_w; the shared expert's gate
 /// logit, 0: none) and added into the residual row `acc`. Shapes: (h, inter, k, slots, E).
-fn launch_fused_down(be: &CudaBackend, acc: &CudaTensor, act: &CudaTensor, table: &cudarc::driver::CudaSlice<u64>, routing: (u64, u64, u64), shape: (usize, usize, usize, usize, usize), launch: &super::matmul::FusedDown) {
+fn launch_fused_down(be: &CudaBackend, acc: &CudaTensor, act: &CudaTensor, table: &cudarc::driver::CudaSlice<u64>, routing: (u64, u64, u64), shape: (usize, usize, usize, usize, usize), launch: &super::moe_stream::FusedDown) {
     let (topk_idx, topk_w, gate) = routing;
     let (h, inter, k, slots, e) = shape;
     let args = [
