@@ -35,11 +35,15 @@ __device__ __forceinline__ float merge_sum(float total, float part, float c_old,
     return __fadd_rn(__fmul_rn(total, c_old), __fmul_rn(part, c_new));
 }
 
+// The cache slot of position `p` of a row whose block table is `table`.
+__device__ __forceinline__ long long table_slot(const int* table, int p, int block_size) {
+    return (long long)table[p / block_size] * block_size + p % block_size;
+}
+
 // The cache slot of position `p` of token t's row, from the step's layout (written before the
 // step's first launch).
 __device__ __forceinline__ long long cache_slot(const int* tok_row, const RowInfo* rows, const int* block_tables, int t, int p, int block_size) {
-    RowInfo row = rows[tok_row[t]];
-    return (long long)block_tables[row.block_table_offset + p / block_size] * block_size + p % block_size;
+    return table_slot(block_tables + rows[tok_row[t]].block_table_offset, p, block_size);
 }
 
 // One warp prepares one head row of `hd` elements into `dst`: the RMS norm (lane l sums
@@ -228,7 +232,7 @@ __device__ __forceinline__ AttnStart attn_start(const float* k_cache, const floa
     st.values_early = false;
     if (DECODE) {
         int p = st.ctx - 1;
-        st.slot = (long long)st.table[p / block_size] * block_size + p % block_size;
+        st.slot = table_slot(st.table, p, block_size);
         DecodeSmem s = decode_smem(hd);
         for (int d = threadIdx.x; d < hd; d += blockDim.x) {
             s.wq[d] = q_norm[d];
@@ -242,7 +246,7 @@ __device__ __forceinline__ AttnStart attn_start(const float* k_cache, const floa
             int np = min(KEY_TILE, min(st.ctx, st.k0 + st.span) - st.k0);
             for (int i = threadIdx.x; i < np; i += blockDim.x) {
                 int q = st.k0 + i;
-                attn_slots[i] = (long long)st.table[q / block_size] * block_size + q % block_size;
+                attn_slots[i] = table_slot(st.table, q, block_size);
             }
             __syncthreads();
             const float* vrow = v_cache + (long long)(blockIdx.y / (nq / nkv)) * hd;
@@ -321,7 +325,7 @@ __device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const
         bool early = DECODE && st.values_early && p0 == st.k0;
         if (tid < np && !early) {
             int p = p0 + tid;
-            slots[tid] = (long long)table[p / block_size] * block_size + p % block_size;
+            slots[tid] = table_slot(table, p, block_size);
         }
         __syncthreads();
         // Scores: one warp per (head, key), lanes over dims in a fixed stride, butterfly sum.
