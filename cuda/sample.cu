@@ -1,4 +1,4 @@
-// Position-keyed sampling on the device (the draw is defined in src/engine/sampler.rs): one
+// Position-keyed sampling on the device (the draw is defined in src/backend/sampling.rs): one
 // block per logits row, so only the chosen token ids leave the GPU.
 //
 // inv_temps[r] == 0 selects greedy: the argmax, NaN as -inf, ties to the lowest id.

@@ -9,7 +9,7 @@ use kestrel::backend::cuda::CudaBackend;
 use kestrel::model::dummy;
 use kestrel::backend::{delta_state_in_place, Backend, BatchLayout, RowKind, RowLayout, StateCommit};
 use kestrel::engine::request::{Request, RequestEvent, SpecMethod};
-use kestrel::engine::sampler::SamplingParams;
+use kestrel::backend::sampling::SamplingParams;
 use kestrel::engine::{Engine, EngineConfig};
 use kestrel::model::arch::qwen35::Qwen35;
 use kestrel::model::config::ModelConfig;

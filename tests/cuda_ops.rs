@@ -7,8 +7,9 @@ use cuda_support::*;
 use kestrel::backend::cpu::{CpuBackend, CpuCache};
 use kestrel::backend::cuda::CudaBackend;
 use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowKind, RowLayout, StateCommit};
-use kestrel::model::config::{LinearAttnConfig, MoeConfig};
-use kestrel::model::weights::{Dtype, MatrixBytes};
+use kestrel::backend::shapes::{LinearAttnShape, MoeShape};
+use kestrel::backend::weight_bytes::MatrixBytes;
+use kestrel::model::weights::Dtype;
 
 fn seed() -> u64 {
     // Fresh inputs each run; the seed is printed so a failure can be replayed.
@@ -256,13 +257,13 @@ fn attention_spec(kv_heads: usize, head_dim: usize, num_blocks: usize) -> CacheS
         kv_heads,
         head_dim,
         linear_layers: 0,
-        linear: LinearAttnConfig { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4 },
+        linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4 },
         state_slots: 3,
         snapshot_slots: 8,
     }
 }
 
-fn linear_spec(l: LinearAttnConfig) -> CacheSpec {
+fn linear_spec(l: LinearAttnShape) -> CacheSpec {
     CacheSpec { attention_layers: 0, num_blocks: 1, block_size: 16, kv_heads: 1, head_dim: 1, linear_layers: 1, linear: l, state_slots: 3, snapshot_slots: 8 }
 }
 
@@ -376,7 +377,7 @@ fn gated_delta_net_matches_cpu() {
     // (1, 2, 24, 20): dk not a multiple of 16 (the device keeps such states row by row) and a
     // conv window of 3 * 88 floats, which commit_states' chunks once left a tail of.
     for (nk, nv, dk, dv) in [(2, 4, 16, 24), (3, 3, 32, 32), (1, 2, 128, 128), (2, 2, 64, 128), (1, 3, 32, 48), (1, 2, 24, 20)] {
-        let cfg = LinearAttnConfig { num_key_heads: nk, num_value_heads: nv, key_head_dim: dk, value_head_dim: dv, conv_kernel: 4 };
+        let cfg = LinearAttnShape { num_key_heads: nk, num_value_heads: nv, key_head_dim: dk, value_head_dim: dv, conv_kernel: 4 };
         let what = format!("gdn {nk}/{nv} heads, dk {dk}, dv {dv}");
         let spec = linear_spec(cfg.clone());
         let mut gcache = gpu.alloc_cache(&spec).unwrap();
@@ -458,7 +459,7 @@ fn moe_matches_cpu_and_tokens_are_independent() {
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(seed());
     for (h, e, k, inter, shared, renorm, dtype) in [(64, 8, 2, 48, 32, true, Dtype::F32), (96, 16, 5, 40, 0, false, Dtype::F32), (128, 64, 8, 64, 64, true, Dtype::BF16), (256, 16, 4, 96, 64, true, Dtype::BF16), (1024, 8, 2, 32, 32, true, Dtype::BF16), (2048, 8, 2, 32, 32, true, Dtype::BF16)] {
-        let cfg = MoeConfig { num_experts: e, top_k: k, expert_intermediate: inter, shared_intermediate: shared, norm_topk_prob: renorm };
+        let cfg = MoeShape { num_experts: e, top_k: k, expert_intermediate: inter, shared_intermediate: shared, norm_topk_prob: renorm };
         let m = |rng: &mut Rng, r, c| random_matrix(rng, r, c, dtype);
         let router = m(&mut rng, e, h);
         let experts: Vec<[_; 3]> = (0..e).map(|_| [m(&mut rng, inter, h), m(&mut rng, inter, h), m(&mut rng, h, inter)]).collect();

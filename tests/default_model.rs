@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use kestrel::engine::request::SpecMethod;
-use kestrel::engine::sampler::SamplingParams;
+use kestrel::backend::sampling::SamplingParams;
 use kestrel::engine::EngineConfig;
 
 #[test]

@@ -8,7 +8,7 @@ mod common;
 
 use common::*;
 use kestrel::engine::request::SpecMethod;
-use kestrel::engine::sampler::SamplingParams;
+use kestrel::backend::sampling::SamplingParams;
 use kestrel::engine::{Engine, EngineConfig};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -15,7 +15,7 @@ use indicatif::ProgressBar;
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
 use kestrel::engine::request::SpecMethod;
-use kestrel::engine::sampler::SamplingParams;
+use kestrel::backend::sampling::SamplingParams;
 use kestrel::engine::EngineConfig;
 use kestrel::model::arch::qwen35::Qwen35;
 use kestrel::model::weights::gguf::{GgufFile, GgufTensor, GgufValue, GgufWriter};

@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use kestrel::engine::sampler::SamplingParams;
+use kestrel::backend::sampling::SamplingParams;
 
 #[test]
 fn logits_match_transformers() {

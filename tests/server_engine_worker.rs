@@ -6,9 +6,9 @@ mod common;
 
 use common::*;
 use kestrel::engine::request::{FinishReason, Request, SpecMethod};
-use kestrel::engine::sampler::SamplingParams;
+use kestrel::backend::sampling::SamplingParams;
 use kestrel::engine::{EngineConfig, EngineError};
-use kestrel::server::engine_worker::{EngineHandle, EngineWorker, Generation, GenerationEvent, WorkerError};
+use kestrel::engine::worker::{EngineHandle, EngineWorker, Generation, GenerationEvent, WorkerError};
 use std::time::{Duration, Instant};
 
 const MODEL: &str = "qwen35-dense";

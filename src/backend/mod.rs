@@ -14,10 +14,13 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod sampling;
+pub mod shapes;
+pub mod weight_bytes;
 
-use crate::engine::sampler::{sample_at_position, SamplingParams};
-use crate::model::config::{LinearAttnConfig, MoeConfig};
-use crate::model::weights::MatrixBytes;
+use crate::backend::sampling::{sample_at_position, SamplingParams};
+use crate::backend::shapes::{LinearAttnShape, MoeShape};
+use crate::backend::weight_bytes::MatrixBytes;
 
 /// Tokens per chunk of the chunked delta rule. Chunks are aligned to absolute positions, and the
 /// scheduler cuts prompt pieces at multiples of this size, so any split of a prompt computes
@@ -83,7 +86,7 @@ impl BatchLayout {
 }
 
 /// How to draw the token of one logits row: the request's sampling parameters and the output
-/// position the row predicts (the key of the position-keyed noise, see engine/sampler.rs).
+/// position the row predicts (the key of the position-keyed noise, see backend/sampling.rs).
 #[derive(Debug, Clone)]
 pub struct RowSampling {
     pub params: SamplingParams,
@@ -129,7 +132,7 @@ pub struct CacheSpec {
     pub head_dim: usize,
     /// Gated-DeltaNet layers.
     pub linear_layers: usize,
-    pub linear: LinearAttnConfig,
+    pub linear: LinearAttnShape,
     /// Canonical recurrent-state slots (one per running request).
     pub state_slots: usize,
     /// Snapshot slots for generate rows (1 + k per verifying request).
@@ -290,7 +293,7 @@ pub trait Backend: Send + Sync {
         b: &Self::Tensor,
         a: &Self::Tensor,
         params: &GdnParams<Self>,
-        cfg: &LinearAttnConfig,
+        cfg: &LinearAttnShape,
         eps: f32,
         layout: &BatchLayout,
         cache: &mut Self::Cache,
@@ -300,14 +303,14 @@ pub trait Backend: Send + Sync {
     /// `acc += moe(x)`: mixture of experts with softmax top-k routing and an optional
     /// sigmoid-gated shared expert, added into the residual stream (bitwise what `add_assign`
     /// of the MoE output would give).
-    fn moe_add(&self, acc: &mut Self::Tensor, x: &Self::Tensor, w: &MoeWeights<Self>, cfg: &MoeConfig);
+    fn moe_add(&self, acc: &mut Self::Tensor, x: &Self::Tensor, w: &MoeWeights<Self>, cfg: &MoeShape);
 
     /// The MoE half of a layer on the residual stream `acc`: `acc += moe(rms_norm(acc,
     /// pre_norm))`, then the RMSNorm of the updated stream by `next_norm` (the next layer's
     /// input norm), bitwise what those separate ops give. A device backend normalizes the
     /// input inside the router launch and the output in the MoE's last pass over the rows.
     #[allow(clippy::too_many_arguments)]
-    fn moe_residual(&self, acc: &mut Self::Tensor, pre_norm: &Self::Vector, w: &MoeWeights<Self>, cfg: &MoeConfig, next_norm: &Self::Vector, eps: f32) -> Self::Tensor {
+    fn moe_residual(&self, acc: &mut Self::Tensor, pre_norm: &Self::Vector, w: &MoeWeights<Self>, cfg: &MoeShape, next_norm: &Self::Vector, eps: f32) -> Self::Tensor {
         let x = self.rms_norm(acc, pre_norm, eps);
         self.moe_add(acc, &x, w, cfg);
         self.rms_norm(acc, next_norm, eps)
@@ -323,7 +326,7 @@ pub trait Backend: Send + Sync {
         acc: &mut Self::Tensor,
         pre_norm: &Self::Vector,
         w: &MoeWeights<Self>,
-        cfg: &MoeConfig,
+        cfg: &MoeShape,
         next_norm: &Self::Vector,
         eps: f32,
         proj: &Self::Matrix,

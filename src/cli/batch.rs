@@ -7,7 +7,7 @@ use kestrel::backend::Backend;
 use kestrel::engine::request::{Request, RequestEvent, SpecMethod};
 use kestrel::engine::Engine;
 use kestrel::model::ModelFiles;
-use kestrel::engine::sampler::SamplingParams;
+use kestrel::backend::sampling::SamplingParams;
 use kestrel::tokenizer::ChatMessage;
 use std::collections::HashMap;
 use std::io::Write;

@@ -15,11 +15,11 @@ use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::cuda::CudaBackend;
 use kestrel::backend::Backend;
 use kestrel::engine::request::SpecMethod;
-use kestrel::engine::sampler::SamplingParams;
+use kestrel::backend::sampling::SamplingParams;
 use kestrel::engine::{Engine, EngineConfig};
 use kestrel::model::arch::qwen35::Qwen35;
 use kestrel::model::{default_model, dummy, ModelFiles};
-use kestrel::server::engine_worker::EngineWorker;
+use kestrel::engine::worker::EngineWorker;
 use std::path::PathBuf;
 use std::sync::Arc;
 

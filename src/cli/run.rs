@@ -90,7 +90,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     };
     let prompt_ids = files.tokenizer.encode(&text, false).context("cannot tokenize the prompt")?;
     // A chat turn ends at the template's end-of-turn token as well as at end-of-sequence.
-    let stop_token_ids = if args.chat { kestrel::server::chat_stop_token_ids(&files) } else { files.config.eos_token_ids.clone() };
+    let stop_token_ids = if args.chat { files.chat_stop_token_ids() } else { files.config.eos_token_ids.clone() };
     let request = Request { prompt_ids, params, max_tokens: args.max_tokens, stop_token_ids, spec: None };
     with_engine!(args.engine, &files, 1, |engine| generate(engine, request, &files, args.json))
 }

@@ -6,8 +6,8 @@ pub mod engine;
 pub mod metrics;
 pub mod plan;
 pub mod request;
-pub mod sampler;
 pub mod scheduler;
 pub mod spec;
+pub mod worker;
 
 pub use engine::{Engine, EngineConfig, EngineError};

@@ -1,7 +1,7 @@
 //! Requests, their per-sequence state, stop conditions and the events the engine emits.
 
 use super::metrics::SpecStats;
-use super::sampler::SamplingParams;
+use crate::backend::sampling::SamplingParams;
 
 pub type RequestId = u64;
 

@@ -4,6 +4,7 @@
 //! `qwen3_5_moe`); the text-only classes (`qwen3_5_text`, `qwen3_5_moe_text`) and Qwen3-Next
 //! (`qwen3_next`) are flat. Every family is mapped onto [`ModelConfig`].
 
+use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::model::weights::quantized::QuantizationConfig;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -55,50 +56,6 @@ pub enum LayerKind {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-pub struct LinearAttnConfig {
-    pub num_key_heads: usize,
-    pub num_value_heads: usize,
-    pub key_head_dim: usize,
-    pub value_head_dim: usize,
-    pub conv_kernel: usize,
-}
-
-impl LinearAttnConfig {
-    pub fn key_dim(&self) -> usize {
-        self.num_key_heads * self.key_head_dim
-    }
-    pub fn value_dim(&self) -> usize {
-        self.num_value_heads * self.value_head_dim
-    }
-    /// Channels that pass through the causal convolution: q | k | v.
-    pub fn conv_dim(&self) -> usize {
-        2 * self.key_dim() + self.value_dim()
-    }
-    /// Value heads served by each key head (repeat-interleave factor).
-    pub fn heads_per_key_head(&self) -> usize {
-        self.num_value_heads / self.num_key_heads
-    }
-    /// f32 elements of one recurrent state (all value heads).
-    pub fn recurrent_state_len(&self) -> usize {
-        self.num_value_heads * self.key_head_dim * self.value_head_dim
-    }
-    /// Elements of one conv window (the last K-1 pre-conv inputs).
-    pub fn conv_state_len(&self) -> usize {
-        (self.conv_kernel - 1) * self.conv_dim()
-    }
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct MoeConfig {
-    pub num_experts: usize,
-    pub top_k: usize,
-    pub expert_intermediate: usize,
-    pub shared_intermediate: usize,
-    /// Renormalize the top-k routing weights to sum to one.
-    pub norm_topk_prob: bool,
-}
-
-#[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     pub family: ModelFamily,
     pub model_type: String,
@@ -115,8 +72,8 @@ pub struct ModelConfig {
     pub rotary_dim: usize,
     pub rope_theta: f64,
     pub rms_norm_eps: f32,
-    pub linear: LinearAttnConfig,
-    pub moe: Option<MoeConfig>,
+    pub linear: LinearAttnShape,
+    pub moe: Option<MoeShape>,
     pub tie_word_embeddings: bool,
     pub max_position_embeddings: usize,
     /// Number of MTP modules shipped with the checkpoint (0 or 1 in practice).
@@ -265,7 +222,7 @@ fn parse_text_config(family: ModelFamily, model_type: &str, text: &Value, root: 
         return Err(ConfigError::Inconsistent { path: path.into(), reason: format!("layer_types has {} entries but num_hidden_layers is {num_layers}", layer_kinds.len()) });
     }
 
-    let linear = LinearAttnConfig {
+    let linear = LinearAttnShape {
         num_key_heads: f.usize_req("linear_num_key_heads")?,
         num_value_heads: f.usize_req("linear_num_value_heads")?,
         key_head_dim: f.usize_req("linear_key_head_dim")?,
@@ -287,7 +244,7 @@ fn parse_text_config(family: ModelFamily, model_type: &str, text: &Value, root: 
         ModelFamily::Qwen35 => (None, vec![false; num_layers]),
         ModelFamily::Qwen35Moe | ModelFamily::Qwen3Next => {
             let num_experts = f.usize_req("num_experts")?;
-            let moe = MoeConfig {
+            let moe = MoeShape {
                 num_experts,
                 top_k: f.usize_req("num_experts_per_tok")?,
                 expert_intermediate: f.usize_req("moe_intermediate_size")?,

@@ -59,6 +59,19 @@ impl ModelFiles {
         Ok(ModelFiles { source: path.display().to_string(), config, store, tokenizer })
     }
 
+    /// The tokens that end an assistant turn: the model's end-of-sequence tokens, and ChatML's
+    /// `<|im_end|>` when the vocabulary has it (a model trained on plain text may not list it as
+    /// end-of-sequence, yet its chat template closes every turn with it).
+    pub fn chat_stop_token_ids(&self) -> Vec<u32> {
+        let mut stops = self.config.eos_token_ids.clone();
+        if let Some(end_of_turn) = self.tokenizer.token_to_id("<|im_end|>") {
+            if !stops.contains(&end_of_turn) {
+                stops.push(end_of_turn);
+            }
+        }
+        stops
+    }
+
     pub fn open_dir(dir: &Path) -> Result<Self, ModelError> {
         if !dir.exists() {
             return Err(ModelError::NotFound(dir.to_path_buf()));

@@ -59,7 +59,7 @@ pub async fn chat_completions(State(state): State<ServerState>, ApiJson(body): A
     let param = if body.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
     let max_tokens = max_tokens(requested, param, state.room_after(prompt_tokens, "messages")?)?;
 
-    let request = Request { prompt_ids, params, max_tokens, stop_token_ids: super::chat_stop_token_ids(&state.files), spec };
+    let request = Request { prompt_ids, params, max_tokens, stop_token_ids: state.files.chat_stop_token_ids(), spec };
     let generation = generation::start(&state, request, "messages").await?;
     let response = ChatResponse { id: generation::response_id("chatcmpl"), created: generation::unix_seconds(), model: state.model_name.to_string() };
     let parse_tools = tools.is_some();
@@ -97,7 +97,7 @@ pub async fn chat_completions(State(state): State<ServerState>, ApiJson(body): A
 
 async fn whole_response(
     state: &ServerState,
-    generation: crate::server::engine_worker::Generation,
+    generation: crate::engine::worker::Generation,
     response: ChatResponse,
     stops: Vec<String>,
     parse_tools: bool,

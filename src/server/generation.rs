@@ -1,7 +1,7 @@
 //! What the completion endpoints share: submitting to the engine worker, turning its events into
 //! response pieces, and the SSE body of a streamed response.
 
-use super::engine_worker::{Generation, GenerationEvent};
+use crate::engine::worker::{Generation, GenerationEvent};
 use super::error::ApiError;
 use super::output_text::OutputText;
 use super::tool_calls::OutputPiece;

@@ -2,12 +2,11 @@
 //! `/v1/chat/completions` (SSE streaming or whole), `/health` and `/metrics`.
 //!
 //! Handlers run on the tokio runtime and never touch the engine directly: they submit requests to
-//! the [`engine_worker`] thread, which batches everything in flight, and receive the tokens back
+//! the engine's worker thread ([`crate::engine::worker`]), which batches everything in flight, and receive the tokens back
 //! over channels.
 
 mod chat;
 mod completions;
-pub mod engine_worker;
 pub mod error;
 mod generation;
 mod output_text;
@@ -17,7 +16,7 @@ pub mod stop_strings;
 pub mod tool_calls;
 
 use crate::model::ModelFiles;
-use engine_worker::EngineHandle;
+use crate::engine::worker::EngineHandle;
 use error::{ApiError, BodyLimit};
 use std::future::Future;
 use std::sync::Arc;
@@ -79,19 +78,6 @@ impl ServerState {
         }
         Ok(context - prompt_tokens)
     }
-}
-
-/// The tokens that end an assistant turn: the model's end-of-sequence tokens, and ChatML's
-/// `<|im_end|>` when the vocabulary has it (a model trained on plain text may not list it as
-/// end-of-sequence, yet its chat template closes every turn with it).
-pub fn chat_stop_token_ids(files: &ModelFiles) -> Vec<u32> {
-    let mut stops = files.config.eos_token_ids.clone();
-    if let Some(end_of_turn) = files.tokenizer.token_to_id("<|im_end|>") {
-        if !stops.contains(&end_of_turn) {
-            stops.push(end_of_turn);
-        }
-    }
-    stops
 }
 
 /// The application: every route, the API-key check and the body limit.

@@ -6,7 +6,7 @@
 
 use super::error::ApiError;
 use crate::engine::request::SpecMethod;
-use crate::engine::sampler::SamplingParams;
+use crate::backend::sampling::SamplingParams;
 use crate::tokenizer::ChatMessage;
 use serde::Deserialize;
 use serde_json::Value;

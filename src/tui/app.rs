@@ -4,9 +4,9 @@
 use super::keys::{action_for, parse_command, Action, Command};
 use super::state::{ChatView, Entry, ReplyStats, Settings, Speaker, Status, GENERATING_HINT, HELP_TEXT, IDLE_HINT};
 use crate::engine::request::{FinishReason, Request, SpecMethod};
-use crate::engine::sampler::SamplingParams;
+use crate::backend::sampling::SamplingParams;
 use crate::model::ModelFiles;
-use crate::server::engine_worker::{EngineHandle, Generation, GenerationEvent, WorkerError};
+use crate::engine::worker::{EngineHandle, Generation, GenerationEvent, WorkerError};
 use crate::tokenizer::ChatMessage;
 use ratatui::crossterm::event::KeyEvent;
 use std::sync::Arc;
@@ -180,7 +180,7 @@ impl App {
             seed: self.options.sampling.seed.wrapping_add(self.replies_started),
             ..self.options.sampling.clone()
         };
-        let request = Request { prompt_ids, params, max_tokens, stop_token_ids: crate::server::chat_stop_token_ids(&self.files), spec: Some(self.view.settings.spec) };
+        let request = Request { prompt_ids, params, max_tokens, stop_token_ids: self.files.chat_stop_token_ids(), spec: Some(self.view.settings.spec) };
         let generation = self.engine.submit(request).map_err(|err| err.to_string())?;
         self.view.transcript.push(Entry::new(Speaker::Assistant, ""));
         self.active = Some(ActiveReply { generation, generated: Vec::new(), entry: self.view.transcript.len() - 1 });

@@ -3,7 +3,7 @@
 
 use super::state::ReplyStats;
 use crate::engine::request::SpecMethod;
-use crate::server::engine_worker::EngineSnapshot;
+use crate::engine::worker::EngineSnapshot;
 use ratatui::layout::Rect;
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::{Line, Span};

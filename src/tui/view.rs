@@ -4,7 +4,7 @@
 
 use super::panel::{draw_panel, PANEL_WIDTH};
 use super::state::{ChatView, Speaker, Status};
-use crate::server::engine_worker::EngineSnapshot;
+use crate::engine::worker::EngineSnapshot;
 use ratatui::layout::{Constraint, Direction, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::{Line, Span};

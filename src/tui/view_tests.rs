@@ -5,7 +5,7 @@ use super::state::{ChatView, Entry, ReplyStats, Settings, Speaker};
 use super::view::{draw, wrap, MIN_WIDTH_FOR_PANEL};
 use crate::engine::metrics::SpecStats;
 use crate::engine::request::SpecMethod;
-use crate::server::engine_worker::EngineSnapshot;
+use crate::engine::worker::EngineSnapshot;
 use ratatui::backend::TestBackend;
 use ratatui::Terminal;
 use std::time::{Duration, Instant};

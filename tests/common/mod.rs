@@ -4,7 +4,7 @@
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
 use kestrel::engine::request::{Request, RequestEvent, RequestId, SpecMethod};
-use kestrel::engine::sampler::SamplingParams;
+use kestrel::backend::sampling::SamplingParams;
 use kestrel::engine::{Engine, EngineConfig};
 use kestrel::model::arch::qwen35::Qwen35;
 use kestrel::model::ModelFiles;

@@ -2,7 +2,8 @@
 #![allow(dead_code)]
 
 use kestrel::backend::cuda::{probe, CudaBackend, CudaInitError};
-use kestrel::model::weights::{Dtype, MatrixBytes, SharedBytes};
+use kestrel::backend::weight_bytes::{MatrixBytes, SharedBytes};
+use kestrel::model::weights::Dtype;
 
 /// The GPU backend, or `None` (with the skip message) where no CUDA driver is present.
 pub fn gpu() -> Option<CudaBackend> {

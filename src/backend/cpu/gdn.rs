@@ -6,7 +6,7 @@
 
 use super::{CpuCache, CpuTensor};
 use crate::backend::{delta_state_in_place, BatchLayout, RowKind};
-use crate::model::config::LinearAttnConfig;
+use crate::backend::shapes::LinearAttnShape;
 use rayon::prelude::*;
 
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
@@ -53,7 +53,7 @@ struct HeadResult {
     states: Vec<f32>,
 }
 
-pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnConfig, eps: f32, layout: &BatchLayout, cache: &mut CpuCache, layer: usize) -> CpuTensor {
+pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, layout: &BatchLayout, cache: &mut CpuCache, layer: usize) -> CpuTensor {
     let t = inp.mixed.rows;
     let conv_dim = cfg.conv_dim();
     let kw = cfg.conv_kernel;

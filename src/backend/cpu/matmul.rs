@@ -3,7 +3,7 @@
 //! Every output element is one fixed-order dot product of an activation row with a weight row,
 //! so a row's result never depends on how many rows share the call (batch invariance).
 
-use crate::model::weights::MatrixBytes;
+use crate::backend::weight_bytes::MatrixBytes;
 use rayon::prelude::*;
 
 /// Weight rows converted per rayon task; small enough to balance, large enough to amortize.

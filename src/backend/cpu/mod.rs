@@ -6,8 +6,8 @@ pub mod gdn;
 pub mod matmul;
 
 use super::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, StateCommit};
-use crate::model::config::{LinearAttnConfig, MoeConfig};
-use crate::model::weights::MatrixBytes;
+use crate::backend::shapes::{LinearAttnShape, MoeShape};
+use crate::backend::weight_bytes::MatrixBytes;
 pub use matmul::CpuMatrix;
 use rayon::prelude::*;
 
@@ -195,7 +195,7 @@ impl Backend for CpuBackend {
         b: &CpuTensor,
         a: &CpuTensor,
         params: &GdnParams<Self>,
-        cfg: &LinearAttnConfig,
+        cfg: &LinearAttnShape,
         eps: f32,
         layout: &BatchLayout,
         cache: &mut CpuCache,
@@ -214,7 +214,7 @@ impl Backend for CpuBackend {
         gdn::gated_delta_net(&inputs, cfg, eps, layout, cache, linear_layer)
     }
 
-    fn moe_add(&self, acc: &mut CpuTensor, x: &CpuTensor, w: &MoeWeights<Self>, cfg: &MoeConfig) {
+    fn moe_add(&self, acc: &mut CpuTensor, x: &CpuTensor, w: &MoeWeights<Self>, cfg: &MoeShape) {
         let (t, h) = (x.rows, x.cols);
         let e = cfg.num_experts;
         let mut parts = self.matmul_parts(x, &w.router, &w.router_widths(e)).into_iter();

@@ -3,7 +3,7 @@
 use super::cache::CudaCache;
 use super::{Arg, CudaBackend, CudaTensor, CudaVector};
 use crate::backend::BatchLayout;
-use crate::model::config::LinearAttnConfig;
+use crate::backend::shapes::LinearAttnShape;
 
 /// Chunk of the chunked delta rule; must match CHUNK in cuda/gdn.cu and the CPU backend.
 const CHUNK: usize = crate::backend::DELTA_RULE_CHUNK;
@@ -23,7 +23,7 @@ pub(super) struct GdnArgs<'a> {
     pub norm_weight: &'a CudaVector,
 }
 
-pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnConfig, eps: f32, layout: &BatchLayout, cache: &mut CudaCache, layer: usize) -> CudaTensor {
+pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnShape, eps: f32, layout: &BatchLayout, cache: &mut CudaCache, layer: usize) -> CudaTensor {
     let t = x.mixed.rows;
     let (nk, nv, dk, dv, kw) = (cfg.num_key_heads, cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim, cfg.conv_kernel);
     let (conv_dim, key_dim, value_dim) = (cfg.conv_dim(), cfg.key_dim(), cfg.value_dim());

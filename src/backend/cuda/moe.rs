@@ -4,7 +4,7 @@
 use super::matmul::{launch_matmul, Epilogue, Grouped};
 use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, CudaVector, ExpertTables};
 use crate::backend::MoeWeights;
-use crate::model::config::MoeConfig;
+use crate::backend::shapes::MoeShape;
 use std::sync::Arc;
 
 /// Up to this many (token, slot) entries, one block builds the expert lists (fewer launches
@@ -43,7 +43,7 @@ fn expert_tables(be: &CudaBackend, w: &MoeWeights<CudaBackend>, with_shared: boo
         .clone()
 }
 
-pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig) {
+pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<CudaBackend>, cfg: &MoeShape) {
     if let MoeOutput::Pending(pending) = moe_experts(be, acc, MoeInput::Normed(x), w, cfg, L2Ahead::default()) {
         pending.add(be, acc);
     }
@@ -52,7 +52,7 @@ pub(super) fn moe_add(be: &CudaBackend, acc: &mut CudaTensor, x: &CudaTensor, w:
 /// `acc += moe(rms_norm(acc, pre_norm))`, then the RMSNorm of the updated residual stream by
 /// `next_norm`: the input norm inside the streaming router launch and the output norm in the
 /// combine pass, where the row norm's register path applies (two launches fewer per layer).
-pub(super) fn moe_residual(be: &CudaBackend, acc: &mut CudaTensor, pre_norm: &CudaVector, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig, next_norm: &CudaVector, eps: f32) -> CudaTensor {
+pub(super) fn moe_residual(be: &CudaBackend, acc: &mut CudaTensor, pre_norm: &CudaVector, w: &MoeWeights<CudaBackend>, cfg: &MoeShape, next_norm: &CudaVector, eps: f32) -> CudaTensor {
     match moe_experts(be, acc, MoeInput::Residual(pre_norm, eps), w, cfg, L2Ahead::default()) {
         MoeOutput::Added => crate::backend::Backend::rms_norm(be, acc, next_norm, eps),
         MoeOutput::Pending(pending) => pending.add_norm(be, acc, next_norm, eps),
@@ -68,7 +68,7 @@ pub(super) fn moe_residual_project(
     acc: &mut CudaTensor,
     pre_norm: &CudaVector,
     w: &MoeWeights<CudaBackend>,
-    cfg: &MoeConfig,
+    cfg: &MoeShape,
     next_norm: &CudaVector,
     eps: f32,
     proj: &CudaMatrix,
@@ -230,7 +230,7 @@ impl PendingCombine {
 /// caller ([`PendingCombine`]) unless the down projection added the sum into `acc` itself.
 /// `ahead`: weights of later launches that the one-token launch (`moe_route_gate_up`) pulls
 /// into L2 in its routing window; the other paths have no such window and ignore it.
-fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeWeights<CudaBackend>, cfg: &MoeConfig, ahead: L2Ahead) -> MoeOutput {
+fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeWeights<CudaBackend>, cfg: &MoeShape, ahead: L2Ahead) -> MoeOutput {
     let (t, h) = (acc.rows, acc.cols);
     let (e, k, inter) = (cfg.num_experts, cfg.top_k, cfg.expert_intermediate);
     assert_eq!(w.experts.len(), e, "moe: {} experts loaded, config says {e}", w.experts.len());

@@ -4,8 +4,9 @@
 use super::cache::{self, CudaCache};
 use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, CudaVector};
 use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StateCommit, StepLimits, GraphInputs, GraphKey};
-use crate::model::config::{LinearAttnConfig, MoeConfig};
-use crate::model::weights::{Dtype, MatrixBytes};
+use crate::backend::shapes::{LinearAttnShape, MoeShape};
+use crate::backend::weight_bytes::MatrixBytes;
+use kestrel_quant::Dtype;
 use std::sync::atomic::Ordering;
 
 const THREADS: u32 = 256;
@@ -271,7 +272,7 @@ impl Backend for CudaBackend {
         b: &CudaTensor,
         a: &CudaTensor,
         params: &GdnParams<Self>,
-        cfg: &LinearAttnConfig,
+        cfg: &LinearAttnShape,
         eps: f32,
         layout: &BatchLayout,
         cache: &mut CudaCache,
@@ -282,12 +283,12 @@ impl Backend for CudaBackend {
         super::gdn::gated_delta_net(self, &args, cfg, eps, layout, cache, linear_layer)
     }
 
-    fn moe_add(&self, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<Self>, cfg: &MoeConfig) {
+    fn moe_add(&self, acc: &mut CudaTensor, x: &CudaTensor, w: &MoeWeights<Self>, cfg: &MoeShape) {
         let _span = self.span("moe");
         super::moe::moe_add(self, acc, x, w, cfg)
     }
 
-    fn moe_residual(&self, acc: &mut CudaTensor, pre_norm: &CudaVector, w: &MoeWeights<Self>, cfg: &MoeConfig, next_norm: &CudaVector, eps: f32) -> CudaTensor {
+    fn moe_residual(&self, acc: &mut CudaTensor, pre_norm: &CudaVector, w: &MoeWeights<Self>, cfg: &MoeShape, next_norm: &CudaVector, eps: f32) -> CudaTensor {
         let _span = self.span("moe");
         super::moe::moe_residual(self, acc, pre_norm, w, cfg, next_norm, eps)
     }
@@ -297,7 +298,7 @@ impl Backend for CudaBackend {
         acc: &mut CudaTensor,
         pre_norm: &CudaVector,
         w: &MoeWeights<Self>,
-        cfg: &MoeConfig,
+        cfg: &MoeShape,
         next_norm: &CudaVector,
         eps: f32,
         proj: &CudaMatrix,

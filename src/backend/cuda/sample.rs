@@ -4,7 +4,7 @@
 
 use super::{ck, Arg, CudaBackend, CudaTensor};
 use crate::backend::RowSampling;
-use crate::engine::sampler::{position_key, sample_at_position};
+use crate::backend::sampling::{position_key, sample_at_position};
 
 /// Threads per block: SAMPLE_THREADS in cuda/sample.cu.
 const SAMPLE_THREADS: u32 = 256;

@@ -8,7 +8,7 @@
 //! Drafts are greedy (argmax); verification decides what is kept.
 
 use crate::backend::{Backend, BatchLayout, RowKind, RowLayout, RowSampling};
-use crate::engine::sampler::SamplingParams;
+use crate::backend::sampling::SamplingParams;
 use crate::model::arch::qwen35::Qwen35;
 
 /// One sequence's catch-up work after a target step.

@@ -20,7 +20,7 @@
 
 use thiserror::Error;
 
-use crate::engine::sampler::{sample_at_position, SamplingParams};
+use crate::backend::sampling::{sample_at_position, SamplingParams};
 
 /// Why a verify row could not be checked. Each is a shape error in what the caller handed over,
 /// typically padded rows that were not sliced off (DESIGN Invariant 2).

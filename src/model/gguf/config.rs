@@ -15,7 +15,8 @@
 //! renormalizes the top-k routing weights; dense MLP layers are told by their tensors here.
 
 use super::GgufModelError;
-use crate::model::config::{LayerKind, LinearAttnConfig, ModelConfig, ModelFamily, MoeConfig};
+use crate::backend::shapes::{LinearAttnShape, MoeShape};
+use crate::model::config::{LayerKind, ModelConfig, ModelFamily};
 use crate::model::weights::gguf::{GgufArray, GgufError, GgufFile, GgufValue, OptionalKey};
 
 /// Metadata of one architecture: `key("block_count")` is `qwen35.block_count`.
@@ -131,7 +132,7 @@ pub(super) fn read(file: &GgufFile, arch: &str) -> Result<ModelConfig, GgufModel
     })
 }
 
-fn linear_config(m: &Meta) -> Result<LinearAttnConfig, GgufModelError> {
+fn linear_config(m: &Meta) -> Result<LinearAttnShape, GgufModelError> {
     let num_key_heads = m.usize("ssm.group_count")?;
     let num_value_heads = m.usize("ssm.time_step_rank")?;
     let inner_size = m.usize("ssm.inner_size")?;
@@ -145,7 +146,7 @@ fn linear_config(m: &Meta) -> Result<LinearAttnConfig, GgufModelError> {
     if conv_kernel == 0 {
         return Err(m.bad("ssm.conv_kernel", "must be at least 1".into()));
     }
-    Ok(LinearAttnConfig { num_key_heads, num_value_heads, key_head_dim: m.usize("ssm.state_size")?, value_head_dim: inner_size / num_value_heads, conv_kernel })
+    Ok(LinearAttnShape { num_key_heads, num_value_heads, key_head_dim: m.usize("ssm.state_size")?, value_head_dim: inner_size / num_value_heads, conv_kernel })
 }
 
 /// Linear (recurrent) or full attention per trunk layer: `attention.recurrent_layers` when
@@ -174,7 +175,7 @@ fn layer_kinds(m: &Meta, num_layers: usize, block_count: usize) -> Result<Vec<La
 
 /// The experts of an MoE model; sizes the metadata leaves out are read from layer `layer`'s
 /// expert tensors.
-fn moe_config(m: &Meta, layer: usize) -> Result<MoeConfig, GgufModelError> {
+fn moe_config(m: &Meta, layer: usize) -> Result<MoeShape, GgufModelError> {
     let num_experts = m.usize("expert_count")?;
     let top_k = m.usize("expert_used_count")?;
     if top_k == 0 || top_k > num_experts {
@@ -191,5 +192,5 @@ fn moe_config(m: &Meta, layer: usize) -> Result<MoeConfig, GgufModelError> {
         Some(n) => n,
         None => m.tensor_dim(&format!("blk.{layer}.ffn_gate_shexp.weight"), 1).unwrap_or(0),
     };
-    Ok(MoeConfig { num_experts, top_k, expert_intermediate, shared_intermediate, norm_topk_prob: true })
+    Ok(MoeShape { num_experts, top_k, expert_intermediate, shared_intermediate, norm_topk_prob: true })
 }

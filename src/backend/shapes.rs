@@ -1,0 +1,48 @@
+//! Shapes of the layers whose ops take more than a matrix: the backend's own parameter types,
+//! filled by the model from its configuration.
+
+#[derive(Debug, Clone, PartialEq)]
+/// Shape of a Gated DeltaNet layer: what the delta-rule ops need to know of it.
+pub struct LinearAttnShape {
+    pub num_key_heads: usize,
+    pub num_value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl LinearAttnShape {
+    pub fn key_dim(&self) -> usize {
+        self.num_key_heads * self.key_head_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.num_value_heads * self.value_head_dim
+    }
+    /// Channels that pass through the causal convolution: q | k | v.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// Value heads served by each key head (repeat-interleave factor).
+    pub fn heads_per_key_head(&self) -> usize {
+        self.num_value_heads / self.num_key_heads
+    }
+    /// f32 elements of one recurrent state (all value heads).
+    pub fn recurrent_state_len(&self) -> usize {
+        self.num_value_heads * self.key_head_dim * self.value_head_dim
+    }
+    /// Elements of one conv window (the last K-1 pre-conv inputs).
+    pub fn conv_state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_dim()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+/// Shape of a mixture-of-experts MLP and its routing rule.
+pub struct MoeShape {
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub expert_intermediate: usize,
+    pub shared_intermediate: usize,
+    /// Renormalize the top-k routing weights to sum to one.
+    pub norm_topk_prob: bool,
+}
