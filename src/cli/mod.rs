@@ -87,6 +87,9 @@ pub struct EngineArgs {
     pub model: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "auto")]
     pub device: Device,
+    /// CPU threads of the CPU backend (default: every core this process may use).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
     /// Speculative decoding method (`bench` takes a comma-separated list to compare).
     #[arg(long, default_value = "none", value_parser = parse_spec, value_delimiter = ',')]
     pub spec: Vec<SpecMethod>,
@@ -171,6 +174,9 @@ impl EngineArgs {
         if self.spec.is_empty() {
             bail!("--spec needs a method: none, ngram or mtp");
         }
+        if self.threads == Some(0) {
+            bail!("--threads must be at least 1");
+        }
         if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
             bail!("--gpu-memory-utilization must be in (0, 1], got {}", self.gpu_memory_utilization);
         }
@@ -215,8 +221,10 @@ impl EngineArgs {
     /// present, else the CPU (saying why on stderr). The libraries are probed before any CUDA
     /// call, since a missing one would abort the process.
     pub fn select_backend(&self) -> Result<SelectedBackend> {
+        self.check_supported()?;
+        let cpu = || CpuBackend::with_threads(self.threads.unwrap_or_else(kestrel::backend::cpu::default_threads));
         match self.device {
-            Device::Cpu => Ok(SelectedBackend::Cpu(CpuBackend::new())),
+            Device::Cpu => Ok(SelectedBackend::Cpu(cpu())),
             Device::Cuda => {
                 kestrel::backend::cuda::probe().context("--device cuda")?;
                 Ok(SelectedBackend::Cuda(Box::new(CudaBackend::new(0).context("--device cuda: cannot start the CUDA backend")?)))
@@ -225,7 +233,7 @@ impl EngineArgs {
                 Ok(b) => Ok(SelectedBackend::Cuda(Box::new(b))),
                 Err(e) => {
                     eprintln!("kestrel: CUDA unavailable ({e}); running on the CPU");
-                    Ok(SelectedBackend::Cpu(CpuBackend::new()))
+                    Ok(SelectedBackend::Cpu(cpu()))
                 }
             },
         }

@@ -4,10 +4,11 @@
 //! Recurrent state per value head is `S[i][j]`, i over the key dim and j over the value dim
 //! (the Hugging Face layout), in f32.
 
+use super::pool::ThreadPool;
 use super::{CpuCache, CpuTensor};
-use crate::backend::{delta_state_in_place, BatchLayout, RowKind};
 use crate::backend::shapes::LinearAttnShape;
-use rayon::prelude::*;
+use crate::backend::{delta_state_in_place, BatchLayout, RowKind};
+use std::sync::Mutex;
 
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
 
@@ -53,7 +54,7 @@ struct HeadResult {
     states: Vec<f32>,
 }
 
-pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, layout: &BatchLayout, cache: &mut CpuCache, layer: usize) -> CpuTensor {
+pub(super) fn gated_delta_net(pool: &ThreadPool, inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, layout: &BatchLayout, cache: &mut CpuCache, layer: usize) -> CpuTensor {
     let t = inp.mixed.rows;
     let conv_dim = cfg.conv_dim();
     let kw = cfg.conv_kernel;
@@ -73,7 +74,7 @@ pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, 
         win[..conv_len].copy_from_slice(&cache.conv[layer][row.state_slot * conv_len..][..conv_len]);
         win[conv_len..].copy_from_slice(&inp.mixed.data[row.token_start * conv_dim..(row.token_start + n) * conv_dim]);
         let out = &mut conv_out[row.token_start * conv_dim..(row.token_start + n) * conv_dim];
-        out.par_chunks_mut(conv_dim).enumerate().for_each(|(i, o)| {
+        pool.rows_mut(out, conv_dim, conv_dim * kw, &|i, o| {
             for (c, oc) in o.iter_mut().enumerate() {
                 let mut acc = 0.0f32;
                 for j in 0..kw {
@@ -120,9 +121,7 @@ pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, 
     // 3. Delta rule, one task per (row, value head).
     let tasks: Vec<(usize, usize)> = (0..layout.rows.len()).flat_map(|ri| (0..nv).map(move |h| (ri, h))).collect();
     let rec = &cache.rec[layer];
-    let results: Vec<HeadResult> = tasks
-        .par_iter()
-        .map(|&(ri, h)| {
+    let run = |&(ri, h): &(usize, usize)| {
             let row = &layout.rows[ri];
             let kh = h / r;
             let seq = HeadSeq { q: &q, k: &k, v: &v, g: &g, beta: &beta, key_dim, value_dim: cfg.value_dim(), nv, dk, dv, kh, h, token_start: row.token_start, n: row.num_tokens };
@@ -134,8 +133,21 @@ pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, 
                 }
                 RowKind::Generate => recurrent_delta_rule(&seq, &mut state),
             }
-        })
-        .collect();
+    };
+    // Each task's cost grows with its tokens' count and the state size.
+    let work = layout.num_tokens() * nv * head_len * 4;
+    let results: Vec<HeadResult> = if work < super::pool::SHARED_WORK || tasks.len() == 1 {
+        tasks.iter().map(run).collect()
+    } else {
+        let slots: Vec<Mutex<Option<HeadResult>>> = tasks.iter().map(|_| Mutex::new(None)).collect();
+        pool.split(tasks.len(), 1, &|range| {
+            for i in range {
+                let r = run(&tasks[i]);
+                *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+            }
+        });
+        slots.into_iter().map(|s| s.into_inner().unwrap_or_else(|e| e.into_inner()).expect("every task ran")).collect()
+    };
 
     // 4. States back to the cache; outputs through the gated RMSNorm.
     let mut core = vec![0.0f32; t * cfg.value_dim()];
@@ -158,7 +170,7 @@ pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, 
         }
     }
     let mut out = vec![0.0f32; t * cfg.value_dim()];
-    out.par_chunks_mut(dv).enumerate().for_each(|(idx, o)| {
+    pool.rows_mut(&mut out, dv, dv * 8, &|idx, o| {
         let x = &core[idx * dv..(idx + 1) * dv];
         let zz = &inp.z.data[idx * dv..(idx + 1) * dv];
         let ms = x.iter().map(|v| v * v).sum::<f32>() / dv as f32;
@@ -277,7 +289,7 @@ fn chunked_delta_rule(s: &HeadSeq, state: &mut [f32], start_position: usize) -> 
                 w[l * dk + a] = bl * el * kl[a];
             }
             for m in 0..l {
-                let coeff = bl * super::matmul::dot(kl, s.k(i0 + m)) * (gam[l] - gam[m]).exp();
+                let coeff = bl * super::dot::dot(kl, s.k(i0 + m)) * (gam[l] - gam[m]).exp();
                 let (ul, um) = (l * dv, m * dv);
                 for j in 0..dv {
                     u[ul + j] -= coeff * u[um + j];
@@ -312,7 +324,7 @@ fn chunked_delta_rule(s: &HeadSeq, state: &mut [f32], start_position: usize) -> 
                 }
             }
             for m in 0..=l {
-                let coeff = super::matmul::dot(ql, s.k(i0 + m)) * (gam[l] - gam[m]).exp();
+                let coeff = super::dot::dot(ql, s.k(i0 + m)) * (gam[l] - gam[m]).exp();
                 for j in 0..dv {
                     o[j] += coeff * vp[m * dv + j];
                 }
