@@ -182,6 +182,22 @@ pub(super) fn gated_delta_net(pool: &ThreadPool, inp: &GdnInputs, cfg: &LinearAt
     CpuTensor { data: out, rows: t, cols: cfg.value_dim() }
 }
 
+/// `y -= a * x`, element by element.
+#[inline(always)]
+fn sub_scaled(y: &mut [f32], a: f32, x: &[f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi -= a * xi;
+    }
+}
+
+/// `y += a * x`, element by element.
+#[inline(always)]
+fn add_scaled(y: &mut [f32], a: f32, x: &[f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += a * xi;
+    }
+}
+
 /// One value head's inputs over one row.
 struct HeadSeq<'a> {
     q: &'a [f32],
@@ -221,6 +237,24 @@ impl HeadSeq<'_> {
 
 /// Token-by-token form; the state after every token is kept as a snapshot.
 fn recurrent_delta_rule(s: &HeadSeq, state: &mut [f32]) -> HeadResult {
+    #[cfg(target_arch = "x86_64")]
+    if super::dot::avx2::available() {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { recurrent_delta_rule_avx2(s, state) };
+    }
+    recurrent_delta_rule_body(s, state)
+}
+
+/// The same code compiled for AVX2: its loops are element-wise or accumulate in a fixed order,
+/// never reassociated nor fused, so the wider build gives the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn recurrent_delta_rule_avx2(s: &HeadSeq, state: &mut [f32]) -> HeadResult {
+    recurrent_delta_rule_body(s, state)
+}
+
+#[inline(always)]
+fn recurrent_delta_rule_body(s: &HeadSeq, state: &mut [f32]) -> HeadResult {
     let (dk, dv) = (s.dk, s.dv);
     let mut out = vec![0.0f32; s.n * dv];
     let mut states = Vec::with_capacity(s.n * dk * dv);
@@ -262,6 +296,23 @@ fn recurrent_delta_rule(s: &HeadSeq, state: &mut [f32]) -> HeadResult {
 
 /// Chunked (WY) form over chunks aligned to absolute positions; updates `state` in place.
 fn chunked_delta_rule(s: &HeadSeq, state: &mut [f32], start_position: usize) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if super::dot::avx2::available() {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { chunked_delta_rule_avx2(s, state, start_position) };
+    }
+    chunked_delta_rule_body(s, state, start_position)
+}
+
+/// The same code compiled for AVX2 (same bits, as for the recurrent form).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn chunked_delta_rule_avx2(s: &HeadSeq, state: &mut [f32], start_position: usize) -> Vec<f32> {
+    chunked_delta_rule_body(s, state, start_position)
+}
+
+#[inline(always)]
+fn chunked_delta_rule_body(s: &HeadSeq, state: &mut [f32], start_position: usize) -> Vec<f32> {
     let (dk, dv) = (s.dk, s.dv);
     let mut out = vec![0.0f32; s.n * dv];
     let mut i0 = 0;
@@ -274,6 +325,13 @@ fn chunked_delta_rule(s: &HeadSeq, state: &mut [f32], start_position: usize) -> 
         for l in 0..len {
             acc += s.g(i0 + l);
             gam[l] = acc;
+        }
+        // exp(gam_l - gam_m) for m <= l, used twice below.
+        let mut decay = vec![0.0f32; len * len];
+        for l in 0..len {
+            for m in 0..=l {
+                decay[l * len + m] = (gam[l] - gam[m]).exp();
+            }
         }
         // Forward substitution for U = (I+A)^-1 (beta v) and W = (I+A)^-1 (beta exp(gam) k),
         // A[l][m] = beta_l (k_l . k_m) exp(gam_l - gam_m) for m < l.
@@ -288,27 +346,19 @@ fn chunked_delta_rule(s: &HeadSeq, state: &mut [f32], start_position: usize) -> 
             for a in 0..dk {
                 w[l * dk + a] = bl * el * kl[a];
             }
+            let (u_prev, u_l) = u.split_at_mut(l * dv);
+            let (w_prev, w_l) = w.split_at_mut(l * dk);
             for m in 0..l {
-                let coeff = bl * super::dot::dot(kl, s.k(i0 + m)) * (gam[l] - gam[m]).exp();
-                let (ul, um) = (l * dv, m * dv);
-                for j in 0..dv {
-                    u[ul + j] -= coeff * u[um + j];
-                }
-                let (wl, wm) = (l * dk, m * dk);
-                for a in 0..dk {
-                    w[wl + a] -= coeff * w[wm + a];
-                }
+                let coeff = bl * super::dot::dot(kl, s.k(i0 + m)) * decay[l * len + m];
+                sub_scaled(&mut u_l[..dv], coeff, &u_prev[m * dv..(m + 1) * dv]);
+                sub_scaled(&mut w_l[..dk], coeff, &w_prev[m * dk..(m + 1) * dk]);
             }
         }
         // V' = U - W S
         let mut vp = u;
         for l in 0..len {
             for a in 0..dk {
-                let wa = w[l * dk + a];
-                let srow = &state[a * dv..(a + 1) * dv];
-                for j in 0..dv {
-                    vp[l * dv + j] -= wa * srow[j];
-                }
+                sub_scaled(&mut vp[l * dv..(l + 1) * dv], w[l * dk + a], &state[a * dv..(a + 1) * dv]);
             }
         }
         // O_l = exp(gam_l) q_l^T S + sum_{m<=l} (q_l . k_m) exp(gam_l - gam_m) V'_m
@@ -317,17 +367,11 @@ fn chunked_delta_rule(s: &HeadSeq, state: &mut [f32], start_position: usize) -> 
             let o = &mut out[(i0 + l) * dv..(i0 + l + 1) * dv];
             let el = gam[l].exp();
             for a in 0..dk {
-                let qa = ql[a] * el;
-                let srow = &state[a * dv..(a + 1) * dv];
-                for j in 0..dv {
-                    o[j] += qa * srow[j];
-                }
+                add_scaled(o, ql[a] * el, &state[a * dv..(a + 1) * dv]);
             }
             for m in 0..=l {
-                let coeff = super::dot::dot(ql, s.k(i0 + m)) * (gam[l] - gam[m]).exp();
-                for j in 0..dv {
-                    o[j] += coeff * vp[m * dv + j];
-                }
+                let coeff = super::dot::dot(ql, s.k(i0 + m)) * decay[l * len + m];
+                add_scaled(o, coeff, &vp[m * dv..(m + 1) * dv]);
             }
         }
         // S = exp(gam_last) S + sum_m exp(gam_last - gam_m) k_m (x) V'_m
@@ -338,13 +382,9 @@ fn chunked_delta_rule(s: &HeadSeq, state: &mut [f32], start_position: usize) -> 
         }
         for m in 0..len {
             let km = s.k(i0 + m);
-            let f = (last - gam[m]).exp();
+            let f = decay[(len - 1) * len + m];
             for a in 0..dk {
-                let ka = km[a] * f;
-                let srow = &mut state[a * dv..(a + 1) * dv];
-                for j in 0..dv {
-                    srow[j] += ka * vp[m * dv + j];
-                }
+                add_scaled(&mut state[a * dv..(a + 1) * dv], km[a] * f, &vp[m * dv..(m + 1) * dv]);
             }
         }
         i0 += len;

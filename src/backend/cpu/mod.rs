@@ -15,7 +15,8 @@ use crate::backend::weight_bytes::MatrixBytes;
 pub use dot::Isa;
 pub use matmul::CpuMatrix;
 use matmul::Store;
-use pool::ThreadPool;
+use pool::{SharedOut, ThreadPool};
+use std::sync::Mutex;
 
 /// A `[rows, cols]` f32 activation.
 #[derive(Clone, Debug)]
@@ -42,6 +43,8 @@ pub struct CpuCache {
 pub struct CpuBackend {
     pool: ThreadPool,
     isa: Isa,
+    /// `--load-format dummy`: the seed of the next random matrix, while uploads make them.
+    random_weights: Mutex<Option<u64>>,
 }
 
 impl Default for CpuBackend {
@@ -65,7 +68,7 @@ impl CpuBackend {
     /// choice gives the same bits). `isa` must be one the CPU runs ([`Isa::detect`] or
     /// [`Isa::Scalar`]).
     pub fn with_options(threads: usize, isa: Isa) -> Self {
-        CpuBackend { pool: ThreadPool::new(threads), isa }
+        CpuBackend { pool: ThreadPool::new(threads), isa, random_weights: Mutex::new(None) }
     }
 
     /// Threads each op runs on.
@@ -75,6 +78,46 @@ impl CpuBackend {
 
     pub fn isa(&self) -> Isa {
         self.isa
+    }
+}
+
+impl CpuBackend {
+    /// The seed of the next random matrix, if uploads make random ones; each matrix gets its
+    /// own stream (as on the GPU, so both backends build the same dummy model).
+    fn random_seed(&self) -> Option<u64> {
+        let mut s = self.random_weights.lock().unwrap_or_else(|p| p.into_inner());
+        let seed = *s;
+        *s = seed.map(|v| v.wrapping_add(0x9E37_79B9_7F4A_7C15));
+        seed
+    }
+
+    /// A `[rows, cols]` bf16 matrix of uniform values in `[-scale, scale)` with `scale =
+    /// sqrt(3 / cols)` (standard deviation 1/sqrt(cols), so activations keep their size layer
+    /// to layer), each a hash of `(seed, index)`: the values of the CUDA backend's
+    /// `fill_random_bf16`.
+    fn random_matrix(&self, rows: usize, cols: usize, seed: u64) -> Result<CpuMatrix, BackendError> {
+        let n = rows.checked_mul(cols).ok_or_else(|| BackendError::Invalid(format!("a {rows}x{cols} matrix")))?;
+        let mut bytes: Vec<u8> = Vec::new();
+        bytes.try_reserve_exact(2 * n).map_err(|_| BackendError::OutOfMemory(format!("{} MiB of random weights", (2 * n) >> 20)))?;
+        bytes.resize(2 * n, 0);
+        let scale = (3.0 / cols.max(1) as f32).sqrt();
+        let out = SharedOut::new(&mut bytes);
+        let per_chunk = 1 << 16;
+        self.pool.split(n.div_ceil(per_chunk), 1, &|chunks| {
+            let (a, b) = (chunks.start * per_chunk, (chunks.end * per_chunk).min(n));
+            // SAFETY: the chunk ranges are disjoint.
+            let dst = unsafe { out.slice(2 * a, 2 * (b - a)) };
+            for (i, d) in (a..b).zip(dst.chunks_exact_mut(2)) {
+                let mut z = seed.wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^= z >> 31;
+                let u = (z >> 40) as f32 * (1.0 / 16_777_216.0);
+                d.copy_from_slice(&half::bf16::from_f32((2.0 * u - 1.0) * scale).to_le_bytes());
+            }
+        });
+        let m = MatrixBytes { data: crate::backend::weight_bytes::SharedBytes::from_vec(bytes), start: 0, dtype: kestrel_quant::Dtype::BF16, rows, cols };
+        Ok(CpuMatrix::from(m))
     }
 }
 
@@ -114,12 +157,21 @@ impl Backend for CpuBackend {
     }
 
     fn upload_matrix(&self, m: &MatrixBytes) -> Result<CpuMatrix, BackendError> {
-        // Zero-copy: the CPU reads weights straight from the memory map.
-        Ok(CpuMatrix::from(m.clone()))
+        self.upload_stacked(std::slice::from_ref(m))
     }
 
     fn upload_stacked(&self, parts: &[MatrixBytes]) -> Result<CpuMatrix, BackendError> {
-        CpuMatrix::stacked(parts).map_err(BackendError::Invalid)
+        let matrix = CpuMatrix::stacked(parts).map_err(BackendError::Invalid)?;
+        match self.random_seed() {
+            Some(seed) => self.random_matrix(matrix.rows, matrix.cols, seed),
+            // Zero-copy: the CPU reads weights straight from the memory map.
+            None => Ok(matrix),
+        }
+    }
+
+    fn set_random_weights(&self, seed: Option<u64>) -> Result<(), BackendError> {
+        *self.random_weights.lock().unwrap_or_else(|p| p.into_inner()) = seed;
+        Ok(())
     }
 
     fn matrix_rows(&self, w: &CpuMatrix) -> usize {

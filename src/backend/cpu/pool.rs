@@ -15,12 +15,12 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// How long a waiting thread spins before it starts yielding, then parks (workers) or keeps
-/// yielding (the caller): longer than the gap between two ops of a forward, far shorter than
-/// the gap between two engine steps.
-const SPIN: Duration = Duration::from_micros(100);
-/// Yields a worker tries after spinning before it parks.
-const YIELDS: u32 = 16;
+/// How long a waiting thread spins before it starts yielding the core to other runnable
+/// threads between looks: longer than most gaps between two ops of a forward.
+const SPIN: Duration = Duration::from_micros(20);
+/// How long a worker keeps looking (spinning, then yielding) before it parks: longer than the
+/// gap between two engine steps, short enough that an idle engine soon costs nothing.
+const LOOK: Duration = Duration::from_millis(2);
 /// Chunks per thread a split makes: a late thread's share can be taken over by the others.
 const CHUNKS_PER_THREAD: usize = 4;
 /// Most chunks one job may have (the job word's field).
@@ -237,6 +237,11 @@ impl Backoff {
         std::hint::spin_loop();
         true
     }
+
+    /// Whether the wait has lasted [`LOOK`] (after spinning is over).
+    fn looked_long_enough(&mut self) -> bool {
+        self.start.get_or_insert_with(Instant::now).elapsed() > LOOK
+    }
 }
 
 fn worker(s: &Shared) {
@@ -244,7 +249,6 @@ fn worker(s: &Shared) {
     loop {
         // Wait for a job this worker has not looked at.
         let mut wait = Backoff::new();
-        let mut yields = 0u32;
         let number = loop {
             let n = job_of(s.word.load(Ordering::Acquire));
             if n != seen || s.shutdown.load(Ordering::Acquire) {
@@ -253,9 +257,8 @@ fn worker(s: &Shared) {
             if wait.spin() {
                 continue;
             }
-            if yields < YIELDS {
+            if !wait.looked_long_enough() {
                 std::thread::yield_now();
-                yields += 1;
             } else {
                 let mut g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
                 s.sleeping.fetch_add(1, Ordering::SeqCst);
@@ -264,7 +267,6 @@ fn worker(s: &Shared) {
                 }
                 s.sleeping.fetch_sub(1, Ordering::SeqCst);
                 wait = Backoff::new();
-                yields = 0;
             }
         };
         if s.shutdown.load(Ordering::Acquire) {
@@ -296,16 +298,22 @@ impl Drop for ThreadPool {
 }
 
 /// A raw pointer to an output buffer that the shares of a job write at disjoint elements.
-#[derive(Clone, Copy)]
-pub(crate) struct SharedOut(*mut f32);
+pub(crate) struct SharedOut<T = f32>(*mut T);
+
+impl<T> Clone for SharedOut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedOut<T> {}
 
 // SAFETY: each share writes only elements no other share touches (the callers' row ranges are
 // disjoint), and the job ends before the buffer is read.
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
+unsafe impl<T: Send> Send for SharedOut<T> {}
+unsafe impl<T: Send> Sync for SharedOut<T> {}
 
-impl SharedOut {
-    pub(crate) fn new(out: &mut [f32]) -> Self {
+impl<T: Copy> SharedOut<T> {
+    pub(crate) fn new(out: &mut [T]) -> Self {
         SharedOut(out.as_mut_ptr())
     }
     /// `len` elements from `start`.
@@ -313,7 +321,7 @@ impl SharedOut {
     /// # Safety
     /// The range lies inside the buffer and no other share accesses it during the job.
     #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
+    pub(crate) unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
         unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
     }
     /// Writes `v` at `at`.
@@ -321,7 +329,7 @@ impl SharedOut {
     /// # Safety
     /// `at` lies inside the buffer and no other share accesses it during the job.
     #[inline(always)]
-    pub(crate) unsafe fn write(&self, at: usize, v: f32) {
+    pub(crate) unsafe fn write(&self, at: usize, v: T) {
         unsafe { *self.0.add(at) = v }
     }
 }
