@@ -25,8 +25,16 @@ pub struct PerplexityArgs {
     pub engine: EngineArgs,
 }
 
-/// Mean NLL (nats) of each predicted token over the windows, and their count.
-pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, ids: &[u32], context: usize, progress: &indicatif::ProgressBar) -> (f64, usize) {
+/// The NLL of `target` under one logits row: log-sum-exp in f64 minus the target's logit.
+fn token_nll(l: &[f32], target: u32) -> f64 {
+    let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = m + l.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+    lse - l[target as usize] as f64
+}
+
+/// Mean NLL (nats) of each predicted token over the windows, and their count. The rows of a
+/// window are scored on `threads` threads; the sum runs in token order whatever their number.
+pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, ids: &[u32], context: usize, threads: usize, progress: &indicatif::ProgressBar) -> (f64, usize) {
     let block_size = 16;
     let spec = model.cache_spec(context.div_ceil(block_size), block_size, 1, 0);
     let mut cache = backend.alloc_cache(&spec).expect("a single-window cache fits in memory");
@@ -42,11 +50,21 @@ pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, ids: &[u32], conte
         let rows: Vec<u32> = (0..w.len() as u32 - 1).collect();
         let out = model.forward(backend, w, &layout, &rows, &mut cache);
         let logits = backend.to_host(&out.logits);
-        for (i, &target) in w[1..].iter().enumerate() {
-            let l = &logits[i * vocab..(i + 1) * vocab];
-            let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = m + l.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
-            total += lse - l[target as usize] as f64;
+        let targets = &w[1..];
+        let per_thread = targets.len().div_ceil(threads.max(1));
+        let nll: Vec<f64> = std::thread::scope(|s| {
+            let parts: Vec<_> = targets
+                .chunks(per_thread)
+                .enumerate()
+                .map(|(p, part)| {
+                    let logits = &logits;
+                    s.spawn(move || part.iter().enumerate().map(|(j, &t)| token_nll(&logits[(p * per_thread + j) * vocab..][..vocab], t)).collect::<Vec<f64>>())
+                })
+                .collect();
+            parts.into_iter().flat_map(|h| h.join().expect("a scoring thread")).collect()
+        });
+        for v in nll {
+            total += v;
             count += 1;
         }
         progress.inc(1);
@@ -73,11 +91,11 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let (mean_nll, tokens) = match args.engine.select_backend()? {
         SelectedBackend::Cpu(b) => {
             let model = args.engine.load_model(&b, &files, 1)?;
-            score(&|bar| window_nll(&model, &b, &ids, args.context, bar))
+            score(&|bar| window_nll(&model, &b, &ids, args.context, b.threads(), bar))
         }
         SelectedBackend::Cuda(b) => {
             let model = args.engine.load_model(&*b, &files, 1)?;
-            score(&|bar| window_nll(&model, &*b, &ids, args.context, bar))
+            score(&|bar| window_nll(&model, &*b, &ids, args.context, args.engine.threads.unwrap_or_else(kestrel::backend::cpu::default_threads), bar))
         }
     };
     let ppl = mean_nll.exp();
