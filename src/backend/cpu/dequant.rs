@@ -50,6 +50,9 @@ mod avx2 {
                 }
                 Dtype::Q8_0 => blocks::<34, 32>(bytes, out, |b, o| q8_0(b, o)),
                 Dtype::Q4_0 => blocks::<18, 32>(bytes, out, |b, o| q4_0(b, o)),
+                Dtype::Q4_1 => blocks::<20, 32>(bytes, out, |b, o| q4_1(b, o)),
+                Dtype::Q5_0 => blocks::<22, 32>(bytes, out, |b, o| q5_0(b, o)),
+                Dtype::Q5_1 => blocks::<24, 32>(bytes, out, |b, o| q5_1(b, o)),
                 Dtype::IQ4NL => blocks::<18, 32>(bytes, out, |b, o| iq4_nl(b, o)),
                 Dtype::Q4K => blocks::<144, 256>(bytes, out, |b, o| q4_k(b, o)),
                 Dtype::Q5K => blocks::<176, 256>(bytes, out, |b, o| q5_k(b, o)),
@@ -135,6 +138,61 @@ mod avx2 {
             let q = _mm256_sub_epi8(nibbles16(load16(&b[2..])), _mm256_set1_epi8(8));
             for i in 0..4 {
                 put_scaled(&mut y[8 * i..], i8_lanes(q, i), d);
+            }
+        }
+    }
+
+    /// `scale * q + min` for eight i32 `q`, stored at `o`.
+    #[inline(always)]
+    unsafe fn put_scaled_plus(o: &mut [f32], q: __m256i, scale: f32, min: f32) {
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(q)), _mm256_set1_ps(min))) }
+    }
+
+    /// Bit `e` of `qh` as 0x10 in byte `e` (the fifth bit of element `e` of a Q5 block).
+    #[inline(always)]
+    unsafe fn fifth_bits(qh: u32) -> __m256i {
+        unsafe {
+            // Byte e takes byte e / 8 of qh, then keeps bit e % 8.
+            let spread = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), _mm256_set_epi64x(0x0303_0303_0303_0303, 0x0202_0202_0202_0202, 0x0101_0101_0101_0101, 0));
+            let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10))
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn q4_1(b: &[u8; 20], y: &mut [f32; 32]) {
+        unsafe {
+            let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+            let q = nibbles16(load16(&b[4..]));
+            for i in 0..4 {
+                put_scaled_plus(&mut y[8 * i..], i8_lanes(q, i), d, m);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn q5_0(b: &[u8; 22], y: &mut [f32; 32]) {
+        unsafe {
+            let d = f16_at(b, 0);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let q = _mm256_sub_epi8(_mm256_or_si256(nibbles16(load16(&b[6..])), fifth_bits(qh)), _mm256_set1_epi8(16));
+            for i in 0..4 {
+                put_scaled(&mut y[8 * i..], i8_lanes(q, i), d);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn q5_1(b: &[u8; 24], y: &mut [f32; 32]) {
+        unsafe {
+            let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+            let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+            let q = _mm256_or_si256(nibbles16(load16(&b[8..])), fifth_bits(qh));
+            for i in 0..4 {
+                put_scaled_plus(&mut y[8 * i..], i8_lanes(q, i), d, m);
             }
         }
     }

@@ -17,8 +17,11 @@ use std::cell::RefCell;
 
 /// Tokens up to which float weights are read in place (one tile of tokens).
 const DIRECT_TOKENS: usize = 4;
-/// f32 values of converted weight rows a thread keeps at once (64 KiB, within L2).
-const SCRATCH_VALUES: usize = 16 * 1024;
+/// f32 values of converted weight rows a thread keeps at once: for a step of a few tokens, 16
+/// KiB (the rows are written and read back within L1); for longer steps, which read each block
+/// once per four tokens, 64 KiB (within L2).
+const SCRATCH_VALUES_FEW: usize = 4 * 1024;
+const SCRATCH_VALUES_MANY: usize = 16 * 1024;
 /// Multiply-adds below which a matmul runs on the calling thread alone.
 const SERIAL_WORK: usize = 16 * 1024;
 
@@ -152,7 +155,8 @@ fn part_rows(isa: Isa, x: &[f32], t: usize, part: &MatrixBytes, r0: usize, r1: u
             _ => {}
         }
     }
-    let block = (SCRATCH_VALUES / k.max(1)).max(1);
+    let values = if t <= DIRECT_TOKENS { SCRATCH_VALUES_FEW } else { SCRATCH_VALUES_MANY };
+    let block = (values / k.max(1)).max(1);
     SCRATCH.with_borrow_mut(|scratch| {
         let mut b0 = r0;
         while b0 < r1 {
