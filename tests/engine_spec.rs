@@ -59,7 +59,7 @@ fn max_tokens(i: usize) -> usize {
 fn sampling(kind: usize, i: usize) -> SamplingParams {
     match kind {
         0 => SamplingParams::greedy(),
-        _ => SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 1000 + i as u64 },
+        _ => SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 1000 + i as u64, ..SamplingParams::greedy() },
     }
 }
 

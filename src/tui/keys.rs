@@ -21,6 +21,7 @@ pub enum Action {
     ScrollDown,
     /// Ctrl-C while a reply is being generated.
     StopReply,
+    /// Esc, Ctrl-D, or Ctrl-C when idle: the app asks before it quits.
     Quit,
     Ignore,
 }
