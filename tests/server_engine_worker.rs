@@ -47,6 +47,7 @@ fn collect(generation: &mut Generation) -> (Vec<u32>, FinishReason) {
         match next_event(generation) {
             GenerationEvent::Accepted => {}
             GenerationEvent::Rejected(err) => panic!("refused: {err}"),
+            GenerationEvent::Failed { error, .. } => panic!("failed: {error}"),
             GenerationEvent::Tokens { tokens: new, .. } => tokens.extend(new),
             GenerationEvent::Finished { reason, summary } => {
                 assert_eq!(summary.generated, tokens, "the summary holds exactly the streamed tokens");

@@ -30,14 +30,19 @@ pub enum Device {
 pub enum KvCacheDtype {
     /// Keys and values in f32.
     Auto,
+    /// Not implemented yet.
     Bf16,
+    /// Not implemented yet.
     Fp8,
+    /// TurboQuant 3-bit; not implemented yet.
     Tq3,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Quantization {
+    /// The weights as stored.
     None,
+    /// Not implemented yet.
     Fp8,
 }
 
