@@ -115,7 +115,8 @@ fn batch_writes_one_line_per_request_in_order() {
     // Lines are written as their requests finish: find them by id.
     let mut lines: Vec<Value> = std::fs::read_to_string(&output).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.len(), 3);
-    let order = |v: &Value| ["\"a\"", "7", "\"c\""].iter().position(|id| v["id"].to_string() == *id).expect("a known id");
+    let ids = [serde_json::json!("a"), serde_json::json!(7), serde_json::json!("c")];
+    let order = |v: &Value| ids.iter().position(|id| v["id"] == *id).expect("a known id");
     lines.sort_by_key(order);
     assert_eq!(lines[2]["spec"]["method"], "ngram");
     assert_eq!(lines[0]["spec"]["method"], "mtp");

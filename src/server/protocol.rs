@@ -388,7 +388,7 @@ mod tests {
             assert_eq!(err.param.as_deref(), Some(param), "{body}: {}", err.message);
             assert!(err.message.contains(param), "{}", err.message);
         }
-        let err = deserialize_named::<CompletionRequest>(serde_json::json!({"model": "m", "prompt": "x", "top_p": [1]})).err().expect("refused");
+        let err = deserialize_named::<CompletionRequest>(serde_json::json!({"model": "m", "prompt": "x", "top_p": [1]})).expect_err("refused");
         assert_eq!(err.param.as_deref(), Some("top_p"));
     }
 
