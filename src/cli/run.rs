@@ -9,7 +9,7 @@ use kestrel::backend::Backend;
 use kestrel::engine::request::{FinishReason, Request, RequestEvent, SpecMethod};
 use kestrel::engine::Engine;
 use kestrel::model::ModelFiles;
-use kestrel::server::stop_strings::StopStringMatcher;
+use kestrel::tokenizer::stop_strings::StopStringMatcher;
 use kestrel::tokenizer::ChatMessage;
 use std::io::{ErrorKind, IsTerminal, Read, Write};
 use std::path::PathBuf;

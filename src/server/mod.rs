@@ -13,7 +13,6 @@ mod generation;
 mod output_text;
 pub mod protocol;
 mod routes;
-pub mod stop_strings;
 pub mod tool_calls;
 
 use crate::engine::worker::EngineHandle;

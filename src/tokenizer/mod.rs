@@ -10,6 +10,7 @@ pub mod bpe_vocab;
 mod chat_template;
 mod config;
 mod python_json;
+pub mod stop_strings;
 mod stream;
 mod strftime;
 
