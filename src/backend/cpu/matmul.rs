@@ -156,7 +156,8 @@ fn part_rows(isa: Isa, x: &[f32], t: usize, part: &MatrixBytes, r0: usize, r1: u
         }
     }
     let values = if t <= DIRECT_TOKENS { SCRATCH_VALUES_FEW } else { SCRATCH_VALUES_MANY };
-    let block = (values / k.max(1)).max(1);
+    // Whole tiles of rows (eight, the widest), however long the rows are.
+    let block = (values / k.max(1)).max(1).next_multiple_of(8);
     SCRATCH.with_borrow_mut(|scratch| {
         let mut b0 = r0;
         while b0 < r1 {
