@@ -20,6 +20,7 @@ mod moe;
 mod moe_stream;
 mod ops;
 mod profile;
+pub mod quant_tiles;
 mod sample;
 mod step_inputs;
 mod tensor;
