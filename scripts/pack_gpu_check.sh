@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 archive=${1:-target/gpu-check.tar.xz}
 cargo build --release --bin kestrel --example cuda_bench
-tests=(cuda_ops cuda_model cuda_engine)
+tests=(cuda_ops cuda_quant cuda_model cuda_engine)
 cargo test --release --no-run "${tests[@]/#/--test=}" 2>&1 | tee /tmp/kestrel-gpu-check-build.log
 stage=$(mktemp -d)
 cp target/release/kestrel target/release/examples/cuda_bench scripts/gpu_check.sh "$stage"/

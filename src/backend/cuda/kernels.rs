@@ -13,12 +13,20 @@ pub const COMMON_SOURCE: &str = include_str!("../../../cuda/common.cuh");
 /// block.
 pub const SOURCES: [(&str, &str); 6] = [
     ("elementwise", include_str!("../../../cuda/elementwise.cu")),
-    ("matmul", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/matmul.cu"), include_str!("../../../cuda/matmul_stream.cu"), include_str!("../../../cuda/moe_stream.cu"))),
+    ("matmul", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/matmul_common.cuh"), include_str!("../../../cuda/matmul.cu"), include_str!("../../../cuda/matmul_stream.cu"), include_str!("../../../cuda/moe_stream.cu"))),
     ("attention", include_str!("../../../cuda/attention.cu")),
     ("gdn", include_str!("../../../cuda/gdn.cu")),
     ("moe", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/moe.cu"))),
     ("sample", include_str!("../../../cuda/sample.cu")),
 ];
+
+/// The quantized matmul kernels (cuda/qmatmul.cu), one module per tile format.
+pub const QUANT_SOURCE: &str = concat!(include_str!("../../../cuda/matmul_common.cuh"), include_str!("../../../cuda/qmatmul.cu"));
+
+/// The body of the quantized kernel module of tile format `id` (`TileFormat::kernel_id`).
+pub fn quant_module_body(id: u32) -> String {
+    format!("#define QFMT {id}\n{QUANT_SOURCE}")
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
@@ -173,7 +181,7 @@ mod tests {
     #[test]
     fn every_kernel_waits_for_its_inputs_first() {
         let mut kernels = 0;
-        for (module, src) in SOURCES {
+        for (module, src) in SOURCES.into_iter().chain([("qmatmul", super::QUANT_SOURCE)]) {
             for (name, body) in kernel_bodies(src) {
                 kernels += 1;
                 let first: Vec<&str> = body.split(';').map(str::trim).take(2).collect();

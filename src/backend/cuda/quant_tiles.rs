@@ -475,18 +475,18 @@ fn write_scales(fmt: TileFormat, s: &mut [u8], g: usize, upper: bool, r: &UnitRo
 }
 
 /// Packs tiles `tiles` (a range of the matrix's tiles) of a `rows x cols` weight stored as
-/// `dtype` (`bytes`: its rows, each `dtype.row_bytes(cols)` long) into `out` (exactly those
-/// tiles' bytes). Rows past the weight's end are zero.
-pub fn pack_tiles(fmt: TileFormat, dtype: Dtype, order: RowOrder, bytes: &[u8], rows: usize, cols: usize, tiles: std::ops::Range<usize>, out: &mut [u8]) {
+/// `dtype` into `out` (exactly those tiles' bytes); `row(i)` is source row i's bytes
+/// (`dtype.row_bytes(cols)` long). Rows past the weight's end are zero.
+#[allow(clippy::too_many_arguments)]
+pub fn pack_tiles<'a>(fmt: TileFormat, dtype: Dtype, order: RowOrder, row: &(dyn Fn(usize) -> &'a [u8] + Sync), rows: usize, cols: usize, tiles: std::ops::Range<usize>, out: &mut [u8]) {
     let units = cols / fmt.unit();
     let tile_bytes = units * fmt.unit_bytes();
     assert_eq!(out.len(), tiles.len() * tile_bytes, "pack_tiles: output size");
-    let row_bytes = dtype.row_bytes(cols).expect("pack_tiles: the caller checked the row geometry");
     out.par_chunks_mut(tile_bytes.max(1)).zip(tiles).for_each(|(tile, t)| {
         tile.fill(0);
         for r in 0..TILE_ROWS {
             let Some(src) = order.source_row(rows, t, r) else { continue };
-            let row = &bytes[src * row_bytes..(src + 1) * row_bytes];
+            let row = row(src);
             for u in 0..units {
                 let unit = decode_unit(fmt, dtype, row, u);
                 write_row(fmt, &mut tile[u * fmt.unit_bytes()..(u + 1) * fmt.unit_bytes()], r, &unit);
@@ -578,50 +578,52 @@ pub fn unpack_row(fmt: TileFormat, order: RowOrder, packed: &[u8], rows: usize, 
     out
 }
 
+/// Random valid bytes of `rows` rows of a quantized `dtype` (tests and benchmarks): random codes,
+/// small finite scales (weights of magnitude about 0.01 to 0.1), no NaN.
+pub fn random_rows(dtype: Dtype, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut bytes: Vec<u8> = (0..rows * dtype.row_bytes(cols).unwrap()).map(|_| next() as u8).collect();
+    let f16_small = |v: u64| half::f16::from_f32(((v % 2000) as f32 / 1000.0 - 1.0) * 0.01).to_le_bytes();
+    let bb = dtype.block_bytes();
+    for b in bytes.chunks_exact_mut(bb) {
+        match dtype {
+            Dtype::Q4_0 | Dtype::Q5_0 | Dtype::Q8_0 | Dtype::IQ4NL => b[0..2].copy_from_slice(&f16_small(next())),
+            Dtype::Q4_1 | Dtype::Q5_1 | Dtype::Q4K | Dtype::Q5K => {
+                b[0..2].copy_from_slice(&f16_small(next()));
+                b[2..4].copy_from_slice(&f16_small(next()));
+            }
+            Dtype::Q6K => b[208..210].copy_from_slice(&f16_small(next())),
+            Dtype::IQ4XS => b[0..2].copy_from_slice(&f16_small(next())),
+            Dtype::Int4 { .. } => {
+                b[0..2].copy_from_slice(&f16_small(next()));
+                b[2] %= 16;
+            }
+            Dtype::F8E4M3Scaled { .. } => {
+                b[0..4].copy_from_slice(&(((next() % 1000) as f32 + 1.0) * 1e-5).to_le_bytes());
+                // No NaN codes.
+                for c in &mut b[4..] {
+                    if *c & 0x7F == 0x7F {
+                        *c &= 0xFE;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    bytes
+}
+
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Random valid bytes of `rows` rows of `dtype`: random codes, small finite scales.
-    pub(crate) fn random_rows(dtype: Dtype, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-        let mut state = seed;
-        let mut next = || {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        };
-        let mut bytes: Vec<u8> = (0..rows * dtype.row_bytes(cols).unwrap()).map(|_| next() as u8).collect();
-        let f16_small = |v: u64| half::f16::from_f32(((v % 2000) as f32 / 1000.0 - 1.0) * 0.01).to_le_bytes();
-        let bb = dtype.block_bytes();
-        for b in bytes.chunks_exact_mut(bb) {
-            match dtype {
-                Dtype::Q4_0 | Dtype::Q5_0 | Dtype::Q8_0 | Dtype::IQ4NL => b[0..2].copy_from_slice(&f16_small(next())),
-                Dtype::Q4_1 | Dtype::Q5_1 | Dtype::Q4K | Dtype::Q5K => {
-                    b[0..2].copy_from_slice(&f16_small(next()));
-                    b[2..4].copy_from_slice(&f16_small(next()));
-                }
-                Dtype::Q6K => b[208..210].copy_from_slice(&f16_small(next())),
-                Dtype::IQ4XS => b[0..2].copy_from_slice(&f16_small(next())),
-                Dtype::Int4 { .. } => {
-                    b[0..2].copy_from_slice(&f16_small(next()));
-                    b[2] %= 16;
-                }
-                Dtype::F8E4M3Scaled { .. } => {
-                    b[0..4].copy_from_slice(&(((next() % 1000) as f32 + 1.0) * 1e-5).to_le_bytes());
-                    // No NaN codes.
-                    for c in &mut b[4..] {
-                        if *c & 0x7F == 0x7F {
-                            *c &= 0xFE;
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
-        bytes
-    }
 
     fn dtype_of(fmt: TileFormat) -> Vec<Dtype> {
         match fmt {
@@ -654,8 +656,8 @@ mod tests {
                     let bytes = random_rows(dtype, rows, cols, 7 + rows as u64);
                     let tiles = order.tiles(rows);
                     let mut packed = vec![0xAB; fmt.matrix_bytes(order, rows, cols)];
-                    pack_tiles(fmt, dtype, order, &bytes, rows, cols, 0..tiles, &mut packed);
                     let row_bytes = dtype.row_bytes(cols).unwrap();
+                    pack_tiles(fmt, dtype, order, &|i| &bytes[i * row_bytes..(i + 1) * row_bytes], rows, cols, 0..tiles, &mut packed);
                     for r in 0..rows {
                         let want = kestrel_quant::dequantize(dtype, &bytes[r * row_bytes..(r + 1) * row_bytes]).unwrap();
                         let got = unpack_row(fmt, order, &packed, rows, cols, r);
@@ -675,10 +677,12 @@ mod tests {
         let bytes = random_rows(dtype, rows, cols, 3);
         let order = RowOrder::Plain;
         let mut whole = vec![0; fmt.matrix_bytes(order, rows, cols)];
-        pack_tiles(fmt, dtype, order, &bytes, rows, cols, 0..order.tiles(rows), &mut whole);
+        let rb = dtype.row_bytes(cols).unwrap();
+        let row = |i: usize| &bytes[i * rb..(i + 1) * rb];
+        pack_tiles(fmt, dtype, order, &row, rows, cols, 0..order.tiles(rows), &mut whole);
         let tile_bytes = cols / fmt.unit() * fmt.unit_bytes();
         let mut part = vec![0; 2 * tile_bytes];
-        pack_tiles(fmt, dtype, order, &bytes, rows, cols, 2..4, &mut part);
+        pack_tiles(fmt, dtype, order, &row, rows, cols, 2..4, &mut part);
         assert_eq!(part, whole[2 * tile_bytes..4 * tile_bytes]);
     }
 
