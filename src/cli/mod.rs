@@ -18,6 +18,7 @@ use kestrel::engine::request::SpecMethod;
 use kestrel::backend::sampling::SamplingParams;
 use kestrel::engine::{Engine, EngineConfig};
 use kestrel::model::arch::qwen35::Qwen35;
+use kestrel::model::weights::online::OnlineQuantization;
 use kestrel::model::{default_model, dummy, ModelFiles};
 use kestrel::engine::worker::EngineWorker;
 use std::path::PathBuf;
@@ -61,10 +62,26 @@ pub enum KvCacheDtype {
     Tq3,
 }
 
+/// `--quantization`: float linears quantized at load (model/weights/online.rs), or with
+/// `--load-format dummy` the format of the random weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Quantization {
     None,
     Fp8,
+    Int4,
+    #[value(name = "q4_k")]
+    Q4K,
+}
+
+impl Quantization {
+    fn online(self) -> Option<OnlineQuantization> {
+        match self {
+            Quantization::None => None,
+            Quantization::Fp8 => Some(OnlineQuantization::Fp8),
+            Quantization::Int4 => Some(OnlineQuantization::Int4),
+            Quantization::Q4K => Some(OnlineQuantization::Q4K),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -162,9 +179,6 @@ impl EngineArgs {
         if self.kv_cache_dtype != KvCacheDtype::Bf16 {
             bail!("--kv-cache-dtype {:?}: only bf16 is supported so far (the cache is kept in f32)", self.kv_cache_dtype);
         }
-        if self.quantization != Quantization::None {
-            bail!("--quantization fp8 is not supported yet");
-        }
         if self.spec_tokens == 0 && self.spec.iter().any(|m| *m != SpecMethod::None) {
             bail!("--spec-tokens must be at least 1 with speculation on");
         }
@@ -184,10 +198,12 @@ impl EngineArgs {
         if self.load_format == LoadFormat::Dummy {
             return self.dummy_model_files();
         }
-        ModelFiles::open(self.model.as_deref()).with_context(|| match &self.model {
+        let mut files = ModelFiles::open(self.model.as_deref()).with_context(|| match &self.model {
             Some(p) => format!("cannot load model {}", p.display()),
             None => "cannot load the embedded default model".to_string(),
-        })
+        })?;
+        files.config.online_quantization = self.quantization.online();
+        Ok(files)
     }
 
     /// A dummy model's configuration and placeholder store. Prompts are tokenized with the
@@ -198,6 +214,7 @@ impl EngineArgs {
         let name = self.model.as_deref().and_then(|p| p.to_str()).ok_or_else(|| anyhow!("--load-format dummy needs --model PRESET, one of: {}", dummy::PRESETS.join(", ")))?;
         let mut config = dummy::preset_config(name)?;
         config.eos_token_ids.clear();
+        config.online_quantization = self.quantization.online();
         let store = dummy::dummy_store(&config, DUMMY_SEED)?;
         let tokenizer = default_model::open().context("cannot open the default model's tokenizer")?.tokenizer.skipping_unknown_ids();
         Ok(ModelFiles { source: format!("dummy {name}"), config, store, tokenizer })
@@ -245,7 +262,7 @@ impl EngineArgs {
     /// model that cannot fit under `--gpu-memory-utilization` is refused before anything is
     /// uploaded.
     pub fn load_model<B: Backend>(&self, backend: &B, files: &ModelFiles, max_num_seqs: usize) -> Result<Qwen35<B>> {
-        let weights = files.store.device_bytes();
+        let weights = files.store.device_bytes(files.config.online_quantization.map(|q| (q, files.config.num_layers())));
         if let Some(budget) = backend.cache_memory_budget(self.gpu_memory_utilization, weights + self.activation_workspace(files, max_num_seqs)) {
             budget.with_context(|| format!("{} ({:.2} GiB of weights) does not fit on the GPU", files.source, weights as f64 / (1u64 << 30) as f64))?;
         }

@@ -84,7 +84,10 @@ pub(super) fn read(file: &GgufFile, arch: &str) -> Result<ModelConfig, GgufModel
     let rope_theta = f64::from(file.get_f32(&m.key("rope.freq_base")).optional()?.unwrap_or(10_000.0));
     let rms_norm_eps = file.get_f32(&m.key("attention.layer_norm_rms_epsilon"))?;
 
-    let linear = linear_config(&m)?;
+    let mut linear = linear_config(&m)?;
+    // Qwen3.5's converter tiles the value heads (heads.rs); the output projection's columns stay
+    // tiled, and the delta rule writes its output in that order.
+    linear.out_heads_tiled = family != ModelFamily::Qwen3Next && !super::heads::HeadOrder { num_key_heads: linear.num_key_heads, per_key: linear.heads_per_key_head() }.is_identity();
     let layer_kinds = layer_kinds(&m, num_layers, block_count)?;
 
     let vocab_size = m.tensor_dim("token_embd.weight", 1).ok_or_else(|| GgufModelError::MissingTensor {
@@ -129,6 +132,7 @@ pub(super) fn read(file: &GgufFile, arch: &str) -> Result<ModelConfig, GgufModel
         eos_token_ids: Vec::new(),
         bos_token_id: None,
         quantization: None,
+        online_quantization: None,
     })
 }
 
@@ -146,7 +150,7 @@ fn linear_config(m: &Meta) -> Result<LinearAttnShape, GgufModelError> {
     if conv_kernel == 0 {
         return Err(m.bad("ssm.conv_kernel", "must be at least 1".into()));
     }
-    Ok(LinearAttnShape { num_key_heads, num_value_heads, key_head_dim: m.usize("ssm.state_size")?, value_head_dim: inner_size / num_value_heads, conv_kernel })
+    Ok(LinearAttnShape { num_key_heads, num_value_heads, key_head_dim: m.usize("ssm.state_size")?, value_head_dim: inner_size / num_value_heads, conv_kernel, out_heads_tiled: false })
 }
 
 /// Linear (recurrent) or full attention per trunk layer: `attention.recurrent_layers` when
