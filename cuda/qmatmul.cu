@@ -12,9 +12,10 @@
 //    slice sums are added in slice order: 0 + s0 + s1 + ... + s7.
 //  - Within a unit, per scale block (QSB elements) a fresh f32 accumulator P takes, per k16 step
 //    in k order, mma(w, x_hi) then mma(w, x_lo), w the block's codes as exact bf16 numbers
-//    (integers, IQ4 codebook entries, e4m3 values); then sum = fma(scale, P, sum), and for the
-//    formats with a min (Q4_1, Q5_1, Q4_K, Q5_K) sum = fma(min, S, sum), S the activation's sum
-//    over the 32-element block (split_block).
+//    (integers, IQ4 codebook entries, e4m3 values); then sum = fma(scale, P, sum). The formats
+//    with a min (Q4_1, Q5_1, Q4_K, Q5_K) multiply 128 + code (the bf16 the code lands in, one
+//    instruction fewer per pair) and then add sum = fma(min - 128 * scale, S, sum), S the sum of
+//    the block's activation halves (split_block), which is what the 128s added.
 // The few-row kernel (qmm_few*) gives each warp one slice and adds the slices through shared
 // memory; the many-row kernel (qmm_many) walks them in sequence. The tests compare their bits.
 
@@ -33,7 +34,7 @@
 #define QHAS_MIN 0
 #define QOFFSET 8
 #define QSWORDS 1
-#define QSTEP 6
+#define QSTEP 3
 #elif QFMT == 1  // Q4_1: d * q + m
 #define QU 32
 #define QSB 32
@@ -42,7 +43,7 @@
 #define QHAS_MIN 1
 #define QOFFSET 0
 #define QSWORDS 2
-#define QSTEP 6
+#define QSTEP 3
 #elif QFMT == 2  // Q5_0: d * (q - 16)
 #define QU 32
 #define QSB 32
@@ -51,7 +52,7 @@
 #define QHAS_MIN 0
 #define QOFFSET 16
 #define QSWORDS 1
-#define QSTEP 6
+#define QSTEP 3
 #elif QFMT == 3  // Q5_1: d * q + m
 #define QU 32
 #define QSB 32
@@ -60,7 +61,7 @@
 #define QHAS_MIN 1
 #define QOFFSET 0
 #define QSWORDS 2
-#define QSTEP 6
+#define QSTEP 3
 #elif QFMT == 4  // Q8_0: d * q (codes stored as q + 128)
 #define QU 32
 #define QSB 32
@@ -69,7 +70,7 @@
 #define QHAS_MIN 0
 #define QOFFSET 128
 #define QSWORDS 1
-#define QSTEP 4
+#define QSTEP 2
 #elif QFMT == 5  // Q4_K: (d * sc) * q - dmin * m
 #define QU 128
 #define QSB 32
@@ -78,7 +79,7 @@
 #define QHAS_MIN 1
 #define QOFFSET 0
 #define QSWORDS 6
-#define QSTEP 2
+#define QSTEP 1
 #elif QFMT == 6  // Q5_K
 #define QU 128
 #define QSB 32
@@ -105,7 +106,7 @@
 #define QHAS_MIN 0
 #define QOFFSET 0
 #define QSWORDS 1
-#define QSTEP 6
+#define QSTEP 3
 #define QCODEBOOK 1
 #elif QFMT == 9  // IQ4_XS: (d * (ls - 32)) * K[q]
 #define QU 128
@@ -115,7 +116,7 @@
 #define QHAS_MIN 0
 #define QOFFSET 0
 #define QSWORDS 4
-#define QSTEP 2
+#define QSTEP 1
 #define QCODEBOOK 1
 #elif QFMT >= 10 && QFMT <= 12  // Int4 (units of 32, 64, 128): scale * (q - zero)
 #define QU (32 << (QFMT - 10))
@@ -153,6 +154,10 @@
 // 32-element blocks per unit, blocks per scale block (at least one), bytes of a unit's codes.
 #define QB (QU / 32)
 #define QBPS (QSB >= 32 ? QSB / 32 : 1)
+// Weight tiles a few-row block takes at once: two where a scale block is at most 32 elements
+// (one load of activations feeds both tiles' mmas), one for the wide-block formats, whose
+// fragments of a whole scale block already take the registers.
+#define QWT (QSB <= 32 ? 2 : 1)
 #define QCODE_BYTES (QB * 512 * QBITS / 8)
 #define QUNIT_BYTES (QCODE_BYTES + QSCALE_BYTES)
 
@@ -296,7 +301,13 @@ __device__ __forceinline__ u32 code_pair(u32 w, u32 hs, u32 negoff) {
 #elif QBITS == 6
     t |= (K_ == 0 ? (hs << 4) : (hs >> (4 * K_ - 4))) & 0x00300030u;
 #endif
+#if QHAS_MIN
+    // 128 + code: the min term takes the 128s back out.
+    (void)negoff;
+    return t;
+#else
     return bf16x2_fma(t, BF16X2_ONE, negoff);
+#endif
 }
 
 // Bytes i and i+1 of `word`, each a signed value plus 128 (Q8_0's stored codes), as a bf16 pair.
@@ -429,8 +440,9 @@ __device__ __forceinline__ float2 q_scale(const QUnit& u, int sb) {
 }
 
 #if QHAS_MIN
-// The coefficient of block b's activation sum for rows g (x) and g+8 (y).
-__device__ __forceinline__ float2 q_min(const QUnit& u, int b) {
+// The min of block b for rows g (x) and g+8 (y), as the stored values have it: m (Q4_1, Q5_1)
+// or -(dmin * m) (the K-quants).
+__device__ __forceinline__ float2 q_stored_min(const QUnit& u, int b) {
 #if QFMT == 1 || QFMT == 3
     (void)b;
     return make_float2(h2f(u.s[0] >> 16), h2f(u.s[1] >> 16));
@@ -438,27 +450,48 @@ __device__ __forceinline__ float2 q_min(const QUnit& u, int b) {
     return make_float2(-(h2f(u.s[0] >> 16) * (float)((u.s[2] >> (8 * b)) & 0xFFu)), -(h2f(u.s[3] >> 16) * (float)((u.s[5] >> (8 * b)) & 0xFFu)));
 #endif
 }
+
+// The coefficient of block b's activation sum: the min, less the 128 * scale that the codes'
+// bf16 form (128 + code) added.
+__device__ __forceinline__ float2 q_min(const QUnit& u, int b, float2 sc) {
+    float2 m = q_stored_min(u, b);
+    return make_float2(__fmaf_rn(-128.0f, sc.x, m.x), __fmaf_rn(-128.0f, sc.y, m.y));
+}
 #endif
 
 // ---- activations ----
 
 // One 32-element block of an activation row (`xb`, f32) as bf16 hi halves at `hb` and lo halves
 // `lo_off` elements further, in fragment order (quad q's eight: elements 4q..4q+3, 16+4q..+3),
-// and its sum: ((s0 + s1) + (s2 + s3)), s_q the left-to-right sum of quad q's eight in that
-// order. Every kernel takes S from here, so the sums are the same bits everywhere.
-__device__ __forceinline__ void split_block(const float* xb, bf16_t* hb, long long lo_off, float* sum) {
+// and its sum: ((s0 + s1) + (s2 + s3)), s_q the left-to-right sum of quad q's eight (hi + lo
+// each) in that order. Every kernel takes S from here, so the sums are the same bits everywhere.
+// With a norm weight `nw` (the block's 32 weights), each value is first normalized as
+// rms_norm_rows writes it: x * inv * w.
+__device__ __forceinline__ void split_block(const float* xb, bf16_t* hb, long long lo_off, float* sum, const float* nw = 0, float inv = 0.0f) {
     float sq[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
         float4 a = *(const float4*)(xb + 4 * q), b = *(const float4*)(xb + 16 + 4 * q);
         float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        if (nw) {
+            float4 wa = *(const float4*)(nw + 4 * q), wb = *(const float4*)(nw + 16 + 4 * q);
+            float w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = v[i] * inv * w[i];
+        }
         u32 h[4], l[4];
         split8(v, h, l);
         *(uint4*)(hb + 8 * q) = make_uint4(h[0], h[1], h[2], h[3]);
         *(uint4*)(hb + lo_off + 8 * q) = make_uint4(l[0], l[1], l[2], l[3]);
-        float s = v[0];
+        // The halves as the mma multiplies them (hi + lo is exact in f32).
+        float s = 0.0f;
 #pragma unroll
-        for (int i = 1; i < 8; ++i) s = __fadd_rn(s, v[i]);
+        for (int i = 0; i < 4; ++i) {
+            float h0 = __uint_as_float(h[i] << 16), h1 = __uint_as_float(h[i] & 0xFFFF0000u);
+            float l0 = __uint_as_float(l[i] << 16), l1 = __uint_as_float(l[i] & 0xFFFF0000u);
+            s = i == 0 ? __fadd_rn(h0, l0) : __fadd_rn(s, __fadd_rn(h0, l0));
+            s = __fadd_rn(s, __fadd_rn(h1, l1));
+        }
         sq[q] = s;
     }
     *sum = __fadd_rn(__fadd_rn(sq[0], sq[1]), __fadd_rn(sq[2], sq[3]));
@@ -490,8 +523,8 @@ __device__ __forceinline__ void apply_scale(float c[4], float2 sc, const float P
 
 // Where a warp finds its token tiles' activations: per tile j, the hi row of token 8j+g (null:
 // no token, zeros), the lo halves `lo_off` elements on; the block-sum rows of tokens 8j+2q and
-// 8j+2q+1 (min formats); `kb0`: the block index of the rows' first element relative to the unit
-// walk (rows are whole K-rows in the few-row kernel, stage-local in the many-row kernel).
+// 8j+2q+1 (min formats; null: zeros). Rows are whole K-rows in the few-row kernel, a stage's
+// in the many-row kernel (q_unit's `kb` counts blocks from their start).
 template <int TT>
 struct QAct {
     const bf16_t* x[TT];
@@ -509,15 +542,19 @@ __device__ __forceinline__ void load_b(const bf16_t* row, long long lo_off, int 
     }
 }
 
-// Adds unit `un` into the slice sums c[j] of the token tiles j < tiles (TT at most), its
-// blocks at block index `kb` of the activation rows.
-template <int TT>
-__device__ __forceinline__ void q_unit(float c[TT][4], const QUnit& un, const QAct<TT>& act, int kb, int q, int tiles) {
+// Adds units un[0..WT) (the same unit of WT weight tiles; tiles past `wtiles` skipped) into the
+// slice sums c[w][j] of the token tiles j < tiles (TT at most), the unit's blocks at block
+// index `kb` of the activation rows. One load of a block's activations feeds every tile.
+template <int TT, int WT>
+__device__ __forceinline__ void q_unit(float c[WT][TT][4], const QUnit (&un)[WT], const QAct<TT>& act, int kb, int q, int tiles, int wtiles) {
 #pragma unroll
     for (int b0 = 0; b0 < QB; b0 += QBPS) {
-        u32 a[QBPS][2][4];
+        u32 a[WT][QBPS][2][4];
 #pragma unroll
-        for (int bb = 0; bb < QBPS; ++bb) q_frags(un, b0 + bb, a[bb]);
+        for (int w = 0; w < WT; ++w)
+#pragma unroll
+            for (int bb = 0; bb < QBPS; ++bb)
+                if (w < wtiles) q_frags(un[w], b0 + bb, a[w][bb]);
 #pragma unroll
         for (int j = 0; j < TT; ++j) {
             if (j >= tiles) break;
@@ -525,32 +562,44 @@ __device__ __forceinline__ void q_unit(float c[TT][4], const QUnit& un, const QA
             uint4 bh, bl;
             load_b(act.x[j], act.lo_off, (kb + b0) * 32 + 8 * q, bh, bl);
 #pragma unroll
-            for (int s = 0; s < 2; ++s) {
-                float P[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                mma_bf16(P, a[0][s], s ? bh.z : bh.x, s ? bh.w : bh.y);
-                mma_bf16(P, a[0][s], s ? bl.z : bl.x, s ? bl.w : bl.y);
-                apply_scale(c[j], q_scale(un, 2 * b0 + s), P);
+            for (int w = 0; w < WT; ++w) {
+                if (w >= wtiles) break;
+#pragma unroll
+                for (int s = 0; s < 2; ++s) {
+                    float P[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma_bf16(P, a[w][0][s], s ? bh.z : bh.x, s ? bh.w : bh.y);
+                    mma_bf16(P, a[w][0][s], s ? bl.z : bl.x, s ? bl.w : bl.y);
+                    apply_scale(c[w][j], q_scale(un[w], 2 * b0 + s), P);
+                }
             }
 #else
-            float P[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            uint4 bh[QBPS], bl[QBPS];
 #pragma unroll
-            for (int bb = 0; bb < QBPS; ++bb) {
-                uint4 bh, bl;
-                load_b(act.x[j], act.lo_off, (kb + b0 + bb) * 32 + 8 * q, bh, bl);
-                mma_bf16(P, a[bb][0], bh.x, bh.y);
-                mma_bf16(P, a[bb][0], bl.x, bl.y);
-                mma_bf16(P, a[bb][1], bh.z, bh.w);
-                mma_bf16(P, a[bb][1], bl.z, bl.w);
-            }
-            apply_scale(c[j], q_scale(un, b0 / QBPS), P);
+            for (int bb = 0; bb < QBPS; ++bb) load_b(act.x[j], act.lo_off, (kb + b0 + bb) * 32 + 8 * q, bh[bb], bl[bb]);
 #if QHAS_MIN
-            float2 mn = q_min(un, b0);
             float s0 = act.s[j][0] ? act.s[j][0][kb + b0] : 0.0f, s1 = act.s[j][1] ? act.s[j][1][kb + b0] : 0.0f;
-            c[j][0] = __fmaf_rn(mn.x, s0, c[j][0]);
-            c[j][1] = __fmaf_rn(mn.x, s1, c[j][1]);
-            c[j][2] = __fmaf_rn(mn.y, s0, c[j][2]);
-            c[j][3] = __fmaf_rn(mn.y, s1, c[j][3]);
 #endif
+#pragma unroll
+            for (int w = 0; w < WT; ++w) {
+                if (w >= wtiles) break;
+                float P[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int bb = 0; bb < QBPS; ++bb) {
+                    mma_bf16(P, a[w][bb][0], bh[bb].x, bh[bb].y);
+                    mma_bf16(P, a[w][bb][0], bl[bb].x, bl[bb].y);
+                    mma_bf16(P, a[w][bb][1], bh[bb].z, bh[bb].w);
+                    mma_bf16(P, a[w][bb][1], bl[bb].z, bl[bb].w);
+                }
+                float2 sc = q_scale(un[w], b0 / QBPS);
+                apply_scale(c[w][j], sc, P);
+#if QHAS_MIN
+                float2 mn = q_min(un[w], b0, sc);
+                c[w][j][0] = __fmaf_rn(mn.x, s0, c[w][j][0]);
+                c[w][j][1] = __fmaf_rn(mn.x, s1, c[w][j][1]);
+                c[w][j][2] = __fmaf_rn(mn.y, s0, c[w][j][2]);
+                c[w][j][3] = __fmaf_rn(mn.y, s1, c[w][j][3]);
+#endif
+            }
 #endif
         }
     }
@@ -610,18 +659,60 @@ __device__ __forceinline__ int weight_tiles(const Epilogue& e, int N) { return e
 
 // ---- few rows ----
 
-// Up to 8*TT tokens per block: grid (column blocks, token blocks, groups), KSLICES warps, warp w
-// owning k-slice w. Each block walks weight tiles in a grid-stride loop, its warps streaming
-// their slice's units straight into registers (QSTEP units of loads in flight, then their
-// mmas), and adds the slices through shared memory.
+// A warp's loads of one step: QSTEP units of each of the QWT tiles of a tile group.
+struct QStep {
+    QUnit un[QSTEP][QWT];
+};
+
+// Loads the step of units u..u+QSTEP (below u1) of tile group `grp_i` (tiles QWT * grp_i + w
+// below `tiles`).
+__device__ __forceinline__ void q_load_step(QStep& st, const unsigned char* w, long long tile_bytes, int grp_i, int tiles, int u, int u1, int lane, u64 pol) {
+#pragma unroll
+    for (int i = 0; i < QSTEP; ++i)
+#pragma unroll
+        for (int t = 0; t < QWT; ++t) {
+            int tile = QWT * grp_i + t;
+            if (u + i < u1 && tile < tiles) q_load<true>(st.un[i][t], w + tile * tile_bytes + (long long)(u + i) * QUNIT_BYTES, lane, pol);
+        }
+}
+
+// What a few-row block does before its inputs are ready: a plain launch's warps issue their
+// first step of weight loads (weights never depend on the kernels before).
+struct QFewStart {
+    QStep st;
+    bool loaded;
+};
+
+__device__ __forceinline__ QFewStart qmm_few_start(const unsigned char* w, int N, int K, const u64* group_w, const Epilogue& epi) {
+    QFewStart s;
+    s.loaded = false;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int nu = K / QU, ups = (nu + KSLICES - 1) / KSLICES, u0 = warp * ups, u1 = min(u0 + ups, nu);
+    int tiles = weight_tiles(epi, N);
+    if (group_w || blockIdx.y != 0 || (int)blockIdx.x * QWT >= tiles) return s;
+    q_load_step(s.st, w, (long long)nu * QUNIT_BYTES, blockIdx.x, tiles, u0, u1, lane, evict_first_policy());
+    s.loaded = true;
+    return s;
+}
+
+// Up to 8*TT tokens per block: grid (tile groups, token blocks, groups), KSLICES warps, warp w
+// owning k-slice w. Each block walks groups of QWT weight tiles in a grid-stride loop, its warps
+// streaming their slice's units straight into registers (QSTEP units per tile of loads in
+// flight, then their mmas), and adds the slices through shared memory.
 // XSMEM: the block splits its tokens' rows into dynamic shared memory first (hi rows of K + 32
-// elements, lo rows, block sums [rows][sums_stride]); else the rows come split from qsplit
+// elements, lo rows, block sums [rows][sums_stride], then a zero row), normalizing them by
+// `norm_w` where given exactly as rms_norm_rows does; else the rows come split from qsplit
 // (`xs`, lo halves `lo_off` further, `sums`). The arithmetic is the same either way.
 template <int TT, bool XSMEM>
-__device__ __forceinline__ void qmm_few_body(float* out, const float* x, const unsigned char* w_, int rows, int N, int K, const u64* group_w, const int* counts,
-        const int* lists, int list_stride, int a_div, const int* active, const bf16_t* xs, long long lo_off, const float* sums, const Epilogue& epi) {
+__device__ __forceinline__ void qmm_few_body(QFewStart& start, float* out, const float* x, const unsigned char* w_, int rows, int N, int K, const u64* group_w,
+        const int* counts, const int* lists, int list_stride, int a_div, const int* active, const bf16_t* xs, long long lo_off, const float* sums, const Epilogue& epi,
+        const float* norm_w, float eps) {
     extern __shared__ __align__(16) unsigned char qsm[];
-    __shared__ float red[KSLICES][TT][32][4];
+    // Slice sums of up to QRED (tile, token tile) pairs at once.
+    constexpr int QRED = QWT * TT < 8 ? QWT * TT : 8;
+    __shared__ float red[KSLICES][QRED][32][4];
+    __shared__ float scratch[33];
+    __shared__ float row_inv[8 * TT];
     QGroup grp = qgroup_of(w_, rows, group_w, counts, lists, list_stride, active);
     int t0 = blockIdx.y * 8 * TT;
     if (t0 >= grp.rows) return;
@@ -635,10 +726,22 @@ __device__ __forceinline__ void qmm_few_body(float* out, const float* x, const u
         bf16_t* xh = (bf16_t*)qsm;
         act.lo_off = (long long)nt * xstride;
         float* ss = (float*)(qsm + 4LL * nt * xstride);
+        if (norm_w) {
+            // rms_norm_rows' register path at 256 threads: the same sums, the same inverse.
+            for (int r = 0; r < nt; ++r) {
+                int tok = t0 + r;
+                long long arow = grp.list ? grp.list[tok] / a_div : tok;
+                float4 v[RMS_VECS];
+                row_float4s(v, (const float4*)(x + arow * K), K >> 2, blockDim.x);
+                float ssum = block_sum(rms_partial(v), scratch);
+                if (threadIdx.x == 0) row_inv[r] = 1.0f / sqrtf(ssum / (float)K + eps);
+            }
+            __syncthreads();
+        }
         for (int i = threadIdx.x; i < nt * nkb; i += blockDim.x) {
             int r = i / nkb, kb = i % nkb, tok = t0 + r;
             long long arow = grp.list ? grp.list[tok] / a_div : tok;
-            split_block(x + arow * K + kb * 32, xh + (long long)r * xstride + kb * 32, act.lo_off, ss + r * sstride + kb);
+            split_block(x + arow * K + kb * 32, xh + (long long)r * xstride + kb * 32, act.lo_off, ss + r * sstride + kb, norm_w ? norm_w + kb * 32 : 0, norm_w ? row_inv[r] : 0.0f);
         }
         __syncthreads();
 #pragma unroll
@@ -659,44 +762,57 @@ __device__ __forceinline__ void qmm_few_body(float* out, const float* x, const u
             act.s[j][1] = r0 + 1 < nt ? sums + arow(r0 + 1) * sstride : 0;
         }
     }
-    int tiles = weight_tiles(epi, N), ttiles = (nt + 7) / 8;
+    int tiles = weight_tiles(epi, N), groups = (tiles + QWT - 1) / QWT, ttiles = (nt + 7) / 8;
     long long tile_bytes = (long long)nu * QUNIT_BYTES;
     u64 pol = evict_first_policy();
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const unsigned char* wt = grp.w + tile * tile_bytes;
-        float c[TT][4];
+    for (int gi = blockIdx.x; gi < groups; gi += gridDim.x) {
+        int wtiles = min(QWT, tiles - QWT * gi);
+        float c[QWT][TT][4];
 #pragma unroll
-        for (int j = 0; j < TT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+        for (int t = 0; t < QWT; ++t)
+#pragma unroll
+            for (int j = 0; j < TT; ++j) c[t][j][0] = c[t][j][1] = c[t][j][2] = c[t][j][3] = 0.0f;
         for (int u = u0; u < u1; u += QSTEP) {
-            QUnit un[QSTEP];
+            // The first step may have been loaded before the inputs were ready.
+            if (!(start.loaded && gi == (int)blockIdx.x && u == u0)) q_load_step(start.st, grp.w, tile_bytes, gi, tiles, u, u1, lane, pol);
 #pragma unroll
             for (int i = 0; i < QSTEP; ++i)
-                if (u + i < u1) q_load<true>(un[i], wt + (long long)(u + i) * QUNIT_BYTES, lane, pol);
-#pragma unroll
-            for (int i = 0; i < QSTEP; ++i)
-                if (u + i < u1) q_unit<TT>(c, un[i], act, (u + i) * QB, q, ttiles);
+                if (u + i < u1) q_unit<TT, QWT>(c, start.st.un[i], act, (u + i) * QB, q, ttiles, wtiles);
         }
+        // Pairs (tile t, token tile j) as items t * TT + j, QRED at a time: every warp writes its
+        // slice sums, then warp i adds up item base + i: 0 + s0 + ... + s7.
 #pragma unroll
-        for (int j = 0; j < TT; ++j)
+        for (int base = 0; base < QWT * TT; base += QRED) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) red[warp][j][lane][e] = c[j][e];
-        __syncthreads();
-        if (warp < ttiles) {
-            float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int s = 0; s < KSLICES; ++s)
+            for (int i = 0; i < QRED; ++i)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) t[e] += red[s][warp][lane][e];
-            q_store(epi, out, grp, N, tile, t0 + 8 * warp, g, q, t);
+                for (int e = 0; e < 4; ++e) red[warp][i][lane][e] = c[(base + i) / TT][(base + i) % TT][e];
+            __syncthreads();
+            if (warp < QRED) {
+                int item = base + warp, t = item / TT, j = item % TT;
+                if (t < wtiles && j < ttiles) {
+                    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    for (int s = 0; s < KSLICES; ++s)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) sum[e] += red[s][warp][lane][e];
+                    q_store(epi, out, grp, N, QWT * gi + t, t0 + 8 * j, g, q, sum);
+                }
+            }
+            __syncthreads();
         }
-        __syncthreads();
     }
 }
 
+// Arguments: as qmm_many's, plus the activations before any split (`x`), qsplit's outputs where
+// the rows are not split in the kernel, and the RMSNorm weight the XSMEM kernels may apply to
+// the rows first (null: none) with its epsilon.
 #define QMM_FEW(NAME, TT, XSMEM)                                                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * KSLICES) NAME(float* out, const float* x, const unsigned char* w, int rows, int N, int K, const u64* group_w, \
-            const int* counts, const int* lists, int list_stride, int a_div, const int* active, const bf16_t* xs, long long lo_off, const float* sums, Epilogue epi) { \
+            const int* counts, const int* lists, int list_stride, int a_div, const int* active, const bf16_t* xs, long long lo_off, const float* sums, Epilogue epi, \
+            const float* norm_w, float eps) {                                                                                                              \
+        QFewStart st = qmm_few_start(w, N, K, group_w, epi);                                                                                               \
         wait_for_inputs();                                                                                                                                 \
-        qmm_few_body<TT, XSMEM>(out, x, w, rows, N, K, group_w, counts, lists, list_stride, a_div, active, xs, lo_off, sums, epi);                          \
+        qmm_few_body<TT, XSMEM>(st, out, x, w, rows, N, K, group_w, counts, lists, list_stride, a_div, active, xs, lo_off, sums, epi, norm_w, eps);          \
     }
 QMM_FEW(qmm_few1s, 1, true)
 QMM_FEW(qmm_few2s, 2, true)
@@ -806,11 +922,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) qmm_many(float* out, const 
         for (int i = 0; i < QM_UPS; ++i) {
             int u = stage * QM_UPS + i;
             if (u >= nu) break;
+            // The warp's two tiles, QWT at a time (one load of activations for both where QWT is 2).
 #pragma unroll
-            for (int m = 0; m < 2; ++m) {
-                QUnit un;
-                q_load<false>(un, base + (2 * wm + m) * (QM_UPS * QUNIT_BYTES) + i * QUNIT_BYTES, lane, 0);
-                q_unit<4>(c[m], un, act, i * QB, q, 4);
+            for (int m = 0; m < 2; m += QWT) {
+                QUnit un[QWT];
+#pragma unroll
+                for (int t = 0; t < QWT; ++t) q_load<false>(un[t], base + (2 * wm + m + t) * (QM_UPS * QUNIT_BYTES) + i * QUNIT_BYTES, lane, 0);
+                q_unit<4, QWT>((float(*)[4][4])c[m], un, act, i * QB, q, 4, QWT);
             }
             if (u + 1 == slice_end) {
 #pragma unroll
@@ -871,9 +989,13 @@ extern "C" __global__ void qembed(float* out, const unsigned char* w, const int*
                 float wv = bf16_to_f32((bf16_t)(a[s][reg] >> (16 * (p & 1))));
                 int sb = QSB == 16 ? 2 * b + s : (b * 32) / QSB;
                 float2 sc = q_scale(un, sb);
+#if QHAS_MIN
+                // The fragments hold 128 + code (see code_pair).
+                wv -= 128.0f;
+#endif
                 float v = __fmul_rn(upper ? sc.y : sc.x, wv);
 #if QHAS_MIN
-                float2 mn = q_min(un, b);
+                float2 mn = q_stored_min(un, b);
                 v = __fadd_rn(v, upper ? mn.y : mn.x);
 #endif
                 int e = p < 4 ? 4 * q + p : 16 + 4 * q + p - 4;

@@ -147,6 +147,25 @@ fn swiglu_tiles_and_mixed_stacks_equal_the_separate_ops() {
             assert!(err < 1e-4, "{dtype}: swiglu against the CPU, {rows} rows: relative error {err}");
         }
     }
+    // The norm inside the launch (the few-row kernel normalizes the rows it splits): bitwise the
+    // separate norm, for gate/up tiles and plain tiles, at row counts in and past that kernel.
+    for dtype in [Dtype::Q4K, Dtype::Q6K, Dtype::Int4 { group: 128 }] {
+        let (gate, up) = (quantized(dtype, 40, k, s ^ 5), quantized(dtype, 40, k, s ^ 6));
+        let gu = gpu.upload_gate_up(&gate, &up).unwrap();
+        let plain = gpu.upload_stacked(&[gate.clone(), up.clone()]).unwrap();
+        let norm = gpu.upload_vector(&rng.vec(k, 1.0)).unwrap();
+        for rows in [1, 3, 16, 17, 70] {
+            let gx = gpu.from_host(&rng.vec(rows * k, 2.0), rows, k);
+            let h = gpu.rms_norm(&gx, &norm, 1e-6);
+            let fused = gpu.to_host(&gpu.rms_norm_matmul_swiglu(&gx, &norm, 1e-6, &gu));
+            assert!(bitwise_equal(&fused, &gpu.to_host(&gpu.matmul_swiglu(&h, &gu))), "{dtype}: rms_norm_matmul_swiglu, {rows} rows");
+            let got = gpu.rms_norm_matmul_parts(&gx, &norm, 1e-6, &plain, &[40, 40]);
+            let want = gpu.matmul_parts(&h, &plain, &[40, 40]);
+            for (g, w) in got.iter().zip(&want) {
+                assert!(bitwise_equal(&gpu.to_host(g), &gpu.to_host(w)), "{dtype}: rms_norm_matmul_parts, {rows} rows");
+            }
+        }
+    }
     // q | k | v | a as Q6_K, Q4_K, BF16 and F32 parts: four runs, each its own launch.
     let parts = [quantized(Dtype::Q6K, 64, k, s ^ 3), quantized(Dtype::Q4K, 32, k, s ^ 4), random_matrix(&mut rng, 16, k, Dtype::BF16), random_matrix(&mut rng, 8, k, Dtype::F32)];
     let widths: Vec<usize> = parts.iter().map(|p| p.rows).collect();
@@ -163,6 +182,12 @@ fn swiglu_tiles_and_mixed_stacks_equal_the_separate_ops() {
             assert!(bitwise_equal(&gpu.to_host(g), &gpu.to_host(&gpu.matmul(&gx, &separate[p]))), "mixed stack part {p}, {rows} rows");
             let err = relative_error(&gpu.to_host(g), &cpu.to_host(w));
             assert!(err < 1e-4, "mixed stack part {p} against the CPU, {rows} rows: relative error {err}");
+        }
+        // Normalized in the launches of the parts that can (the F32 part cannot: one norm first).
+        let norm = gpu.upload_vector(&rng.vec(k, 1.0)).unwrap();
+        let h = gpu.rms_norm(&gx, &norm, 1e-6);
+        for (g, w) in gpu.rms_norm_matmul_parts(&gx, &norm, 1e-6, &stacked, &widths).iter().zip(gpu.matmul_parts(&h, &stacked, &widths)) {
+            assert!(bitwise_equal(&gpu.to_host(g), &gpu.to_host(&w)), "mixed stack with its norm, {rows} rows");
         }
     }
 }

@@ -267,12 +267,15 @@ impl EngineArgs {
             budget.with_context(|| format!("{} ({:.2} GiB of weights) does not fit on the GPU", files.source, weights as f64 / (1u64 << 30) as f64))?;
         }
         let bar = progress_bar(0, "loading");
+        let started = std::time::Instant::now();
         let model = if self.load_format == LoadFormat::Dummy {
             dummy::load_from_dummy_store(backend, files.config.clone(), &files.store, DUMMY_SEED, &bar)?
         } else {
             Qwen35::load(backend, files.config.clone(), &files.store, &bar).with_context(|| format!("cannot load weights of {}", files.source))?
         };
         bar.finish_and_clear();
+        let on_gpu = if backend.cache_memory_budget(1.0, 0).is_some() { format!(", {:.2} GiB on the GPU", weights as f64 / (1u64 << 30) as f64) } else { String::new() };
+        eprintln!("kestrel: weights loaded in {:.1} s{on_gpu}", started.elapsed().as_secs_f64());
         Ok(model)
     }
 

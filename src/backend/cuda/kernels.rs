@@ -210,6 +210,7 @@ mod tests {
                         || s.starts_with("int ctx = positions[")
                         || s.starts_with("FusedDownStart st = fused_down_start(")
                         || s.starts_with("RouteGateUpStart st = route_gate_up_start(")
+                        || s.starts_with("QFewStart st = qmm_few_start(")
                 };
                 let prefetch_then_wait = first.first().is_some_and(weight_work) && is_wait(first.get(1));
                 assert!(waits_first || prefetch_then_wait, "{module}.cu: kernel {name} does not start with wait_for_inputs(): {:?}", first);

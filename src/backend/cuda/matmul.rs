@@ -240,6 +240,11 @@ pub(super) fn rms_norm_matmul_parts(be: &CudaBackend, x: &CudaTensor, norm: &Cud
     if normed_launch_fits(be, x.rows, norm, w) {
         return matmul_parts_normed(be, plain_rows(be, x), x.rows, norm, eps, w, widths);
     }
+    if w.dense().is_none() && norm_in_launches(be, x.rows, norm, w) {
+        let (outs, epi) = part_outputs(be, x.rows, w, widths);
+        launch_weights(be, be.ptr(&outs[0].data), x, w, epi, Some((norm, eps)));
+        return outs;
+    }
     matmul_parts(be, &crate::backend::Backend::rms_norm(be, x, norm, eps), w, widths)
 }
 
@@ -247,6 +252,11 @@ pub(super) fn rms_norm_matmul_parts(be: &CudaBackend, x: &CudaTensor, norm: &Cud
 /// where it can be.
 pub(super) fn rms_norm_matmul_swiglu(be: &CudaBackend, x: &CudaTensor, norm: &CudaVector, eps: f32, w: &CudaMatrix) -> CudaTensor {
     assert_eq!(x.cols, w.cols, "rms_norm_matmul_swiglu: activation has {} columns, weight has {} inputs", x.cols, w.cols);
+    if matches!(w.store, WeightStorage::Tiles(_)) && swiglu_in_store(w) && norm_in_launches(be, x.rows, norm, w) {
+        let out = be.tensor(x.rows, w.rows / 2);
+        launch_weights(be, be.ptr(&out.data), x, w, Epilogue::SWIGLU, Some((norm, eps)));
+        return out;
+    }
     if !normed_launch_fits(be, x.rows, norm, w) {
         return matmul_swiglu(be, &crate::backend::Backend::rms_norm(be, x, norm, eps), w);
     }
@@ -488,19 +498,37 @@ fn pipelined_fits(be: &CudaBackend, has_lo: bool, k: usize) -> bool {
 
 /// `x @ w^T` with the products stored by `epi` at `out`.
 fn launch_plain(be: &CudaBackend, out: u64, x: &CudaTensor, w: &CudaMatrix, epi: Epilogue) {
+    launch_weights(be, out, x, w, epi, None);
+}
+
+/// `x @ w^T`, or with `norm` `rms_norm(x, norm) @ w^T` with the norm inside each launch (only
+/// where [`norm_in_launches`]), stored by `epi` at `out`; a stacked weight takes a launch per
+/// part.
+fn launch_weights(be: &CudaBackend, out: u64, x: &CudaTensor, w: &CudaMatrix, epi: Epilogue, norm: Option<(&CudaVector, f32)>) {
     assert_eq!(x.cols, w.cols, "matmul: activation has {} columns, weight has {} inputs", x.cols, w.cols);
-    match &w.store {
-        WeightStorage::Dense { hi, lo } => {
+    match (&w.store, norm) {
+        (WeightStorage::Dense { .. }, Some((n, eps))) => launch_normed(be, out, plain_rows(be, x), x.rows, n, eps, w, epi),
+        (WeightStorage::Dense { hi, lo }, None) => {
             let wlo = lo.as_ref().map_or(0, |l| be.ptr(l));
             launch_matmul(be, out, be.ptr(&x.data), x.rows, be.ptr(hi), wlo, x.rows, w.rows, w.cols, None, epi)
         }
-        WeightStorage::Tiles(t) => super::qmatmul::launch_tiles(be, out, be.ptr(&x.data), x.rows, t, x.rows, w.rows, w.cols, None, epi),
-        WeightStorage::Stacked(parts) => {
+        (WeightStorage::Tiles(t), _) => super::qmatmul::launch_tiles(be, out, be.ptr(&x.data), x.rows, t, x.rows, w.rows, w.cols, None, epi, norm.map(|(n, eps)| (be.ptr(&n.data), eps))),
+        (WeightStorage::Stacked(parts), _) => {
             for p in parts {
                 let part_epi = epi.restrict(p.row0, p.matrix.rows).unwrap_or_else(|| panic!("matmul: a weight stacked from differently stored parts ({}) is only cut along its parts", w.storage_name()));
-                launch_plain(be, out, x, &p.matrix, part_epi);
+                launch_weights(be, out, x, &p.matrix, part_epi, norm);
             }
         }
+    }
+}
+
+/// Whether every launch of `rows` rows through `w` can apply the norm itself: bf16 parts in the
+/// streaming normalizing kernels, tiles in the few-row kernel that splits its rows.
+fn norm_in_launches(be: &CudaBackend, rows: usize, norm: &CudaVector, w: &CudaMatrix) -> bool {
+    match &w.store {
+        WeightStorage::Dense { .. } => normed_launch_fits(be, rows, norm, w),
+        WeightStorage::Tiles(_) => be.norm_in_registers(norm, w.cols) && super::qmatmul::norm_fits(rows, w.cols),
+        WeightStorage::Stacked(parts) => parts.iter().all(|p| norm_in_launches(be, rows, norm, &p.matrix)),
     }
 }
 

@@ -451,7 +451,7 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
     // Gate and up in one grouped launch, SwiGLU applied in its store.
     let act = be.tensor(t * slots, inter);
     let launch_grouped = |which: usize, out: u64, xp: u64, x_rows: usize, n: usize, k: usize, g: &Grouped, epi: Epilogue| match expert_tiles(which) {
-        Some(tiles) => super::qmatmul::launch_tiles(be, out, xp, x_rows, tiles, t, n, k, Some(g), epi),
+        Some(tiles) => super::qmatmul::launch_tiles(be, out, xp, x_rows, tiles, t, n, k, Some(g), epi, None),
         None => launch_matmul(be, out, xp, x_rows, 0, 0, t, n, k, Some(g), epi),
     };
     launch_grouped(0, be.ptr(&act.data), be.ptr(&x.data), t, 2 * inter, h, &grouped(0, slots, false), Epilogue::SWIGLU);

@@ -84,7 +84,7 @@ impl QuantKernels {
             occupancy: Mutex::new(HashMap::new()),
         };
         use cudarc::driver::sys::CUfunction_attribute as Attr;
-        for func in k.few_split.iter().chain([&k.many]) {
+        for func in k.few.iter().chain(&k.few_split).chain([&k.many]) {
             // SAFETY: a loaded function handle and a valid attribute.
             let fixed = unsafe { cudarc::driver::result::function::get_function_attribute(func.cu_function(), Attr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) }.map_err(|e| device("attributes", format!("{e:?}")))?;
             func.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, be.optin_smem as i32 - fixed).map_err(|e| device("attributes", format!("{e:?}")))?;
@@ -191,12 +191,27 @@ fn split_rows(be: &CudaBackend, t: &QuantTiles, x: u64, x_rows: usize, k: usize)
     (buf, base, (x_rows * k) as i64, sums)
 }
 
+/// Whether the few-row kernel that splits its rows in shared memory takes `rows` rows of `k`:
+/// it is the one that can normalize them too ([`launch_tiles`]' `norm`).
+fn splits_rows_itself(rows: usize, k: usize) -> bool {
+    let tt = rows.div_ceil(8).next_power_of_two();
+    rows >= 1 && tt <= 2 && few_split_bytes(rows.min(8 * tt), k) <= FEW_SPLIT_ROWS_BYTES
+}
+
+/// Whether a plain launch of `rows` rows of `k` through tiles can apply an RMSNorm to its rows
+/// itself (the caller checks that the norm takes rms_norm_rows' register path).
+pub(super) fn norm_fits(rows: usize, k: usize) -> bool {
+    splits_rows_itself(rows, k)
+}
+
 /// `out[rows, n] = x[x_rows, k] @ W^T` for tiled weights, stored by `epi`. Plain launches read
 /// rows `0..rows` of `x`; grouped launches the rows listed per group (at most `rows` per group;
 /// `t` is then any of the groups' weights, for its format's kernels). With `epi` SwiGLU the
-/// weight is gate/up tiles ([`RowOrder::GateUp`]) of `n / 2` outputs each.
+/// weight is gate/up tiles ([`RowOrder::GateUp`]) of `n / 2` outputs each. With `norm` (its
+/// weight's device pointer and epsilon; plain launches where [`norm_fits`]) the rows are first
+/// normalized as rms_norm_rows does, bit for bit.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn launch_tiles(be: &CudaBackend, out: u64, x: u64, x_rows: usize, t: &QuantTiles, rows: usize, n: usize, k: usize, grouped: Option<&Grouped>, epi: Epilogue) {
+pub(super) fn launch_tiles(be: &CudaBackend, out: u64, x: u64, x_rows: usize, t: &QuantTiles, rows: usize, n: usize, k: usize, grouped: Option<&Grouped>, epi: Epilogue, norm: Option<(u64, f32)>) {
     if rows == 0 || n == 0 {
         return;
     }
@@ -207,21 +222,25 @@ pub(super) fn launch_tiles(be: &CudaBackend, out: u64, x: u64, x_rows: usize, t:
     };
     let w = if grouped.is_some() { 0 } else { be.ptr(&t.data) };
     let tiles = if epi.is_swiglu() { (n / 2).div_ceil(8) } else { n.div_ceil(16) };
+    assert!(norm.is_none() || (grouped.is_none() && norm_fits(rows, k)), "quantized matmul: a norm in a launch that does not split its rows itself");
     let group_args = [Arg::Ptr(table), Arg::Ptr(counts), Arg::Ptr(lists), Arg::I32(stride as i32), Arg::I32(a_div as i32), Arg::Ptr(active)];
     if rows <= FEW_MAX_ROWS {
         let tt = rows.div_ceil(8).next_power_of_two().min(8);
         let variant = tt.trailing_zeros() as usize;
         let split_smem = few_split_bytes(rows.min(8 * tt), k);
-        let in_kernel = tt <= 2 && split_smem <= FEW_SPLIT_ROWS_BYTES;
+        let in_kernel = splits_rows_itself(rows, k);
         let (kernel, smem) = if in_kernel { (&t.kernels.few_split[variant], split_smem) } else { (&t.kernels.few[variant], 0) };
         let split = (!in_kernel).then(|| split_rows(be, t, x, x_rows, k));
         let (xs, lo_off, sums) = split.as_ref().map_or((0, 0, 0), |s| (s.1, s.2, s.3));
         let slots = t.kernels.slots(be, kernel, smem);
         let wave = if grouped.is_some() { (slots / groups).max(GROUP_MIN_COL_BLOCKS) } else { slots };
+        let (norm_w, eps) = norm.unwrap_or((0, 0.0));
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(x), Arg::Ptr(w), Arg::I32(rows as i32), Arg::I32(n as i32), Arg::I32(k as i32)];
         args.extend(group_args);
-        args.extend([Arg::Ptr(xs), Arg::I64(lo_off), Arg::Ptr(sums), Arg::Epilogue(epi)]);
-        be.launch(kernel, (tiles.min(wave) as u32, rows.div_ceil(8 * tt) as u32, groups as u32), THREADS, smem, &args);
+        args.extend([Arg::Ptr(xs), Arg::I64(lo_off), Arg::Ptr(sums), Arg::Epilogue(epi), Arg::Ptr(norm_w), Arg::F32(eps)]);
+        // Blocks walk groups of tile_group() tiles.
+        let tile_groups = tiles.div_ceil(t.fmt.tile_group());
+        be.launch(kernel, (tile_groups.min(wave) as u32, rows.div_ceil(8 * tt) as u32, groups as u32), THREADS, smem, &args);
     } else {
         let (_buf, xs, lo_off, sums) = split_rows(be, t, x, x_rows, k);
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(xs), Arg::I64(lo_off), Arg::Ptr(sums), Arg::Ptr(w), Arg::I32(rows as i32), Arg::I32(n as i32), Arg::I32(k as i32)];
