@@ -34,7 +34,7 @@
 #define QHAS_MIN 0
 #define QOFFSET 8
 #define QSWORDS 1
-#define QSTEP 3
+#define QSTEP 6
 #elif QFMT == 1  // Q4_1: d * q + m
 #define QU 32
 #define QSB 32
@@ -43,7 +43,7 @@
 #define QHAS_MIN 1
 #define QOFFSET 0
 #define QSWORDS 2
-#define QSTEP 3
+#define QSTEP 6
 #elif QFMT == 2  // Q5_0: d * (q - 16)
 #define QU 32
 #define QSB 32
@@ -52,7 +52,7 @@
 #define QHAS_MIN 0
 #define QOFFSET 16
 #define QSWORDS 1
-#define QSTEP 3
+#define QSTEP 6
 #elif QFMT == 3  // Q5_1: d * q + m
 #define QU 32
 #define QSB 32
@@ -61,7 +61,7 @@
 #define QHAS_MIN 1
 #define QOFFSET 0
 #define QSWORDS 2
-#define QSTEP 3
+#define QSTEP 6
 #elif QFMT == 4  // Q8_0: d * q (codes stored as q + 128)
 #define QU 32
 #define QSB 32
@@ -70,7 +70,7 @@
 #define QHAS_MIN 0
 #define QOFFSET 128
 #define QSWORDS 1
-#define QSTEP 2
+#define QSTEP 4
 #elif QFMT == 5  // Q4_K: (d * sc) * q - dmin * m
 #define QU 128
 #define QSB 32
@@ -79,7 +79,7 @@
 #define QHAS_MIN 1
 #define QOFFSET 0
 #define QSWORDS 6
-#define QSTEP 1
+#define QSTEP 2
 #elif QFMT == 6  // Q5_K
 #define QU 128
 #define QSB 32
@@ -106,7 +106,7 @@
 #define QHAS_MIN 0
 #define QOFFSET 0
 #define QSWORDS 1
-#define QSTEP 3
+#define QSTEP 6
 #define QCODEBOOK 1
 #elif QFMT == 9  // IQ4_XS: (d * (ls - 32)) * K[q]
 #define QU 128
@@ -116,7 +116,7 @@
 #define QHAS_MIN 0
 #define QOFFSET 0
 #define QSWORDS 4
-#define QSTEP 1
+#define QSTEP 2
 #define QCODEBOOK 1
 #elif QFMT >= 10 && QFMT <= 12  // Int4 (units of 32, 64, 128): scale * (q - zero)
 #define QU (32 << (QFMT - 10))
@@ -154,7 +154,7 @@
 // 32-element blocks per unit, blocks per scale block (at least one), bytes of a unit's codes.
 #define QB (QU / 32)
 #define QBPS (QSB >= 32 ? QSB / 32 : 1)
-// Weight tiles a few-row block takes at once: two where a scale block is at most 32 elements
+// Weight tiles a many-row warp takes at once: two where a scale block is at most 32 elements
 // (one load of activations feeds both tiles' mmas), one for the wide-block formats, whose
 // fragments of a whole scale block already take the registers.
 #define QWT (QSB <= 32 ? 2 : 1)
@@ -554,7 +554,7 @@ __device__ __forceinline__ void q_unit(float c[WT][TT][4], const QUnit (&un)[WT]
         for (int w = 0; w < WT; ++w)
 #pragma unroll
             for (int bb = 0; bb < QBPS; ++bb)
-                if (w < wtiles) q_frags(un[w], b0 + bb, a[w][bb]);
+                if (WT == 1 || w < wtiles) q_frags(un[w], b0 + bb, a[w][bb]);
 #pragma unroll
         for (int j = 0; j < TT; ++j) {
             if (j >= tiles) break;
@@ -563,7 +563,7 @@ __device__ __forceinline__ void q_unit(float c[WT][TT][4], const QUnit (&un)[WT]
             load_b(act.x[j], act.lo_off, (kb + b0) * 32 + 8 * q, bh, bl);
 #pragma unroll
             for (int w = 0; w < WT; ++w) {
-                if (w >= wtiles) break;
+                if (WT > 1 && w >= wtiles) break;
 #pragma unroll
                 for (int s = 0; s < 2; ++s) {
                     float P[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -573,22 +573,24 @@ __device__ __forceinline__ void q_unit(float c[WT][TT][4], const QUnit (&un)[WT]
                 }
             }
 #else
-            uint4 bh[QBPS], bl[QBPS];
-#pragma unroll
-            for (int bb = 0; bb < QBPS; ++bb) load_b(act.x[j], act.lo_off, (kb + b0 + bb) * 32 + 8 * q, bh[bb], bl[bb]);
+            // One block's activations at a time (a wide scale block has one weight tile: WT is 1).
+            static_assert(QBPS == 1 || WT == 1, "a wide scale block takes one weight tile");
+            uint4 bh, bl;
+            if (QBPS == 1) load_b(act.x[j], act.lo_off, (kb + b0) * 32 + 8 * q, bh, bl);
 #if QHAS_MIN
             float s0 = act.s[j][0] ? act.s[j][0][kb + b0] : 0.0f, s1 = act.s[j][1] ? act.s[j][1][kb + b0] : 0.0f;
 #endif
 #pragma unroll
             for (int w = 0; w < WT; ++w) {
-                if (w >= wtiles) break;
+                if (WT > 1 && w >= wtiles) break;
                 float P[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
                 for (int bb = 0; bb < QBPS; ++bb) {
-                    mma_bf16(P, a[w][bb][0], bh[bb].x, bh[bb].y);
-                    mma_bf16(P, a[w][bb][0], bl[bb].x, bl[bb].y);
-                    mma_bf16(P, a[w][bb][1], bh[bb].z, bh[bb].w);
-                    mma_bf16(P, a[w][bb][1], bl[bb].z, bl[bb].w);
+                    if (QBPS > 1) load_b(act.x[j], act.lo_off, (kb + b0 + bb) * 32 + 8 * q, bh, bl);
+                    mma_bf16(P, a[w][bb][0], bh.x, bh.y);
+                    mma_bf16(P, a[w][bb][0], bl.x, bl.y);
+                    mma_bf16(P, a[w][bb][1], bh.z, bh.w);
+                    mma_bf16(P, a[w][bb][1], bl.z, bl.w);
                 }
                 float2 sc = q_scale(un[w], b0 / QBPS);
                 apply_scale(c[w][j], sc, P);
@@ -659,19 +661,24 @@ __device__ __forceinline__ int weight_tiles(const Epilogue& e, int N) { return e
 
 // ---- few rows ----
 
-// A warp's loads of one step: QSTEP units of each of the QWT tiles of a tile group.
+// Weight tiles a few-row block takes at once. One: a block per tile keeps the most blocks busy
+// on narrow weights (4096 outputs are 256 tiles for some 264 resident blocks), where two tiles
+// per block (one activation load feeding both) left half of them idle.
+#define QFEW_WT 1
+
+// A warp's loads of one step: QSTEP units of each of the QFEW_WT tiles of a tile group.
 struct QStep {
-    QUnit un[QSTEP][QWT];
+    QUnit un[QSTEP][QFEW_WT];
 };
 
-// Loads the step of units u..u+QSTEP (below u1) of tile group `grp_i` (tiles QWT * grp_i + w
+// Loads the step of units u..u+QSTEP (below u1) of tile group `grp_i` (tiles QFEW_WT * grp_i + w
 // below `tiles`).
 __device__ __forceinline__ void q_load_step(QStep& st, const unsigned char* w, long long tile_bytes, int grp_i, int tiles, int u, int u1, int lane, u64 pol) {
 #pragma unroll
     for (int i = 0; i < QSTEP; ++i)
 #pragma unroll
-        for (int t = 0; t < QWT; ++t) {
-            int tile = QWT * grp_i + t;
+        for (int t = 0; t < QFEW_WT; ++t) {
+            int tile = QFEW_WT * grp_i + t;
             if (u + i < u1 && tile < tiles) q_load<true>(st.un[i][t], w + tile * tile_bytes + (long long)(u + i) * QUNIT_BYTES, lane, pol);
         }
 }
@@ -689,14 +696,14 @@ __device__ __forceinline__ QFewStart qmm_few_start(const unsigned char* w, int N
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int nu = K / QU, ups = (nu + KSLICES - 1) / KSLICES, u0 = warp * ups, u1 = min(u0 + ups, nu);
     int tiles = weight_tiles(epi, N);
-    if (group_w || blockIdx.y != 0 || (int)blockIdx.x * QWT >= tiles) return s;
+    if (group_w || blockIdx.y != 0 || (int)blockIdx.x * QFEW_WT >= tiles) return s;
     q_load_step(s.st, w, (long long)nu * QUNIT_BYTES, blockIdx.x, tiles, u0, u1, lane, evict_first_policy());
     s.loaded = true;
     return s;
 }
 
 // Up to 8*TT tokens per block: grid (tile groups, token blocks, groups), KSLICES warps, warp w
-// owning k-slice w. Each block walks groups of QWT weight tiles in a grid-stride loop, its warps
+// owning k-slice w. Each block walks groups of QFEW_WT weight tiles in a grid-stride loop, its warps
 // streaming their slice's units straight into registers (QSTEP units per tile of loads in
 // flight, then their mmas), and adds the slices through shared memory.
 // XSMEM: the block splits its tokens' rows into dynamic shared memory first (hi rows of K + 32
@@ -709,7 +716,7 @@ __device__ __forceinline__ void qmm_few_body(QFewStart& start, float* out, const
         const float* norm_w, float eps) {
     extern __shared__ __align__(16) unsigned char qsm[];
     // Slice sums of up to QRED (tile, token tile) pairs at once.
-    constexpr int QRED = QWT * TT < 8 ? QWT * TT : 8;
+    constexpr int QRED = QFEW_WT * TT < 8 ? QFEW_WT * TT : 8;
     __shared__ float red[KSLICES][QRED][32][4];
     __shared__ float scratch[33];
     __shared__ float row_inv[8 * TT];
@@ -762,14 +769,14 @@ __device__ __forceinline__ void qmm_few_body(QFewStart& start, float* out, const
             act.s[j][1] = r0 + 1 < nt ? sums + arow(r0 + 1) * sstride : 0;
         }
     }
-    int tiles = weight_tiles(epi, N), groups = (tiles + QWT - 1) / QWT, ttiles = (nt + 7) / 8;
+    int tiles = weight_tiles(epi, N), groups = (tiles + QFEW_WT - 1) / QFEW_WT, ttiles = (nt + 7) / 8;
     long long tile_bytes = (long long)nu * QUNIT_BYTES;
     u64 pol = evict_first_policy();
     for (int gi = blockIdx.x; gi < groups; gi += gridDim.x) {
-        int wtiles = min(QWT, tiles - QWT * gi);
-        float c[QWT][TT][4];
+        int wtiles = min(QFEW_WT, tiles - QFEW_WT * gi);
+        float c[QFEW_WT][TT][4];
 #pragma unroll
-        for (int t = 0; t < QWT; ++t)
+        for (int t = 0; t < QFEW_WT; ++t)
 #pragma unroll
             for (int j = 0; j < TT; ++j) c[t][j][0] = c[t][j][1] = c[t][j][2] = c[t][j][3] = 0.0f;
         for (int u = u0; u < u1; u += QSTEP) {
@@ -777,12 +784,12 @@ __device__ __forceinline__ void qmm_few_body(QFewStart& start, float* out, const
             if (!(start.loaded && gi == (int)blockIdx.x && u == u0)) q_load_step(start.st, grp.w, tile_bytes, gi, tiles, u, u1, lane, pol);
 #pragma unroll
             for (int i = 0; i < QSTEP; ++i)
-                if (u + i < u1) q_unit<TT, QWT>(c, start.st.un[i], act, (u + i) * QB, q, ttiles, wtiles);
+                if (u + i < u1) q_unit<TT, QFEW_WT>(c, start.st.un[i], act, (u + i) * QB, q, ttiles, wtiles);
         }
         // Pairs (tile t, token tile j) as items t * TT + j, QRED at a time: every warp writes its
         // slice sums, then warp i adds up item base + i: 0 + s0 + ... + s7.
 #pragma unroll
-        for (int base = 0; base < QWT * TT; base += QRED) {
+        for (int base = 0; base < QFEW_WT * TT; base += QRED) {
 #pragma unroll
             for (int i = 0; i < QRED; ++i)
 #pragma unroll
@@ -795,7 +802,7 @@ __device__ __forceinline__ void qmm_few_body(QFewStart& start, float* out, const
                     for (int s = 0; s < KSLICES; ++s)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) sum[e] += red[s][warp][lane][e];
-                    q_store(epi, out, grp, N, QWT * gi + t, t0 + 8 * j, g, q, sum);
+                    q_store(epi, out, grp, N, QFEW_WT * gi + t, t0 + 8 * j, g, q, sum);
                 }
             }
             __syncthreads();
@@ -806,20 +813,23 @@ __device__ __forceinline__ void qmm_few_body(QFewStart& start, float* out, const
 // Arguments: as qmm_many's, plus the activations before any split (`x`), qsplit's outputs where
 // the rows are not split in the kernel, and the RMSNorm weight the XSMEM kernels may apply to
 // the rows first (null: none) with its epsilon.
-#define QMM_FEW(NAME, TT, XSMEM)                                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * KSLICES) NAME(float* out, const float* x, const unsigned char* w, int rows, int N, int K, const u64* group_w, \
+#define QMM_FEW(NAME, TT, XSMEM, MIN_BLOCKS)                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(32 * KSLICES, MIN_BLOCKS) NAME(float* out, const float* x, const unsigned char* w, int rows, int N, int K, const u64* group_w, \
             const int* counts, const int* lists, int list_stride, int a_div, const int* active, const bf16_t* xs, long long lo_off, const float* sums, Epilogue epi, \
             const float* norm_w, float eps) {                                                                                                              \
         QFewStart st = qmm_few_start(w, N, K, group_w, epi);                                                                                               \
         wait_for_inputs();                                                                                                                                 \
         qmm_few_body<TT, XSMEM>(st, out, x, w, rows, N, K, group_w, counts, lists, list_stride, a_div, active, xs, lo_off, sums, epi, norm_w, eps);          \
     }
-QMM_FEW(qmm_few1s, 1, true)
-QMM_FEW(qmm_few2s, 2, true)
-QMM_FEW(qmm_few1, 1, false)
-QMM_FEW(qmm_few2, 2, false)
-QMM_FEW(qmm_few4, 4, false)
-QMM_FEW(qmm_few8, 8, false)
+// One token tile (decode up to 8 sequences): registers for three resident blocks per SM, whose
+// weight loads keep the memory busier than two blocks' (FP8's wide blocks would spill: two).
+#define QFEW1_BLOCKS (QFP8 && QU == 128 ? 2 : 3)
+QMM_FEW(qmm_few1s, 1, true, QFEW1_BLOCKS)
+QMM_FEW(qmm_few2s, 2, true, 1)
+QMM_FEW(qmm_few1, 1, false, QFEW1_BLOCKS)
+QMM_FEW(qmm_few2, 2, false, 1)
+QMM_FEW(qmm_few4, 4, false, 1)
+QMM_FEW(qmm_few8, 8, false, 1)
 
 // ---- many rows ----
 
@@ -842,18 +852,25 @@ QMM_FEW(qmm_few8, 8, false)
 // elements of K: the stage's unit tiles of 8 weight tiles, the tokens' split rows and block
 // sums (from qsplit). Same per-element sequence and slice sums as qmm_few. Dynamic shared
 // memory: QM_STAGES * QM_STAGE_BYTES.
-extern "C" __global__ void __launch_bounds__(256, 1) qmm_many(float* out, const bf16_t* xs, long long lo_off, const float* sums, const unsigned char* w_, int rows, int N, int K,
-        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active, Epilogue epi) {
-    wait_for_inputs();
+// SPLIT (plain launches, few tiles): block x computes k-slice x % KSLICES of tile group
+// x / KSLICES only, and stores its slice sums to `part` ([KSLICES][rows][tiles * 16]) for
+// qreduce, which adds them as the other kernels do: more blocks where a weight has few tiles.
+template <bool SPLIT>
+__device__ __forceinline__ void qmm_many_body(float* out, const bf16_t* xs, long long lo_off, const float* sums, const unsigned char* w_, int rows, int N, int K,
+        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active, const Epilogue& epi, float* part) {
     extern __shared__ __align__(16) unsigned char qsm[];
     QGroup grp = qgroup_of(w_, rows, group_w, counts, lists, list_stride, active);
     int t0 = blockIdx.y * QM_TOKENS;
     if (t0 >= grp.rows) return;
-    int tile0 = blockIdx.x * QM_TILES;
+    int my_slice = SPLIT ? blockIdx.x % KSLICES : 0;
+    int tile0 = (SPLIT ? blockIdx.x / KSLICES : blockIdx.x) * QM_TILES;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     int wm = warp >> 1, wn = warp & 1;
     int tiles = weight_tiles(epi, N);
     int nu = K / QU, ups = (nu + KSLICES - 1) / KSLICES, nstages = (K + QM_SK - 1) / QM_SK, sstride = sums_stride(K);
+    // The stages this block walks: all, or those holding its slice's units [su0, su1).
+    int su0 = SPLIT ? min(my_slice * ups, nu) : 0, su1 = SPLIT ? min(su0 + ups, nu) : nu;
+    int first_stage = su0 / QM_UPS, last_stage = SPLIT ? (su1 + QM_UPS - 1) / QM_UPS : nstages;
     long long tile_bytes = (long long)nu * QUNIT_BYTES;
     // This thread's activation rows in every stage's copies: rows tid/16 + 16i.
     long long arow[4];
@@ -897,16 +914,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) qmm_many(float* out, const 
             for (int e = 0; e < 4; ++e) c[m][j][e] = tot[m][j][e] = 0.0f;
 #pragma unroll
     for (int s = 0; s < QM_STAGES - 1; ++s) {
-        if (s < nstages) load_stage(s, s);
+        if (first_stage + s < last_stage) load_stage(s, first_stage + s);
         asm volatile("cp.async.commit_group;");
     }
     int slice = 0, slice_end = min(ups, nu);
-    for (int stage = 0; stage < nstages; ++stage) {
+    for (int stage = first_stage; stage < last_stage; ++stage) {
+        int rel = stage - first_stage;
         asm volatile("cp.async.wait_group %0;" ::"n"(QM_STAGES - 2));
         __syncthreads();
-        if (stage + QM_STAGES - 1 < nstages) load_stage((stage + QM_STAGES - 1) % QM_STAGES, stage + QM_STAGES - 1);
+        if (stage + QM_STAGES - 1 < last_stage) load_stage((rel + QM_STAGES - 1) % QM_STAGES, stage + QM_STAGES - 1);
         asm volatile("cp.async.commit_group;");
-        const unsigned char* base = qsm + (long long)(stage % QM_STAGES) * QM_STAGE_BYTES;
+        const unsigned char* base = qsm + (long long)(rel % QM_STAGES) * QM_STAGE_BYTES;
         const bf16_t* xh = (const bf16_t*)(base + QM_WBYTES);
         const float* sb = (const float*)(base + QM_WBYTES + 2 * QM_XBYTES);
         QAct<4> act;
@@ -921,7 +939,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) qmm_many(float* out, const 
 #pragma unroll
         for (int i = 0; i < QM_UPS; ++i) {
             int u = stage * QM_UPS + i;
-            if (u >= nu) break;
+            if (u >= su1) break;
+            if (u < su0) continue;
             // The warp's two tiles, QWT at a time (one load of activations for both where QWT is 2).
 #pragma unroll
             for (int m = 0; m < 2; m += QWT) {
@@ -930,7 +949,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qmm_many(float* out, const 
                 for (int t = 0; t < QWT; ++t) q_load<false>(un[t], base + (2 * wm + m + t) * (QM_UPS * QUNIT_BYTES) + i * QUNIT_BYTES, lane, 0);
                 q_unit<4, QWT>((float(*)[4][4])c[m], un, act, i * QB, q, 4, QWT);
             }
-            if (u + 1 == slice_end) {
+            if (!SPLIT && u + 1 == slice_end) {
 #pragma unroll
                 for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -946,6 +965,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) qmm_many(float* out, const 
         }
     }
     asm volatile("cp.async.wait_group 0;");
+    if (SPLIT) {
+        // This slice's sums (zeros for an empty slice) for qreduce.
+        int np = tiles * 16;
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            int tile = tile0 + 2 * wm + m;
+            if (tile >= tiles) continue;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    int tok = t0 + wn * 32 + 8 * j + 2 * q + h;
+                    if (tok >= grp.rows) continue;
+                    float* p = part + ((long long)my_slice * grp.rows + tok) * np + tile * 16 + g;
+                    p[0] = c[m][j][h];
+                    p[8] = c[m][j][2 + h];
+                }
+        }
+        return;
+    }
     // The empty slices after the last add their zero sums, as qmm_few's reduction does.
     for (; slice < KSLICES; ++slice)
 #pragma unroll
@@ -960,6 +999,43 @@ extern "C" __global__ void __launch_bounds__(256, 1) qmm_many(float* out, const 
         if (tile >= tiles) continue;
 #pragma unroll
         for (int j = 0; j < 4; ++j) q_store(epi, out, grp, N, tile, t0 + wn * 32 + 8 * j, g, q, tot[m][j]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) qmm_many(float* out, const bf16_t* xs, long long lo_off, const float* sums, const unsigned char* w, int rows, int N, int K,
+        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active, Epilogue epi) {
+    wait_for_inputs();
+    qmm_many_body<false>(out, xs, lo_off, sums, w, rows, N, K, group_w, counts, lists, list_stride, a_div, active, epi, 0);
+}
+
+// qmm_many's slices in blocks of their own (grid (tile groups * KSLICES, token blocks)), into
+// `part`; qreduce adds and stores them.
+extern "C" __global__ void __launch_bounds__(256, 1) qmm_many_split(float* part, const bf16_t* xs, long long lo_off, const float* sums, const unsigned char* w, int rows, int N,
+        int K, Epilogue epi) {
+    wait_for_inputs();
+    qmm_many_body<true>(0, xs, lo_off, sums, w, rows, N, K, 0, 0, 0, 0, 1, 0, epi, part);
+}
+
+// The slice sums of qmm_many_split added in slice order from 0 (as every kernel adds them) and
+// stored by `epi`: a thread per (token, tile, row pair g / g+8).
+extern "C" __global__ void qreduce(float* out, const float* part, int rows, int N, Epilogue epi) {
+    wait_for_inputs();
+    int tiles = weight_tiles(epi, N), np = tiles * 16;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * tiles * 8) return;
+    int tok = (int)(i / (tiles * 8)), rest = (int)(i % (tiles * 8)), tile = rest / 8, g = rest % 8;
+    float v0 = 0.0f, v1 = 0.0f;
+    for (int s = 0; s < KSLICES; ++s) {
+        const float* p = part + ((long long)s * rows + tok) * np + tile * 16 + g;
+        v0 += p[0];
+        v1 += p[8];
+    }
+    if (epi.mode == EPI_SWIGLU) {
+        int r = tile * 8 + g;
+        if (r < (N >> 1)) out[(long long)tok * (N >> 1) + r] = siluf_(v0) * v1;
+    } else {
+        store_one(epi, out, tok, tile * 16 + g, N, v0);
+        store_one(epi, out, tok, tile * 16 + g + 8, N, v1);
     }
 }
 

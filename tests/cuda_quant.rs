@@ -77,12 +77,14 @@ fn quantized_matmuls_match_the_dequantized_weights_and_rows_are_independent() {
     let Some(gpu) = gpu() else { return };
     let s = seed();
     let mut rng = Rng::new(s);
-    // 1..16 rows: one or two token tiles, rows split in the kernel; up to 64: qsplit and more
-    // tiles; past 64: the many-row kernel.
+    // 1..16 rows: the few-row kernels (one or two token tiles, rows split in the kernel); more:
+    // the many-row kernel, in blocks per k-slice and a sum where the weight has few tiles (all
+    // of these widths but 4500 columns past 64 rows).
     let row_counts = [1, 2, 7, 8, 9, 16, 17, 33, 63, 64, 65, 130, 200];
     for dtype in dtypes() {
         for k in widths(dtype) {
-            for n in [37, 300] {
+            let ns: &[usize] = if k == widths(dtype)[0] { &[37, 300, 4500] } else { &[37, 300] };
+            for &n in ns {
                 let w = quantized(dtype, n, k, s ^ (k * 131 + n) as u64);
                 let gw = gpu.upload_matrix(&w).unwrap();
                 let max_rows = *row_counts.last().unwrap();

@@ -13,8 +13,11 @@ use kestrel_quant::Dtype;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// Up to this many tokens (per group) take the few-row kernels; more take qmm_many.
-const FEW_MAX_ROWS: usize = 64;
+/// Up to this many tokens take the few-row kernels in plain launches (grouped launches up to
+/// [`FEW_MAX_GROUPED_ROWS`] per group); more take qmm_many, whose 128 weight rows per block
+/// read each activation row once for 8 tiles where the few-row kernels read it once per tile.
+const FEW_MAX_ROWS: usize = 16;
+const FEW_MAX_GROUPED_ROWS: usize = 64;
 /// Threads of every quantized matmul: one warp per k-slice (KSLICES in cuda/matmul_common.cuh).
 const THREADS: u32 = 256;
 /// Most shared memory the few-row kernels may take for their split rows (qmm_few1s, qmm_few2s):
@@ -58,6 +61,9 @@ pub(crate) struct QuantKernels {
     /// 1, 2 token tiles, rows split in shared memory.
     few_split: [CudaFunction; 2],
     many: CudaFunction,
+    /// qmm_many's k-slices in blocks of their own, and their sum.
+    many_split: CudaFunction,
+    reduce: CudaFunction,
     split: CudaFunction,
     embed: CudaFunction,
     fill: CudaFunction,
@@ -77,6 +83,8 @@ impl QuantKernels {
             few: [f("qmm_few1")?, f("qmm_few2")?, f("qmm_few4")?, f("qmm_few8")?],
             few_split: [f("qmm_few1s")?, f("qmm_few2s")?],
             many: f("qmm_many")?,
+            many_split: f("qmm_many_split")?,
+            reduce: f("qreduce")?,
             split: f("qsplit")?,
             embed: f("qembed")?,
             fill: f("qfill")?,
@@ -84,7 +92,7 @@ impl QuantKernels {
             occupancy: Mutex::new(HashMap::new()),
         };
         use cudarc::driver::sys::CUfunction_attribute as Attr;
-        for func in k.few.iter().chain(&k.few_split).chain([&k.many]) {
+        for func in k.few.iter().chain(&k.few_split).chain([&k.many, &k.many_split]) {
             // SAFETY: a loaded function handle and a valid attribute.
             let fixed = unsafe { cudarc::driver::result::function::get_function_attribute(func.cu_function(), Attr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) }.map_err(|e| device("attributes", format!("{e:?}")))?;
             func.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, be.optin_smem as i32 - fixed).map_err(|e| device("attributes", format!("{e:?}")))?;
@@ -224,7 +232,7 @@ pub(super) fn launch_tiles(be: &CudaBackend, out: u64, x: u64, x_rows: usize, t:
     let tiles = if epi.is_swiglu() { (n / 2).div_ceil(8) } else { n.div_ceil(16) };
     assert!(norm.is_none() || (grouped.is_none() && norm_fits(rows, k)), "quantized matmul: a norm in a launch that does not split its rows itself");
     let group_args = [Arg::Ptr(table), Arg::Ptr(counts), Arg::Ptr(lists), Arg::I32(stride as i32), Arg::I32(a_div as i32), Arg::Ptr(active)];
-    if rows <= FEW_MAX_ROWS {
+    if rows <= if grouped.is_some() { FEW_MAX_GROUPED_ROWS } else { FEW_MAX_ROWS } {
         let tt = rows.div_ceil(8).next_power_of_two().min(8);
         let variant = tt.trailing_zeros() as usize;
         let split_smem = few_split_bytes(rows.min(8 * tt), k);
@@ -238,11 +246,20 @@ pub(super) fn launch_tiles(be: &CudaBackend, out: u64, x: u64, x_rows: usize, t:
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(x), Arg::Ptr(w), Arg::I32(rows as i32), Arg::I32(n as i32), Arg::I32(k as i32)];
         args.extend(group_args);
         args.extend([Arg::Ptr(xs), Arg::I64(lo_off), Arg::Ptr(sums), Arg::Epilogue(epi), Arg::Ptr(norm_w), Arg::F32(eps)]);
-        // Blocks walk groups of tile_group() tiles.
-        let tile_groups = tiles.div_ceil(t.fmt.tile_group());
-        be.launch(kernel, (tile_groups.min(wave) as u32, rows.div_ceil(8 * tt) as u32, groups as u32), THREADS, smem, &args);
+        be.launch(kernel, (tiles.min(wave) as u32, rows.div_ceil(8 * tt) as u32, groups as u32), THREADS, smem, &args);
     } else {
         let (_buf, xs, lo_off, sums) = split_rows(be, t, x, x_rows, k);
+        let blocks = tiles.div_ceil(MANY_TILES) * rows.div_ceil(MANY_TOKENS);
+        if grouped.is_none() && blocks < be.sm_count {
+            // Too few blocks to fill the GPU: one per k-slice, then their sum (the same bits).
+            let slices = 8;
+            let part = be.alloc_f32(slices * rows * tiles * 16);
+            let args = [Arg::Ptr(be.ptr(&part)), Arg::Ptr(xs), Arg::I64(lo_off), Arg::Ptr(sums), Arg::Ptr(w), Arg::I32(rows as i32), Arg::I32(n as i32), Arg::I32(k as i32), Arg::Epilogue(epi)];
+            be.launch(&t.kernels.many_split, ((tiles.div_ceil(MANY_TILES) * slices) as u32, rows.div_ceil(MANY_TOKENS) as u32, 1), THREADS, many_smem(t.fmt), &args);
+            let threads = rows * tiles * 8;
+            be.launch(&t.kernels.reduce, (threads.div_ceil(THREADS as usize) as u32, 1, 1), THREADS, 0, &[Arg::Ptr(out), Arg::Ptr(be.ptr(&part)), Arg::I32(rows as i32), Arg::I32(n as i32), Arg::Epilogue(epi)]);
+            return;
+        }
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(xs), Arg::I64(lo_off), Arg::Ptr(sums), Arg::Ptr(w), Arg::I32(rows as i32), Arg::I32(n as i32), Arg::I32(k as i32)];
         args.extend(group_args);
         args.push(Arg::Epilogue(epi));

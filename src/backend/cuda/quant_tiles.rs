@@ -186,15 +186,6 @@ impl TileFormat {
         self.code_bytes() + self.scale_bytes()
     }
 
-    /// Weight tiles a few-row block of cuda/qmatmul.cu takes at once (`QWT`): two where a scale
-    /// block is at most 32 elements, one for the wider blocks.
-    pub fn tile_group(self) -> usize {
-        match self {
-            TileFormat::Int4 { unit } | TileFormat::Fp8 { unit } if unit > 32 => 1,
-            _ => 2,
-        }
-    }
-
     /// Whether a row of `cols` elements is whole units.
     pub fn fits(self, cols: usize) -> bool {
         cols.is_multiple_of(self.unit())
