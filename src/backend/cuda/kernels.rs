@@ -20,8 +20,14 @@ pub const SOURCES: [(&str, &str); 6] = [
     ("sample", include_str!("../../../cuda/sample.cu")),
 ];
 
-/// The quantized matmul kernels (cuda/qmatmul.cu), one module per tile format.
-pub const QUANT_SOURCE: &str = concat!(include_str!("../../../cuda/matmul_common.cuh"), include_str!("../../../cuda/qmatmul.cu"));
+/// The quantized matmul kernels (cuda/qformats.cuh, qmatmul.cu, qtiles.cu), one module per tile
+/// format.
+pub const QUANT_SOURCE: &str = concat!(
+    include_str!("../../../cuda/matmul_common.cuh"),
+    include_str!("../../../cuda/qformats.cuh"),
+    include_str!("../../../cuda/qmatmul.cu"),
+    include_str!("../../../cuda/qtiles.cu")
+);
 
 /// The body of the quantized kernel module of tile format `id` (`TileFormat::kernel_id`).
 pub fn quant_module_body(id: u32) -> String {
