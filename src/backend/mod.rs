@@ -86,7 +86,7 @@ impl BatchLayout {
 }
 
 /// How to draw the token of one logits row: the request's sampling parameters and the output
-/// position the row predicts (the key of the position-keyed noise, see backend/sampling.rs).
+/// position the row predicts (the key of the position-keyed noise, see backend/sampling/).
 #[derive(Debug, Clone)]
 pub struct RowSampling {
     pub params: SamplingParams,
@@ -343,8 +343,9 @@ pub trait Backend: Send + Sync {
     }
 
     /// One token per row of `logits` (`[N, vocab]`), drawn by position-keyed sampling
-    /// ([`sample_at_position`]) with `rows[i]` for row `i`. A device backend draws on the device
-    /// so that only the tokens come back; this default copies the logits to the host.
+    /// ([`sample_at_position`]) with `rows[i]` for row `i`; a row without a finite logit gives
+    /// [`crate::backend::sampling::NO_FINITE_LOGIT`]. A device backend draws on the device so that
+    /// only the tokens come back; this default copies the logits to the host.
     fn sample_rows(&self, logits: &Self::Tensor, rows: &[RowSampling]) -> Vec<u32> {
         let (n, vocab) = self.shape(logits);
         assert_eq!(n, rows.len(), "sample_rows: {n} logits rows, {} sampling specs", rows.len());

@@ -45,7 +45,7 @@ fn tool_call_json(index: usize, call: &ParsedToolCall) -> Value {
 pub async fn chat_completions(State(state): State<ServerState>, ApiJson(body): ApiJson<ChatCompletionRequest>) -> Result<Response, ApiError> {
     state.check_model(&body.fields.model)?;
     body.check_unsupported()?;
-    let params = body.fields.sampling(rand::random())?;
+    let params = body.fields.sampling(rand::random(), &state.sampling_defaults)?;
     let stops = body.fields.stop_strings()?;
     let spec = body.fields.spec_method()?;
     let tools = body.active_tools();

@@ -33,7 +33,7 @@ impl CompletionResponse {
 pub async fn completions(State(state): State<ServerState>, ApiJson(body): ApiJson<CompletionRequest>) -> Result<Response, ApiError> {
     state.check_model(&body.fields.model)?;
     body.check_unsupported()?;
-    let params = body.fields.sampling(rand::random())?;
+    let params = body.fields.sampling(rand::random(), &state.sampling_defaults)?;
     let stops = body.fields.stop_strings()?;
     let spec = body.fields.spec_method()?;
     let prompt_ids = match body.prompt.into_single()? {

@@ -7,16 +7,17 @@
 
 mod chat;
 mod completions;
+pub mod cors;
 pub mod error;
 mod generation;
 mod output_text;
 pub mod protocol;
 mod routes;
-pub mod stop_strings;
 pub mod tool_calls;
 
-use crate::model::ModelFiles;
 use crate::engine::worker::EngineHandle;
+use crate::model::generation_config::SamplingDefaults;
+use crate::model::ModelFiles;
 use error::{ApiError, BodyLimit};
 use std::future::Future;
 use std::sync::Arc;
@@ -37,6 +38,11 @@ pub struct ServerState {
     pub body_limit: BodyLimit,
     /// Unix seconds, reported as the model's `created`.
     pub started_at: u64,
+    /// What requests that leave temperature, top_p, top_k or min_p unset get (the model's
+    /// generation_config.json, unless the server ignores it).
+    pub sampling_defaults: SamplingDefaults,
+    /// Origins browsers may call from (CORS); `*` for any, empty for none.
+    pub allowed_origins: Vec<String>,
 }
 
 impl axum::extract::FromRef<ServerState> for BodyLimit {
@@ -47,6 +53,7 @@ impl axum::extract::FromRef<ServerState> for BodyLimit {
 
 impl ServerState {
     pub fn new(engine: EngineHandle, files: Arc<ModelFiles>, model_name: &str, api_key: Option<&str>) -> Self {
+        let sampling_defaults = files.sampling_defaults.clone();
         ServerState {
             engine,
             files,
@@ -54,6 +61,8 @@ impl ServerState {
             api_key: api_key.map(Arc::from),
             body_limit: BodyLimit(DEFAULT_BODY_LIMIT),
             started_at: generation::unix_seconds(),
+            sampling_defaults,
+            allowed_origins: Vec::new(),
         }
     }
 
@@ -80,7 +89,7 @@ impl ServerState {
     }
 }
 
-/// The application: every route, the API-key check and the body limit.
+/// The application: every route, the API-key check, the body limit and CORS.
 pub fn router(state: ServerState) -> axum::Router {
     routes::router(state)
 }

@@ -2,7 +2,7 @@
 //! request offered tools) tool-call parsing. The same path serves streamed and whole responses, so
 //! both always say the same thing.
 
-use super::stop_strings::StopStringMatcher;
+use crate::tokenizer::stop_strings::StopStringMatcher;
 use super::tool_calls::{OutputPiece, ToolCallParser};
 use crate::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 

@@ -118,6 +118,7 @@ impl ChatView {
 }
 
 pub const IDLE_HINT: &str = "Enter send · Alt-Enter newline · PgUp/PgDn scroll · /help";
+pub const QUIT_HINT: &str = "Press Esc or Ctrl-C again to quit (the conversation is not kept); any other key carries on";
 pub const GENERATING_HINT: &str = "generating… Ctrl-C stops the reply";
 
 pub const HELP_TEXT: &str = "\
@@ -126,7 +127,7 @@ Commands:
   /spec none|ngram|mtp speculation method for the next replies
   /temp T              sampling temperature (0 = greedy)
   /help                this text
-  /quit                leave (also Esc, Ctrl-D, or Ctrl-C when idle)
+  /quit                leave (also Esc, Ctrl-D, or Ctrl-C when idle, pressed twice)
 Keys:
   Enter send · Alt-Enter, Shift-Enter or Ctrl-J new line · ↑/↓ earlier messages
   PgUp/PgDn scroll · Ctrl-C stops a reply";

@@ -20,6 +20,8 @@ pub const CHAT_REPLY_TOKENS: usize = 13;
 pub const TOOL_CALL_TEXT: &str = "<tool_call>{\"name\":\"get_weather\",\"arguments\":{\"days\":3}}</tool_call>";
 /// The newline token: every ChatML generation prompt ends with it.
 const NEWLINE_TOKEN: u32 = 198;
+/// The NaN chat model embeds this word's tokens as NaN: a message holding it meets NaN logits.
+pub const POISON_WORD: &str = "nightshade";
 
 pub fn qwen3_tokenizer_dir() -> PathBuf {
     std::env::var_os("KESTREL_QWEN3_TOKENIZER_DIR")
@@ -48,7 +50,26 @@ pub fn chat_model() -> &'static Path {
     DIR.get_or_init(|| {
         let dir = models_root().join("kestrel-chat-test");
         let tokenizer = kestrel::tokenizer::Tokenizer::from_dir(&qwen3_tokenizer_dir()).expect("Qwen3 tokenizer loads");
-        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &chain(&tokenizer, NEWLINE_TOKEN, CHAT_REPLY, true), 11);
+        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &chain(&tokenizer, NEWLINE_TOKEN, CHAT_REPLY, true), 11, &[]);
+        dir
+    })
+}
+
+/// The chat model, except that the tokens of `POISON_WORD` embed as NaN.
+pub fn nan_chat_model() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = models_root().join("kestrel-nan-chat-test");
+        let tokenizer = kestrel::tokenizer::Tokenizer::from_dir(&qwen3_tokenizer_dir()).expect("Qwen3 tokenizer loads");
+        let transitions = chain(&tokenizer, NEWLINE_TOKEN, CHAT_REPLY, true);
+        let mut poisoned = tokenizer.encode(POISON_WORD, false).expect("encodes");
+        poisoned.extend(tokenizer.encode(&format!(" {POISON_WORD}"), false).expect("encodes"));
+        // A message without the word must not touch them: the template's own tokens and the reply are clean.
+        let clean = tokenizer.apply_chat_template(&[kestrel::tokenizer::ChatMessage::user("Tell me about kestrels.")], true, None).expect("template renders");
+        let mut clean_ids = tokenizer.encode(&clean, false).expect("encodes");
+        clean_ids.extend(transitions.iter().flat_map(|t| [t.from, t.to]));
+        assert!(poisoned.iter().all(|t| !clean_ids.contains(t)), "{POISON_WORD:?} shares tokens with a clean conversation");
+        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &transitions, 11, &poisoned);
         dir
     })
 }
@@ -59,7 +80,7 @@ pub fn tool_model() -> &'static Path {
     DIR.get_or_init(|| {
         let dir = models_root().join("kestrel-tool-test");
         let tokenizer = kestrel::tokenizer::Tokenizer::from_dir(&qwen3_tokenizer_dir()).expect("Qwen3 tokenizer loads");
-        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &chain(&tokenizer, NEWLINE_TOKEN, &format!("{TOOL_CALL_TEXT}<|im_end|>"), false), 12);
+        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &chain(&tokenizer, NEWLINE_TOKEN, &format!("{TOOL_CALL_TEXT}<|im_end|>"), false), 12, &[]);
         dir
     })
 }
@@ -85,10 +106,16 @@ pub struct ServerProcess {
 
 impl ServerProcess {
     pub fn start(model: &Path, extra_args: &[&str]) -> ServerProcess {
+        let mut args = vec!["--host".to_string(), "127.0.0.1".into(), "--model".into(), model.display().to_string()];
+        args.extend(extra_args.iter().map(|a| a.to_string()));
+        Self::start_with(&args)
+    }
+
+    /// `kestrel serve` on a free port on the CPU with exactly these other arguments.
+    pub fn start_with(serve_args: &[String]) -> ServerProcess {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kestrel"))
-            .args(["serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--model"])
-            .arg(model)
-            .args(extra_args)
+            .args(["serve", "--port", "0", "--device", "cpu"])
+            .args(serve_args)
             .env("RAYON_NUM_THREADS", "2")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -12,7 +12,8 @@
 //!   weights) write only to the random dimensions, so context changes the output of unscripted
 //!   tokens (prompts give different continuations) but never reaches a script dimension.
 //!
-//! Special tokens never win unless scripted: their `lm_head` rows are zero.
+//! Special tokens never win unless scripted: their `lm_head` rows are zero. Tokens listed as
+//! poisoned embed as NaN, so a prompt holding one makes every later logit NaN.
 
 use half::bf16;
 use std::collections::HashMap;
@@ -80,7 +81,7 @@ pub fn chain(tokenizer: &kestrel::tokenizer::Tokenizer, start: u32, text: &str, 
 }
 
 /// Writes config.json, model.safetensors and the tokenizer files into `dir`.
-pub fn write_scripted_model(dir: &Path, tokenizer_dir: &Path, transitions: &[Transition], seed: u64) {
+pub fn write_scripted_model(dir: &Path, tokenizer_dir: &Path, transitions: &[Transition], seed: u64, poisoned: &[u32]) {
     std::fs::create_dir_all(dir).expect("model dir can be created");
     for file in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(tokenizer_dir.join(file), dir.join(file)).unwrap_or_else(|err| panic!("cannot copy {file} from {}: {err}", tokenizer_dir.display()));
@@ -105,6 +106,10 @@ pub fn write_scripted_model(dir: &Path, tokenizer_dir: &Path, transitions: &[Tra
             Some(&dim) => row[dim] = SCRIPT_EMBEDDING,
             None => row[SCRIPT_DIMS..].iter_mut().for_each(|v| *v = noise.uniform(1.7)),
         }
+    }
+    for &token in poisoned {
+        assert!(!script_dim.contains_key(&token), "token {token} is both scripted and poisoned");
+        embed[token as usize * HIDDEN..(token as usize + 1) * HIDDEN].fill(f32::NAN);
     }
     tensors.push(("model.embed_tokens.weight".into(), vec![vocab, HIDDEN], embed));
 
