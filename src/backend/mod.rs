@@ -200,6 +200,12 @@ pub trait Backend: Send + Sync {
     /// projections that read the same input become one matmul ([`Backend::matmul_parts`],
     /// [`Backend::matmul_swiglu`]). Nothing is copied on the host.
     fn upload_stacked(&self, parts: &[MatrixBytes]) -> Result<Self::Matrix, BackendError>;
+    /// A SwiGLU's gate over its up projection (same shapes), read only by
+    /// [`Backend::matmul_swiglu`] and the MoE: a device backend may interleave their rows so that
+    /// one thread holds a gate output and its up output (quantized tiles do).
+    fn upload_gate_up(&self, gate: &MatrixBytes, up: &MatrixBytes) -> Result<Self::Matrix, BackendError> {
+        self.upload_stacked(&[gate.clone(), up.clone()])
+    }
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector, BackendError>;
     fn alloc_cache(&self, spec: &CacheSpec) -> Result<Self::Cache, BackendError>;
 

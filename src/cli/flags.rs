@@ -8,6 +8,7 @@ use kestrel::backend::cuda::CudaBackend;
 use kestrel::backend::sampling::{top_k_from_signed, SamplingError, SamplingParams};
 use kestrel::engine::request::SpecMethod;
 use kestrel::model::generation_config::SamplingDefaults;
+use kestrel::model::weights::online::OnlineQuantization;
 use kestrel::model::{default_model, dummy, ModelFiles};
 use std::path::PathBuf;
 
@@ -38,12 +39,30 @@ pub enum KvCacheDtype {
     Tq3,
 }
 
+/// `--quantization`: float linears quantized at load (model/weights/online.rs), or with
+/// `--load-format dummy` the format of the random weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Quantization {
     /// The weights as stored.
     None,
-    /// Not implemented yet.
+    /// E4M3 with a scale per 128 inputs of each row.
     Fp8,
+    /// Asymmetric int4 in groups of 128 inputs.
+    Int4,
+    /// Q4_K, and Q6_K where llama.cpp's Q4_K_M puts it.
+    #[value(name = "q4_k")]
+    Q4K,
+}
+
+impl Quantization {
+    pub fn online(self) -> Option<OnlineQuantization> {
+        match self {
+            Quantization::None => None,
+            Quantization::Fp8 => Some(OnlineQuantization::Fp8),
+            Quantization::Int4 => Some(OnlineQuantization::Int4),
+            Quantization::Q4K => Some(OnlineQuantization::Q4K),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -70,6 +89,10 @@ pub struct ModelArgs {
     /// (benchmarks at real sizes without checkpoint files).
     #[arg(long, value_enum, default_value = "auto")]
     pub load_format: LoadFormat,
+    /// Quantize float weights while loading (checkpoints already quantized keep their format),
+    /// or with --load-format dummy make the random weights in that format.
+    #[arg(long, value_enum, default_value = "none")]
+    pub quantization: Quantization,
 }
 
 impl ModelArgs {
@@ -79,10 +102,12 @@ impl ModelArgs {
         if self.load_format == LoadFormat::Dummy {
             return self.dummy_files();
         }
-        ModelFiles::open(self.model.as_deref()).with_context(|| match &self.model {
+        let mut files = ModelFiles::open(self.model.as_deref()).with_context(|| match &self.model {
             Some(p) => format!("cannot load model {}", p.display()),
             None => "cannot load the embedded default model".to_string(),
-        })
+        })?;
+        files.config.online_quantization = self.quantization.online();
+        Ok(files)
     }
 
     /// The name clients and the chat show: the directory or file name of `--model`, or the
@@ -107,6 +132,7 @@ impl ModelArgs {
         let name = self.model.as_deref().and_then(|p| p.to_str()).ok_or_else(|| anyhow!("--load-format dummy needs --model PRESET, one of: {}", dummy::PRESETS.join(", ")))?;
         let mut config = dummy::preset_config(name)?;
         config.eos_token_ids.clear();
+        config.online_quantization = self.quantization.online();
         let store = dummy::dummy_store(&config, DUMMY_SEED)?;
         let tokenizer = default_model::open().context("cannot open the default model's tokenizer")?.tokenizer.with_model_vocab_size(config.vocab_size);
         Ok(ModelFiles { source: format!("dummy {name}"), config, store, tokenizer, sampling_defaults: SamplingDefaults::default() })
@@ -128,18 +154,12 @@ pub struct DeviceArgs {
     /// cache), above 0 and at most 1.
     #[arg(long, default_value_t = 0.9, allow_negative_numbers = true, value_name = "FRACTION")]
     pub gpu_memory_utilization: f32,
-    /// Quantize the weights while loading: none (fp8 is not implemented yet).
-    #[arg(long, value_enum, default_value = "none")]
-    pub quantization: Quantization,
 }
 
 impl DeviceArgs {
     pub fn check(&self) -> Result<()> {
         if self.threads == Some(0) {
             bail!("--threads must be at least 1");
-        }
-        if self.quantization != Quantization::None {
-            bail!("--quantization fp8 is not implemented yet: weights are used as stored (quantized checkpoints keep their own format)");
         }
         if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
             bail!("--gpu-memory-utilization must be in (0, 1], got {}", self.gpu_memory_utilization);

@@ -73,17 +73,21 @@ pub fn progress_bar(len: u64, message: &str) -> indicatif::ProgressBar {
 /// that cannot fit under `--gpu-memory-utilization` with `activation_bytes` of activations is
 /// refused before anything is uploaded.
 pub fn load_model<B: Backend>(model: &ModelArgs, device: &DeviceArgs, backend: &B, files: &ModelFiles, activation_bytes: usize) -> Result<Qwen35<B>> {
-    let weights = files.store.device_bytes();
+    // The bytes the GPU keeps: quantized weights in their own bits (after --quantization).
+    let weights = files.store.device_bytes(files.config.online_quantization.map(|q| (q, files.config.num_layers())));
     if let Some(budget) = backend.cache_memory_budget(device.gpu_memory_utilization, weights + activation_bytes) {
         budget.with_context(|| format!("{} ({:.2} GiB of weights) does not fit on the GPU", files.source, weights as f64 / (1u64 << 30) as f64))?;
     }
     let bar = progress_bar(0, "loading");
+    let started = std::time::Instant::now();
     let loaded = if model.is_dummy() {
         dummy::load_from_dummy_store(backend, files.config.clone(), &files.store, model.dummy_seed(), &bar)?
     } else {
         Qwen35::load(backend, files.config.clone(), &files.store, &bar).with_context(|| format!("cannot load weights of {}", files.source))?
     };
     bar.finish_and_clear();
+    let on_gpu = if backend.cache_memory_budget(1.0, 0).is_some() { format!(", {:.2} GiB on the GPU", weights as f64 / (1u64 << 30) as f64) } else { String::new() };
+    eprintln!("kestrel: weights loaded in {:.1} s{on_gpu}", started.elapsed().as_secs_f64());
     Ok(loaded)
 }
 

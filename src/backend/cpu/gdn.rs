@@ -169,8 +169,17 @@ pub(super) fn gated_delta_net(pool: &ThreadPool, inp: &GdnInputs, cfg: &LinearAt
             core[(row.token_start + i) * cfg.value_dim() + h * dv..][..dv].copy_from_slice(&res.out[i * dv..(i + 1) * dv]);
         }
     }
+    // Output head slot `idx % nv` of each token holds value head `src[idx % nv]`.
+    let src: Vec<usize> = {
+        let mut s = vec![0; nv];
+        for h in 0..nv {
+            s[cfg.out_head(h)] = h;
+        }
+        s
+    };
     let mut out = vec![0.0f32; t * cfg.value_dim()];
-    pool.rows_mut(&mut out, dv, dv * 8, &|idx, o| {
+    pool.rows_mut(&mut out, dv, dv * 8, &|slot, o| {
+        let idx = slot - slot % nv + src[slot % nv];
         let x = &core[idx * dv..(idx + 1) * dv];
         let zz = &inp.z.data[idx * dv..(idx + 1) * dv];
         let ms = x.iter().map(|v| v * v).sum::<f32>() / dv as f32;

@@ -10,8 +10,8 @@
 //! - `A_log` is stored as `ssm_a = -exp(A_log)`; it is read back as `ln(-ssm_a)`;
 //! - Qwen3.5 / Qwen3.5-MoE store value heads tiled (`[k0v0, k1v0, .., k0v1, ..]`) instead of
 //!   grouped by key head (`_LinearAttentionVReorderBase`), because ggml broadcasts key heads
-//!   that way; rows, vectors and the output projection's columns are put back in grouped
-//!   order (heads.rs);
+//!   that way; rows and vectors are put back in grouped order, and the delta rule writes its
+//!   output heads in the tiled order of the output projection's columns (heads.rs);
 //! - Qwen3-Next files from the current converter split `in_proj_ba` into its beta and alpha
 //!   rows here, so the forward takes them like Qwen3.5's.
 //!
