@@ -170,7 +170,7 @@ fn run_one<B: Backend>(
         for event in engine.step() {
             let now = clock.now();
             match event {
-                RequestEvent::Tokens { id, tokens } => {
+                RequestEvent::Tokens { id, tokens, .. } => {
                     if let Some(t) = timelines.get_mut(&id) {
                         t.record_chunk(now, tokens.len())?;
                     }
