@@ -3,6 +3,7 @@
 
 pub mod batch;
 pub mod bench;
+mod bench_multiturn;
 mod bench_plot;
 pub mod chat;
 pub mod flags;

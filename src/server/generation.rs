@@ -64,7 +64,8 @@ pub async fn drive(
     mut emit: impl FnMut(OutputPiece),
 ) -> Result<Option<Ending>, ApiError> {
     tokio::pin!(client_gone);
-    let mut cached_tokens = 0;
+    // Every way out of the loop that reaches the end sets it.
+    let mut cached_tokens;
     let engine_reason = loop {
         let event = tokio::select! {
             event = generation.next() => event,

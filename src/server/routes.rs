@@ -115,6 +115,7 @@ async fn metrics(State(state): State<ServerState>) -> Result<Response, ApiError>
         ("kestrel_prefix_cache_checkpoints", "Recurrent-state checkpoints the prefix cache holds.", cache.checkpoints as f64),
         ("kestrel_prefix_cache_checkpoint_capacity", "Recurrent-state checkpoints the prefix cache may hold.", cache.checkpoint_capacity as f64),
         ("kestrel_prefix_cache_blocks", "KV blocks registered in the prefix cache.", cache.cached_blocks as f64),
+        ("kestrel_prefix_cache_shared_blocks", "KV blocks held by more than one running request.", cache.shared_blocks as f64),
     ];
     let mut text = prometheus_text(&snapshot.spec, &gauges).map_err(|err| ApiError::internal(err.to_string()))?;
     let counters = [

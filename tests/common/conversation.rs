@@ -69,15 +69,24 @@ pub fn run_conversations<B: Backend>(engine: &mut Engine<B>, conversations: &[Co
     }
 }
 
-/// Runs requests that all arrive at step 0, at most `engine`'s batch at a time; returns each
-/// one's output and cached tokens, and the most KV blocks in use after any step.
-pub fn run_batch<B: Backend>(engine: &mut Engine<B>, requests: Vec<Request>) -> (Vec<(Vec<u32>, usize)>, usize) {
+/// What [`run_batch`] saw.
+pub struct BatchRun {
+    /// Each request's output and cached prompt tokens, in input order.
+    pub outputs: Vec<(Vec<u32>, usize)>,
+    /// The most KV blocks held by requests after any step.
+    pub peak_blocks: usize,
+    /// The most KV blocks held by more than one request after any step.
+    pub peak_shared_blocks: usize,
+}
+
+/// Runs requests that all arrive at step 0, as many at a time as `engine`'s batch takes.
+pub fn run_batch<B: Backend>(engine: &mut Engine<B>, requests: Vec<Request>) -> BatchRun {
     let mut index = HashMap::new();
     for (i, r) in requests.into_iter().enumerate() {
         index.insert(engine.add_request(r).expect("request accepted"), i);
     }
     let mut out = vec![None; index.len()];
-    let mut peak_blocks = 0;
+    let (mut peak_blocks, mut peak_shared_blocks) = (0, 0);
     while engine.has_unfinished() {
         for event in engine.step() {
             if let RequestEvent::Finished { id, output, .. } = event {
@@ -85,13 +94,14 @@ pub fn run_batch<B: Backend>(engine: &mut Engine<B>, requests: Vec<Request>) -> 
             }
         }
         peak_blocks = peak_blocks.max(engine.cache_usage().0 .0);
+        peak_shared_blocks = peak_shared_blocks.max(engine.prefix_cache_stats().map_or(0, |s| s.shared_blocks));
     }
-    (out.into_iter().map(|o| o.expect("every request finished")).collect(), peak_blocks)
+    BatchRun { outputs: out.into_iter().map(|o| o.expect("every request finished")).collect(), peak_blocks, peak_shared_blocks }
 }
 
 /// Token ids of HumanEval prompts (code the default model knows), one message per prompt,
-/// starting at prompt `first`.
-pub fn humaneval_messages(tokenizer: &kestrel::tokenizer::Tokenizer, first: usize, count: usize) -> Vec<Vec<u32>> {
+/// starting at prompt `first`, each cut to at most `max_len` tokens.
+pub fn humaneval_messages(tokenizer: &kestrel::tokenizer::Tokenizer, first: usize, count: usize, max_len: usize) -> Vec<Vec<u32>> {
     static HUMANEVAL: &str = include_str!("../../data/humaneval/prompts.jsonl");
     HUMANEVAL
         .lines()
@@ -99,7 +109,9 @@ pub fn humaneval_messages(tokenizer: &kestrel::tokenizer::Tokenizer, first: usiz
         .take(count)
         .map(|line| {
             let v: serde_json::Value = serde_json::from_str(line).expect("prompts.jsonl line");
-            tokenizer.encode(v["prompt"].as_str().expect("prompt"), false).expect("tokenizes")
+            let mut ids = tokenizer.encode(v["prompt"].as_str().expect("prompt"), false).expect("tokenizes");
+            ids.truncate(max_len);
+            ids
         })
         .collect()
 }

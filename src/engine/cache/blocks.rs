@@ -61,6 +61,8 @@ pub struct BlockPool {
     next_node: NodeId,
     /// Nodes of evicted blocks, until [`BlockPool::take_evicted`] collects them.
     evicted: Vec<NodeId>,
+    /// Blocks held by more than one request.
+    shared: usize,
 }
 
 impl BlockPool {
@@ -77,6 +79,7 @@ impl BlockPool {
             clock: 0,
             next_node: ROOT + 1,
             evicted: Vec::new(),
+            shared: 0,
         }
     }
 
@@ -96,6 +99,11 @@ impl BlockPool {
     /// Blocks registered in the prefix cache (held by requests or not).
     pub fn num_cached(&self) -> usize {
         self.by_key.len()
+    }
+
+    /// Blocks held by more than one request at once.
+    pub fn num_shared(&self) -> usize {
+        self.shared
     }
 
     pub fn blocks_for(&self, tokens: usize) -> usize {
@@ -134,6 +142,9 @@ impl BlockPool {
             let b = block as usize;
             debug_assert!(self.refs[b] > 0, "block {block} released more often than taken");
             self.refs[b] -= 1;
+            if self.refs[b] == 1 {
+                self.shared -= 1;
+            }
             if self.refs[b] > 0 {
                 continue;
             }
@@ -161,6 +172,9 @@ impl BlockPool {
             self.evictable.remove(&self.released_at[b]).expect("an unreferenced registered block is evictable");
         }
         self.refs[b] += 1;
+        if self.refs[b] == 2 {
+            self.shared += 1;
+        }
     }
 
     /// Registers `block` (held, not yet registered) under `key` and returns the node a chain
@@ -262,8 +276,9 @@ mod tests {
         assert_eq!((found.node, found.draft_kv), (node, false));
         pool.acquire(found.block);
         let mut b = vec![found.block];
-        assert_eq!(pool.ref_count(found.block), 2);
+        assert_eq!((pool.ref_count(found.block), pool.num_shared()), (2, 1));
         pool.release(&mut a);
+        assert_eq!(pool.num_shared(), 0);
         assert_eq!(pool.num_free(), 1, "still held by the second table");
         pool.release(&mut b);
         assert_eq!(pool.num_free(), 2);

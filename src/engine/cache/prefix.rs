@@ -58,6 +58,8 @@ pub struct PrefixCacheStats {
     pub checkpoint_capacity: usize,
     /// KV blocks registered in the cache (held by requests or not).
     pub cached_blocks: usize,
+    /// KV blocks held by more than one request at once.
+    pub shared_blocks: usize,
 }
 
 impl PrefixCacheStats {
@@ -92,7 +94,7 @@ impl PrefixCache {
     }
 
     pub fn stats(&self, pool: &BlockPool) -> PrefixCacheStats {
-        PrefixCacheStats { checkpoints: self.checkpoints.len(), checkpoint_capacity: self.checkpoints.capacity(), cached_blocks: pool.num_cached(), ..self.stats.clone() }
+        PrefixCacheStats { checkpoints: self.checkpoints.len(), checkpoint_capacity: self.checkpoints.capacity(), cached_blocks: pool.num_cached(), shared_blocks: pool.num_shared(), ..self.stats.clone() }
     }
 
     /// The longest cached prefix `prompt` can resume from, its blocks referenced; `None` when
