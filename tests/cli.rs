@@ -425,7 +425,7 @@ fn prefix_cache_flags_and_cached_tokens() {
     // A batch whose second request begins with the first one's prompt, one at a time.
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("in.jsonl");
-    let code = "import os\nimport sys\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n\ndef count_words(lines):\n    total = 0\n    for line in lines:\n        total += len(line.split())\n    return total\n";
+    let code = "import os\nimport sys\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n\ndef count_words(lines):\n    total = 0\n    for line in lines:\n        total += len(line.split())\n    return total\n\n\ndef longest_line(lines):\n    best = \"\"\n    for line in lines:\n        if len(line) > len(best):\n            best = line\n    return best\n";
     let lines = [serde_json::json!({"id": 1, "prompt": code, "max_tokens": 4}), serde_json::json!({"id": 2, "prompt": format!("{code}\n\ndef main():\n"), "max_tokens": 4})];
     std::fs::write(&input, lines.iter().map(|l| l.to_string()).collect::<Vec<_>>().join("\n")).unwrap();
     let out = kestrel(&["batch", "--input", input.to_str().unwrap(), "--max-batch", "1"]);

@@ -105,60 +105,60 @@ fn shared_prefix_prompts(n: usize) -> (Vec<u32>, Vec<Vec<u32>>) {
     (prefix, prompts)
 }
 
+/// Request `i` of a batch: speculation none, ngram and MTP in turn, so that one batch mixes them.
+fn mixed(i: usize, p: &[u32], max_tokens: usize, params: &SamplingParams) -> Request {
+    request(p, max_tokens, params.clone(), Some(METHODS[i % METHODS.len()]))
+}
+
 #[test]
 fn a_prefix_shared_by_several_running_requests() {
-    let (prefix, prompts) = shared_prefix_prompts(5);
-    for spec in METHODS {
-        for params in draws() {
-            let requests = |ps: &[Vec<u32>]| ps.iter().map(|p| request(p, 24, params.clone(), Some(spec))).collect::<Vec<Request>>();
-            let run = |checkpoints: usize| {
-                // 128 tokens a step: the first request checkpoints every 128 tokens of the prefix.
-                let mut e = cpu_engine(config(8, 128, checkpoints));
-                let first = run_batch(&mut e, requests(&prompts[..1]));
-                let rest = run_batch(&mut e, requests(&prompts[1..]));
-                (first.outputs.into_iter().chain(rest.outputs).collect::<Vec<_>>(), rest.peak_shared_blocks)
-            };
-            let (want, _) = run(0);
-            let (got, peak_shared) = run(16);
-            let what = format!("{spec:?} temperature {}", params.temperature);
-            let tokens = |v: &[(Vec<u32>, usize)]| v.iter().map(|(t, _)| t.clone()).collect::<Vec<_>>();
-            assert_eq!(tokens(&got), tokens(&want), "{what}");
-            // The first request checkpointed at multiples of 128 and at its checkpoint position;
-            // the others resume at the last of those inside the shared prefix (or later, where
-            // their endings happen to begin alike).
-            let last = checkpoint_position(prompts[0].len());
-            let shared = (1..).map(|k| 128 * k).take_while(|&p| p < last).chain([last]).filter(|&p| p < prefix.len()).max().expect("a long prefix");
-            for (i, (_, cached)) in got.iter().enumerate().skip(1) {
-                assert!(*cached >= shared, "{what}: request {i} resumed at {cached}, before the end of the shared prefix ({shared})");
-            }
-            // They ran together on one copy of the prefix's blocks.
-            assert!(peak_shared >= shared / 16, "{what}: at most {peak_shared} blocks were held by several requests at once");
+    let (prefix, prompts) = shared_prefix_prompts(6);
+    for params in draws() {
+        let run = |checkpoints: usize| {
+            // 128 tokens a step: the first request checkpoints every 128 tokens of the prefix.
+            let mut e = cpu_engine(config(8, 128, checkpoints));
+            let first = run_batch(&mut e, vec![mixed(0, &prompts[0], 24, &params)]);
+            let rest = run_batch(&mut e, prompts.iter().enumerate().skip(1).map(|(i, p)| mixed(i, p, 24, &params)).collect());
+            (first.outputs.into_iter().chain(rest.outputs).collect::<Vec<_>>(), rest.peak_shared_blocks)
+        };
+        let (want, _) = run(0);
+        let (got, peak_shared) = run(16);
+        let what = format!("temperature {}", params.temperature);
+        let tokens = |v: &[(Vec<u32>, usize)]| v.iter().map(|(t, _)| t.clone()).collect::<Vec<_>>();
+        assert_eq!(tokens(&got), tokens(&want), "{what}");
+        // The first request checkpointed at multiples of 128 and at its checkpoint position;
+        // the others resume at the last of those inside the shared prefix (or later, where
+        // their endings happen to begin alike).
+        let last = checkpoint_position(prompts[0].len());
+        let shared = (1..).map(|k| 128 * k).take_while(|&p| p < last).chain([last]).filter(|&p| p < prefix.len()).max().expect("a long prefix");
+        for (i, (_, cached)) in got.iter().enumerate().skip(1) {
+            assert!(*cached >= shared, "{what}: request {i} resumed at {cached}, before the end of the shared prefix ({shared})");
         }
+        // They ran together on one copy of the prefix's blocks.
+        assert!(peak_shared >= shared / 16, "{what}: at most {peak_shared} blocks were held by several requests at once");
     }
 }
 
 #[test]
 fn preemption_while_a_cached_prefix_is_shared() {
     let (_, prompts) = shared_prefix_prompts(6);
-    for spec in METHODS {
-        for params in draws() {
-            let run = |checkpoints: usize| {
-                // 26 blocks of 16 tokens: one of these requests takes 21, and even sharing
-                // their prefix, six of them cannot run at once.
-                let mut e = cpu_engine(EngineConfig { num_blocks: 26, ..config(6, 96, checkpoints) });
-                let requests = prompts.iter().map(|p| request(p, 20, params.clone(), Some(spec))).collect();
-                let arrivals: Vec<usize> = (0..prompts.len()).map(|i| 3 * i).collect();
-                let out = common::run_staggered(&mut e, requests, &arrivals);
-                (out, e.preemptions(), e.prefix_cache_stats())
-            };
-            let (want, _, _) = run(0);
-            let (got, preemptions, stats) = run(8);
-            let what = format!("{spec:?} temperature {}", params.temperature);
-            assert_eq!(got, want, "{what}");
-            let stats = stats.expect("the cache is on");
-            assert!(preemptions > 0, "{what}: the pool was meant to force preemption");
-            assert!(stats.hits > 0, "{what}: no request resumed from the shared prefix");
-        }
+    for params in draws() {
+        let run = |checkpoints: usize| {
+            // 26 blocks of 16 tokens: one of these requests takes 21, and even sharing their
+            // prefix, six of them cannot run at once.
+            let mut e = cpu_engine(EngineConfig { num_blocks: 26, ..config(6, 96, checkpoints) });
+            let requests = prompts.iter().enumerate().map(|(i, p)| mixed(i, p, 20, &params)).collect();
+            let arrivals: Vec<usize> = (0..prompts.len()).map(|i| 3 * i).collect();
+            let out = common::run_staggered(&mut e, requests, &arrivals);
+            (out, e.preemptions(), e.prefix_cache_stats())
+        };
+        let (want, _, _) = run(0);
+        let (got, preemptions, stats) = run(8);
+        let what = format!("temperature {}", params.temperature);
+        assert_eq!(got, want, "{what}");
+        let stats = stats.expect("the cache is on");
+        assert!(preemptions > 0, "{what}: the pool was meant to force preemption");
+        assert!(stats.hits > 0, "{what}: no request resumed from the shared prefix");
     }
 }
 

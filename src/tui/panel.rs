@@ -110,7 +110,7 @@ pub fn panel_lines(reply: Option<&ReplyStats>, spec_tokens: usize, current_metho
             Some(n) => n.to_string(),
             None => "—".to_string(),
         };
-        lines.push((Keep::Always, Line::from(vec![label("cached"), value(cached)])));
+        lines.push((Keep::Detail, Line::from(vec![label("cached"), value(cached)])));
     }
 
     lines.push((Keep::Spacer, Line::default()));
