@@ -167,6 +167,25 @@ fn a_bench_sweep_that_stops_early_keeps_the_finished_results() {
     assert!(err.contains("mtp at concurrency 8") && err.contains("MTP head"), "{err}");
 }
 
+/// The thread count changes speed, never text: every output row is computed in the same order
+/// whichever thread runs it.
+#[test]
+fn the_thread_count_keeps_the_text() {
+    let default = ok_json(&["run", "def fib(n):", "-n", "32", "--json", "--device", "cpu"]);
+    for threads in ["1", "3"] {
+        let v = ok_json(&["run", "def fib(n):", "-n", "32", "--json", "--device", "cpu", "-t", threads]);
+        assert_eq!(v["token_ids"], default["token_ids"], "-t {threads} changed the text");
+    }
+}
+
+/// A real-size model with random weights runs on the CPU (the values the GPU would make).
+#[test]
+fn dummy_weights_at_a_real_size_run_on_the_cpu() {
+    let v = ok_json(&["run", "def", "-n", "2", "--json", "--device", "cpu", "--load-format", "dummy", "--model", "qwen3.5-0.8b", "--max-model-len", "64"]);
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+    assert_eq!(v["token_ids"].as_array().map(Vec::len), Some(2));
+}
+
 #[test]
 fn bad_input_gets_a_clear_error() {
     fails_with(&["run", "--model", "/nonexistent/model", "hi"], "does not exist");
@@ -183,10 +202,10 @@ fn bad_input_gets_a_clear_error() {
     std::fs::write(&bad, "{\"id\": 1, \"prompt\": \"x\"}\n{not json}\n").unwrap();
     let empty_dir = tempfile::tempdir().unwrap();
     fails_with(&["info", "--model", empty_dir.path().to_str().unwrap()], "not a model directory");
-    // Dummy weights are generated on the GPU; the CPU refuses them, and a preset must exist.
-    fails_with(&["run", "hi", "--load-format", "dummy", "--model", "qwen3.5-0.8b", "--device", "cpu"], "use --device cuda");
-    fails_with(&["bench", "--load-format", "dummy", "--model", "qwen3.5-0.8b", "--device", "cpu", "--num-prompts", "1"], "use --device cuda");
+    // Dummy weights need a preset that exists.
     fails_with(&["run", "hi", "--load-format", "dummy", "--model", "qwen9-huge", "--device", "cpu"], "unknown model preset `qwen9-huge`");
+    fails_with(&["run", "hi", "--threads", "0"], "--threads must be at least 1");
+    fails_with(&["bench", "-t", "0", "--num-prompts", "1"], "--threads must be at least 1");
     fails_with(&["run", "hi", "--load-format", "dummy"], "needs --model PRESET");
     fails_with(&["run", "hi", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]");
     assert!(Path::new(env!("CARGO_BIN_EXE_kestrel")).exists());

@@ -355,12 +355,13 @@ pub trait Backend: Send + Sync {
     }
 
     /// While `Some(seed)`, `upload_matrix` ignores the bytes it is given and fills the matrix
-    /// with random bf16 values generated on the device (`--load-format dummy`: real-size
-    /// models without files). Only device backends can; the CPU has no bytes to skip.
+    /// with random bf16 values made by the backend (`--load-format dummy`: real-size models
+    /// without files). The CPU and CUDA backends make the same values from the same seed; a
+    /// backend that cannot make them says so.
     fn set_random_weights(&self, seed: Option<u64>) -> Result<(), BackendError> {
         match seed {
             None => Ok(()),
-            Some(_) => Err(BackendError::Invalid(format!("random weights are generated on the GPU; the {} backend cannot (use --device cuda)", self.name()))),
+            Some(_) => Err(BackendError::Invalid(format!("the {} backend cannot make random weights", self.name()))),
         }
     }
 

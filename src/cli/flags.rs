@@ -120,6 +120,10 @@ pub struct DeviceArgs {
     /// auto: CUDA where its libraries and a GPU are present, else the CPU; cpu; cuda (or gpu).
     #[arg(long, value_enum, default_value = "auto")]
     pub device: Device,
+    /// Threads of the CPU backend (default: every core this process may use); the output does
+    /// not depend on it.
+    #[arg(long, short = 't', value_name = "N")]
+    pub threads: Option<usize>,
     /// Fraction of GPU memory Kestrel may take (weights, activations, recurrent state and KV
     /// cache), above 0 and at most 1.
     #[arg(long, default_value_t = 0.9, allow_negative_numbers = true, value_name = "FRACTION")]
@@ -131,6 +135,9 @@ pub struct DeviceArgs {
 
 impl DeviceArgs {
     pub fn check(&self) -> Result<()> {
+        if self.threads == Some(0) {
+            bail!("--threads must be at least 1");
+        }
         if self.quantization != Quantization::None {
             bail!("--quantization fp8 is not implemented yet: weights are used as stored (quantized checkpoints keep their own format)");
         }
@@ -144,8 +151,10 @@ impl DeviceArgs {
     /// present, else the CPU (saying why on stderr). The libraries are probed before any CUDA
     /// call, since a missing one would abort the process.
     pub fn select_backend(&self) -> Result<SelectedBackend> {
+        self.check()?;
+        let cpu = || CpuBackend::with_threads(self.cpu_threads());
         match self.device {
-            Device::Cpu => Ok(SelectedBackend::Cpu(CpuBackend::new())),
+            Device::Cpu => Ok(SelectedBackend::Cpu(cpu())),
             Device::Cuda => {
                 kestrel::backend::cuda::probe().context("--device cuda")?;
                 Ok(SelectedBackend::Cuda(Box::new(CudaBackend::new(0).context("--device cuda: cannot start the CUDA backend")?)))
@@ -154,10 +163,15 @@ impl DeviceArgs {
                 Ok(b) => Ok(SelectedBackend::Cuda(Box::new(b))),
                 Err(e) => {
                     eprintln!("kestrel: CUDA unavailable ({e}); running on the CPU");
-                    Ok(SelectedBackend::Cpu(CpuBackend::new()))
+                    Ok(SelectedBackend::Cpu(cpu()))
                 }
             },
         }
+    }
+
+    /// Threads the CPU backend (and host work that follows it) runs on.
+    pub fn cpu_threads(&self) -> usize {
+        self.threads.unwrap_or_else(kestrel::backend::cpu::default_threads)
     }
 }
 
