@@ -289,11 +289,11 @@ fn each_subcommand_lists_only_the_flags_it_uses_each_with_a_help_line() {
     let cases: [(&str, &[&str], &[&str]); 7] = [
         ("run", &["--temperature", "--min-p", "--stop", "--file", "--spec", "--max-model-len", "--device", "--ignore-generation-config"], &["--input", "--port", "--context", "--max-num-seqs"]),
         ("info", &["--model", "--json", "--load-format"], &["--spec", "--device", "--max-model-len", "--temperature", "--kv-blocks", "--gpu-memory-utilization"]),
-        ("perplexity", &["--file", "--context", "--device", "--allow-long-context"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs"]),
-        ("serve", &["--host", "--max-num-seqs", "--allowed-origins", "--spec", "--max-model-len"], &["--temperature", "--input", "--json"]),
+        ("perplexity", &["--file", "--context", "--device", "--allow-long-context"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs", "--prefix-cache-memory"]),
+        ("serve", &["--host", "--max-num-seqs", "--allowed-origins", "--spec", "--max-model-len", "--prefix-cache-memory", "--no-prefix-cache"], &["--temperature", "--input", "--json"]),
         ("batch", &["--input", "--max-num-seqs", "--spec", "--ignore-generation-config"], &["--temperature", "--port", "--json"]),
         ("chat", &["--system", "--temperature", "--spec", "--max-model-len"], &["--json", "--port", "--input"]),
-        ("bench", &["--concurrency", "--spec", "--temperature", "--dataset"], &["--port", "--input", "--ignore-generation-config"]),
+        ("bench", &["--concurrency", "--spec", "--temperature", "--dataset", "--turns", "--turn-len", "--no-prefix-cache"], &["--port", "--input", "--ignore-generation-config"]),
     ];
     for (sub, present, absent) in cases {
         let options = options_with_help(sub);
