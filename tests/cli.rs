@@ -289,11 +289,11 @@ fn each_subcommand_lists_only_the_flags_it_uses_each_with_a_help_line() {
     let cases: [(&str, &[&str], &[&str]); 7] = [
         ("run", &["--temperature", "--min-p", "--stop", "--file", "--spec", "--max-model-len", "--device", "--ignore-generation-config"], &["--input", "--port", "--context", "--max-num-seqs"]),
         ("info", &["--model", "--json", "--load-format"], &["--spec", "--device", "--max-model-len", "--temperature", "--kv-blocks", "--gpu-memory-utilization"]),
-        ("perplexity", &["--file", "--context", "--device", "--allow-long-context"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs"]),
-        ("serve", &["--host", "--max-num-seqs", "--allowed-origins", "--spec", "--max-model-len"], &["--temperature", "--input", "--json"]),
+        ("perplexity", &["--file", "--context", "--device", "--allow-long-context"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs", "--prefix-cache-memory"]),
+        ("serve", &["--host", "--max-num-seqs", "--allowed-origins", "--spec", "--max-model-len", "--prefix-cache-memory", "--no-prefix-cache"], &["--temperature", "--input", "--json"]),
         ("batch", &["--input", "--max-num-seqs", "--spec", "--ignore-generation-config"], &["--temperature", "--port", "--json"]),
         ("chat", &["--system", "--temperature", "--spec", "--max-model-len"], &["--json", "--port", "--input"]),
-        ("bench", &["--concurrency", "--spec", "--temperature", "--dataset"], &["--port", "--input", "--ignore-generation-config"]),
+        ("bench", &["--concurrency", "--spec", "--temperature", "--dataset", "--turns", "--turn-len", "--no-prefix-cache"], &["--port", "--input", "--ignore-generation-config"]),
     ];
     for (sub, present, absent) in cases {
         let options = options_with_help(sub);
@@ -442,4 +442,56 @@ fn batch_help_documents_the_input_format() {
     for needle in ["one JSON object per line", "\"prompt\"", "messages", "max_tokens", "min_p", "\"error\"", "in the order requests finish"] {
         assert!(help.contains(needle), "batch --help lacks {needle:?}:\n{help}");
     }
+}
+
+#[test]
+fn prefix_cache_flags_and_cached_tokens() {
+    fails_with(&["run", "hi", "--prefix-cache-memory", "1KiB"], "holds no checkpoint");
+    fails_with(&["run", "hi", "--prefix-cache-memory", "lots"], "a memory size is a number");
+    fails_with(&["run", "hi", "--no-prefix-cache", "--prefix-cache-memory", "1GiB"], "cannot be used with");
+    let out = kestrel(&["run", "def fib(n):", "-n", "4", "--json", "--prefix-cache-memory", "64MiB"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("prefix cache up to") && err.contains("checkpoints of"), "the checkpoint size is printed at start-up: {err}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let out = kestrel(&["run", "def fib(n):", "-n", "4", "--no-prefix-cache"]);
+    assert!(out.status.success() && !String::from_utf8_lossy(&out.stderr).contains("prefix cache"));
+
+    // A batch whose second request begins with the first one's prompt, one at a time.
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.jsonl");
+    let code = "import os\nimport sys\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n\ndef count_words(lines):\n    total = 0\n    for line in lines:\n        total += len(line.split())\n    return total\n\n\ndef longest_line(lines):\n    best = \"\"\n    for line in lines:\n        if len(line) > len(best):\n            best = line\n    return best\n";
+    let lines = [serde_json::json!({"id": 1, "prompt": code, "max_tokens": 4}), serde_json::json!({"id": 2, "prompt": format!("{code}\n\ndef main():\n"), "max_tokens": 4})];
+    std::fs::write(&input, lines.iter().map(|l| l.to_string()).collect::<Vec<_>>().join("\n")).unwrap();
+    let out = kestrel(&["batch", "--input", input.to_str().unwrap(), "--max-batch", "1"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let cached = |id: u64| rows.iter().find(|r| r["id"] == id).unwrap()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let first_prompt = rows.iter().find(|r| r["id"] == 1).unwrap()["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(first_prompt > 64, "the first prompt must be long enough to cache: {first_prompt} tokens");
+    assert_eq!((cached(1), cached(2)), (0, (first_prompt - 1) / 64 * 64));
+}
+
+#[test]
+fn bench_multiturn_measures_each_turn_without_and_with_the_cache() {
+    let v = kestrel(&["bench", "--dataset", "multiturn", "--num-prompts", "2", "--turns", "3", "--turn-len", "80", "--max-tokens", "8", "--concurrency", "2", "--json"]);
+    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stderr));
+    let rows: Vec<Value> = String::from_utf8_lossy(&v.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2, "one run without the prefix cache, one with it");
+    assert_eq!((rows[0]["prefix_cache"].as_bool(), rows[1]["prefix_cache"].as_bool()), (Some(false), Some(true)));
+    for r in &rows {
+        assert_eq!(r["num_requests"], 6);
+        assert_eq!(r["ttft_ms_by_turn"].as_array().unwrap().len(), 3);
+        let prompts: Vec<f64> = r["prompt_tokens_by_turn"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        // Each turn resends the history: 80 new tokens and the 8-token reply.
+        assert_eq!(prompts, vec![80.0, 168.0, 256.0]);
+    }
+    let cached = |r: &Value| r["cached_tokens_by_turn"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect::<Vec<_>>();
+    assert_eq!(cached(&rows[0]), vec![0.0, 0.0, 0.0]);
+    assert_eq!(cached(&rows[1]), vec![0.0, 64.0, 128.0], "each turn resumes at the last multiple of 64 below the previous prompt's end");
+    assert!(rows[1]["cached_prompt_fraction"].as_f64().unwrap() > 0.0);
+    let text = kestrel(&["bench", "--dataset", "multiturn", "--num-prompts", "1", "--turns", "2", "--turn-len", "70", "--max-tokens", "4", "--concurrency", "1"]);
+    let table = String::from_utf8_lossy(&text.stdout);
+    assert!(table.contains("time to first token per turn") && table.contains("no cache"), "{table}");
 }

@@ -260,11 +260,12 @@ fn attention_spec(kv_heads: usize, head_dim: usize, num_blocks: usize) -> CacheS
         linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4, out_heads_tiled: false },
         state_slots: 3,
         snapshot_slots: 8,
+        checkpoint_slots: 0,
     }
 }
 
 fn linear_spec(l: LinearAttnShape) -> CacheSpec {
-    CacheSpec { attention_layers: 0, num_blocks: 1, block_size: 16, kv_heads: 1, head_dim: 1, linear_layers: 1, linear: l, state_slots: 3, snapshot_slots: 8 }
+    CacheSpec { attention_layers: 0, num_blocks: 1, block_size: 16, kv_heads: 1, head_dim: 1, linear_layers: 1, linear: l, state_slots: 3, snapshot_slots: 8, checkpoint_slots: 0 }
 }
 
 #[test]

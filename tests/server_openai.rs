@@ -137,3 +137,43 @@ fn metrics_report_speculation_per_position() {
     let metrics = server.get("/metrics");
     assert!(metrics.body.contains("# TYPE kestrel_spec_drafted_total counter"), "{}", metrics.body);
 }
+
+/// A chat request and its parsed response.
+fn chat(server: &ServerProcess, messages: &serde_json::Value) -> serde_json::Value {
+    let body = serde_json::json!({"model": "kestrel-chat-test", "messages": messages, "max_tokens": 8, "temperature": 0}).to_string();
+    let response = http_request(server.address, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], body.as_bytes());
+    assert_eq!(response.status, 200, "{}", response.body);
+    serde_json::from_str(&response.body).expect("a JSON completion")
+}
+
+#[test]
+fn the_next_turn_of_a_conversation_is_served_from_the_prefix_cache() {
+    let system = "You answer questions about birds of prey. ".repeat(12);
+    let mut messages = serde_json::json!([{"role": "system", "content": system}, {"role": "user", "content": "Tell me about kestrels."}]);
+    for args in [&[][..], &["--no-prefix-cache"][..]] {
+        let server = ServerProcess::start(chat_model(), args);
+        let first = chat(&server, &messages);
+        assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{first}");
+        let mut next = messages.clone();
+        let reply = first["choices"][0]["message"]["content"].clone();
+        next.as_array_mut().expect("messages").extend([serde_json::json!({"role": "assistant", "content": reply}), serde_json::json!({"role": "user", "content": "And falcons?"})]);
+        let second = chat(&server, &next);
+        let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens");
+        let prompt = second["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+        if args.is_empty() {
+            // The first turn's prompt, cut to its last multiple of 64 tokens below its end.
+            let first_prompt = first["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+            assert_eq!(cached, (first_prompt - 1) / 64 * 64, "{second}");
+            assert!(cached > 0 && cached < prompt);
+            assert_eq!(server.metric("kestrel_prefix_cache_cached_tokens_total"), cached as f64);
+            assert_eq!(server.metric("kestrel_prefix_cache_hits_total"), 1.0);
+            let rate = server.metric("kestrel_prefix_cache_hit_rate");
+            assert!((rate - cached as f64 / (first_prompt + prompt) as f64).abs() < 1e-9, "hit rate {rate}");
+            assert!(server.metric("kestrel_prefix_cache_checkpoints") > 0.0);
+        } else {
+            assert_eq!(cached, 0, "{second}");
+            assert_eq!(server.metric("kestrel_prefix_cache_checkpoint_capacity"), 0.0);
+        }
+        messages = serde_json::json!([{"role": "system", "content": system}, {"role": "user", "content": "Tell me about kestrels."}]);
+    }
+}

@@ -137,6 +137,8 @@ pub struct CacheSpec {
     pub state_slots: usize,
     /// Snapshot slots for generate rows (1 + k per verifying request).
     pub snapshot_slots: usize,
+    /// Checkpoint slots of the prefix cache: recurrent states kept at cached prompt positions.
+    pub checkpoint_slots: usize,
 }
 
 impl CacheSpec {
@@ -145,10 +147,15 @@ impl CacheSpec {
         self.attention_layers * 2 * self.block_size * self.kv_heads * self.head_dim * 4
     }
 
-    /// Device bytes of the recurrent state: canonical slots and snapshots, every linear layer.
+    /// Bytes of one request's recurrent state (conv windows and delta-rule states of every
+    /// linear layer): one slot, one snapshot, or one prefix-cache checkpoint.
+    pub fn bytes_per_state(&self) -> usize {
+        self.linear_layers * (self.linear.conv_state_len() + self.linear.recurrent_state_len()) * 4
+    }
+
+    /// Device bytes of the recurrent state: canonical slots, snapshots and checkpoints.
     pub fn state_bytes(&self) -> usize {
-        let per_slot = self.linear.conv_state_len() + self.linear.recurrent_state_len();
-        self.linear_layers * (self.state_slots + self.snapshot_slots) * per_slot * 4
+        (self.state_slots + self.snapshot_slots + self.checkpoint_slots) * self.bytes_per_state()
     }
 }
 
@@ -391,6 +398,19 @@ pub trait Backend: Send + Sync {
     fn commit_states(&self, cache: &mut Self::Cache, commits: &[StateCommit]);
     /// Zeroes the recurrent state of each slot (new sequences).
     fn reset_states(&self, cache: &mut Self::Cache, slots: &[usize]);
+    /// Copies the canonical recurrent state of each `slot` (every linear layer) to prefix-cache
+    /// checkpoint `checkpoint`. The checkpoints are distinct.
+    fn save_checkpoints(&self, cache: &mut Self::Cache, copies: &[StateCheckpoint]);
+    /// Copies checkpoint `checkpoint` to the canonical recurrent state of each `slot` (a request
+    /// resuming from a cached prefix). The slots are distinct.
+    fn restore_checkpoints(&self, cache: &mut Self::Cache, copies: &[StateCheckpoint]);
+}
+
+/// A recurrent state copied between a request's canonical slot and a prefix-cache checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateCheckpoint {
+    pub slot: usize,
+    pub checkpoint: usize,
 }
 
 /// One request's accepted state: snapshot slot `snapshot` becomes the canonical state of `slot`.

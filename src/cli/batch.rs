@@ -214,7 +214,7 @@ fn run_lines<B: Backend>(mut engine: Engine<B>, lines: Vec<Prepared>, files: &Mo
                         "text": tok.decode(&output.generated, true)?,
                         "token_ids": output.generated,
                         "finish_reason": reason.as_str(),
-                        "usage": {"prompt_tokens": output.prompt_tokens, "completion_tokens": output.generated.len()},
+                        "usage": {"prompt_tokens": output.prompt_tokens, "completion_tokens": output.generated.len(), "prompt_tokens_details": {"cached_tokens": output.cached_tokens}},
                         "spec": output.spec.to_json(output.method.name(), k),
                     }))?;
                 }

@@ -289,6 +289,20 @@ pub struct ContextArgs {
     /// Run decode steps one kernel at a time instead of replaying them as CUDA graphs.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Memory for the prefix cache's recurrent-state checkpoints, e.g. 2GiB or 512MiB (default:
+    /// 2GiB; on a GPU at most an eighth of the memory left after the weights). Cached prompts'
+    /// KV blocks stay in the KV cache's free blocks.
+    #[arg(long, value_name = "SIZE", value_parser = parse_memory_size)]
+    pub prefix_cache_memory: Option<usize>,
+    /// Compute every prompt from its first token: no prefix caching.
+    #[arg(long, conflicts_with = "prefix_cache_memory")]
+    pub no_prefix_cache: bool,
+}
+
+/// A size in bytes: a number with an optional unit (B, KiB, MiB, GiB; KB, MB, GB are powers of 10).
+fn parse_memory_size(s: &str) -> Result<usize, String> {
+    let size: bytesize::ByteSize = s.trim().parse().map_err(|_| format!("a memory size is a number with an optional unit such as MiB or GiB, got `{s}`"))?;
+    usize::try_from(size.as_u64()).map_err(|_| format!("{s} is more memory than this machine can address"))
 }
 
 impl ContextArgs {

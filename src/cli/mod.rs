@@ -3,6 +3,7 @@
 
 pub mod batch;
 pub mod bench;
+mod bench_multiturn;
 mod bench_plot;
 pub mod chat;
 pub mod flags;
@@ -24,6 +25,10 @@ use std::sync::Arc;
 
 /// Tokens per KV block.
 const BLOCK_SIZE: usize = 16;
+
+/// Memory of the prefix cache's checkpoints unless `--prefix-cache-memory` says otherwise (on a
+/// GPU at most an eighth of what the caches may take).
+const DEFAULT_PREFIX_CACHE_MEMORY: usize = 2 << 30;
 
 /// Binds `$engine` to an engine on the backend `--device` selects and evaluates `$body` with
 /// it (the body is compiled once per backend type).
@@ -121,7 +126,8 @@ impl EngineArgs {
 
     /// The engine configuration for `max_num_seqs` concurrent requests with speculation
     /// `spec`. On a GPU the KV cache takes what `--gpu-memory-utilization` leaves after the
-    /// weights, the recurrent state and the activations (capped at what the requests can use).
+    /// weights, the recurrent state, the prefix cache's checkpoints and the activations (capped
+    /// at what the requests can use).
     pub fn engine_config<B: Backend>(&self, backend: &B, model: &Qwen35<B>, files: &ModelFiles, max_num_seqs: usize, spec: SpecMethod) -> Result<EngineConfig> {
         let max_model_len = self.context.max_model_len(files)?;
         let mut config = EngineConfig {
@@ -135,36 +141,74 @@ impl EngineArgs {
             ngram_min: self.spec.ngram_min,
             ngram_max: self.spec.ngram_max,
             cuda_graphs: !self.context.no_cuda_graphs,
+            prefix_cache_checkpoints: 0,
         };
         let per_request = (max_model_len + config.spec_tokens).div_ceil(BLOCK_SIZE);
         let wanted = self.context.kv_blocks.unwrap_or(max_num_seqs * per_request);
         let utilization = self.device.gpu_memory_utilization;
-        config.num_blocks = match backend.cache_memory_budget(utilization, self.activation_workspace(files, max_num_seqs)) {
+        let state = model.cache_spec(0, BLOCK_SIZE, max_num_seqs, config.snapshot_slots());
+        let budget = backend.cache_memory_budget(utilization, self.activation_workspace(files, max_num_seqs)).transpose().context("no GPU memory is left for the KV cache")?;
+        let checkpoints = self.prefix_cache_checkpoints(state.bytes_per_state(), budget)?;
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        config.num_blocks = match budget {
             None => wanted,
             Some(budget) => {
-                let budget = budget.context("no GPU memory is left for the KV cache")?;
-                let cache = model.cache_spec(0, BLOCK_SIZE, max_num_seqs, config.snapshot_slots());
-                let fit = budget.saturating_sub(cache.state_bytes()) / cache.bytes_per_block().max(1);
-                let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+                let fit = budget.saturating_sub(state.state_bytes() + checkpoints * state.bytes_per_state()) / state.bytes_per_block().max(1);
                 if let Some(n) = self.context.kv_blocks.filter(|&n| n > fit) {
-                    bail!("--kv-blocks {n} needs {:.2} GiB, but {:.2} GiB are left under --gpu-memory-utilization {utilization}", gib(n * cache.bytes_per_block()), gib(budget));
+                    bail!("--kv-blocks {n} needs {:.2} GiB, but {:.2} GiB are left under --gpu-memory-utilization {utilization}", gib(n * state.bytes_per_block()), gib(budget));
                 }
                 if fit < per_request {
                     bail!(
-                        "the KV cache fits {fit} blocks of {BLOCK_SIZE} tokens but one request of --max-model-len {max_model_len} needs {per_request}; lower --max-model-len or --max-num-seqs, or raise --gpu-memory-utilization"
+                        "the KV cache fits {fit} blocks of {BLOCK_SIZE} tokens but one request of --max-model-len {max_model_len} needs {per_request}; lower --max-model-len, --max-num-seqs or --prefix-cache-memory, or raise --gpu-memory-utilization"
                     );
                 }
                 let blocks = wanted.min(fit);
                 eprintln!(
                     "kestrel: KV cache {blocks} blocks ({} tokens, {:.2} GiB), recurrent state {:.2} GiB",
                     blocks * BLOCK_SIZE,
-                    gib(blocks * cache.bytes_per_block()),
-                    gib(cache.state_bytes())
+                    gib(blocks * state.bytes_per_block()),
+                    gib(state.state_bytes())
                 );
                 blocks
             }
         };
+        // Checkpoints sit 64 tokens apart at least, and one is of use only while the KV blocks
+        // before it are cached: more than the KV cache's 64-token spans is memory never used.
+        config.prefix_cache_checkpoints = checkpoints.min(config.num_blocks * BLOCK_SIZE / 64);
+        if config.prefix_cache_checkpoints > 0 {
+            let per = state.bytes_per_state();
+            eprintln!(
+                "kestrel: prefix cache up to {} checkpoints of {:.2} MiB ({:.2} GiB)",
+                config.prefix_cache_checkpoints,
+                per as f64 / (1u64 << 20) as f64,
+                gib(config.prefix_cache_checkpoints * per)
+            );
+        }
         Ok(config)
+    }
+
+    /// Checkpoints the prefix cache may keep: `--prefix-cache-memory` (or its default) over
+    /// `per_checkpoint` bytes each; 0 with `--no-prefix-cache`. `budget` is the device memory
+    /// the caches may take, if the backend has one.
+    fn prefix_cache_checkpoints(&self, per_checkpoint: usize, budget: Option<usize>) -> Result<usize> {
+        if self.context.no_prefix_cache {
+            return Ok(0);
+        }
+        let per_checkpoint = per_checkpoint.max(1);
+        let memory = match (self.context.prefix_cache_memory, budget) {
+            (Some(memory), _) => {
+                if memory < per_checkpoint {
+                    bail!(
+                        "--prefix-cache-memory {memory} bytes holds no checkpoint: one takes {:.2} MiB for this model; give more, or --no-prefix-cache",
+                        per_checkpoint as f64 / (1u64 << 20) as f64
+                    );
+                }
+                memory
+            }
+            (None, Some(budget)) => DEFAULT_PREFIX_CACHE_MEMORY.min(budget / 8),
+            (None, None) => DEFAULT_PREFIX_CACHE_MEMORY,
+        };
+        Ok(memory / per_checkpoint)
     }
 
     /// Uploads the weights to `backend` and builds an engine for up to `max_num_seqs` requests.

@@ -204,7 +204,7 @@ fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFi
             "text": text,
             "token_ids": generated,
             "finish_reason": reason.as_str(),
-            "usage": {"prompt_tokens": summary.prompt_tokens, "completion_tokens": n},
+            "usage": {"prompt_tokens": summary.prompt_tokens, "completion_tokens": n, "prompt_tokens_details": {"cached_tokens": summary.cached_tokens}},
             "timing": {"ttft_ms": ttft_ms, "decode_tokens_per_s": decode_tps},
             "spec": spec,
         });

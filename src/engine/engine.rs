@@ -1,6 +1,6 @@
 //! The step loop: schedule -> forward -> sample/verify -> commit -> propose -> emit.
 
-use super::cache::{BlockAllocator, SlotAllocator};
+use super::cache::{BlockPool, PrefixCache, PrefixCacheStats, SlotAllocator};
 use super::metrics::SpecStats;
 use super::request::{FinishReason, Request, RequestEvent, RequestFailure, RequestId, SeqStatus, Sequence, SequenceSummary, SpecMethod};
 use super::scheduler::{Scheduler, SchedulerConfig};
@@ -49,6 +49,8 @@ pub struct EngineConfig {
     pub ngram_max: usize,
     /// Replay decode steps as CUDA graphs where the backend can.
     pub cuda_graphs: bool,
+    /// Recurrent-state checkpoints the prefix cache may keep; 0 turns prefix caching off.
+    pub prefix_cache_checkpoints: usize,
 }
 
 impl EngineConfig {
@@ -79,6 +81,7 @@ impl Default for EngineConfig {
             ngram_min: 2,
             ngram_max: 4,
             cuda_graphs: true,
+            prefix_cache_checkpoints: 64,
         }
     }
 }
@@ -120,8 +123,13 @@ impl<B: Backend> Engine<B> {
         if config.spec == SpecMethod::Mtp && model.mtp.is_none() {
             return Err(EngineError::NoMtpHead);
         }
+        // Checkpoints sit at multiples of the delta-rule chunk, which must be block boundaries.
+        if config.prefix_cache_checkpoints > 0 && !CHUNK.is_multiple_of(config.block_size) {
+            return Err(EngineError::Config(format!("the prefix cache needs a block size that divides {CHUNK}, got {}", config.block_size)));
+        }
         let snapshot_slots = config.snapshot_slots();
-        let spec = model.cache_spec(config.num_blocks, config.block_size, config.max_num_seqs, snapshot_slots);
+        let mut spec = model.cache_spec(config.num_blocks, config.block_size, config.max_num_seqs, snapshot_slots);
+        spec.checkpoint_slots = config.prefix_cache_checkpoints;
         let cache = backend.alloc_cache(&spec).map_err(|e: BackendError| EngineError::Config(e.to_string()))?;
         // A step has at most one row per sequence, and every row's table covers at most the context.
         let limits = StepLimits {
@@ -137,8 +145,9 @@ impl<B: Backend> Engine<B> {
                 max_model_len: config.max_model_len,
                 max_generate_tokens: snapshot_slots,
             },
-            BlockAllocator::new(config.num_blocks, config.block_size),
+            BlockPool::new(config.num_blocks, config.block_size),
             SlotAllocator::new(config.max_num_seqs),
+            (config.prefix_cache_checkpoints > 0).then(|| PrefixCache::new(config.prefix_cache_checkpoints)),
         );
         Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default() })
     }
@@ -216,6 +225,11 @@ impl<B: Backend> Engine<B> {
         ((b.num_total() - b.num_free(), b.num_total()), (self.scheduler.slots.num_used(), self.scheduler.slots.num_total()))
     }
 
+    /// Prefix-cache counters; `None` when prefix caching is off.
+    pub fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
+        self.scheduler.prefix.as_ref().map(|p| p.stats(&self.scheduler.blocks))
+    }
+
     /// Speculation counters of a request still in flight, for live displays (a finished
     /// request's counters are in its summary and in `stats.spec`).
     pub fn request_spec_stats(&self, id: RequestId) -> Option<&SpecStats> {
@@ -237,6 +251,7 @@ impl<B: Backend> Engine<B> {
         let mut events = Vec::new();
         let scheduled = self.scheduler.schedule(&mut self.seqs);
         self.backend.reset_states(&mut self.cache, &scheduled.fresh_slots);
+        self.backend.restore_checkpoints(&mut self.cache, &scheduled.restores);
         let plan = scheduled.plan;
         if plan.is_empty() {
             // Every queued request is admissible (checked in add_request) and the budget always
@@ -252,6 +267,8 @@ impl<B: Backend> Engine<B> {
 
         let mut finished: Vec<(RequestId, Result<FinishReason, RequestFailure>)> = Vec::new();
         let mut commits: Vec<StateCommit> = Vec::new();
+        let mut checkpoint_saves = Vec::new();
+        let has_mtp_head = self.model.mtp.is_some();
         let mut mtp_items: Vec<(RequestId, MtpCatchUp)> = Vec::new();
         for (row, layout) in plan.rows.iter().zip(&plan.layout.rows) {
             let Some(seq) = self.seqs.iter_mut().find(|s| s.id == row.seq) else { continue };
@@ -303,7 +320,13 @@ impl<B: Backend> Engine<B> {
                 }
             }
             if !new_tokens.is_empty() {
-                events.push(RequestEvent::Tokens { id: seq.id, tokens: new_tokens });
+                events.push(RequestEvent::Tokens { id: seq.id, tokens: new_tokens, cached_tokens: seq.cached_tokens.unwrap_or(0) });
+            }
+            if row.kind == RowKind::Prefill {
+                // The MTP layer's KV of this piece is written by the catch-up below (propose),
+                // before any later admission can look the blocks up.
+                let draft_kv = !has_mtp_head || (seq.method == SpecMethod::Mtp && self.custom_drafter.is_none() && reason.is_none());
+                checkpoint_saves.extend(self.scheduler.record_prefill(seq, draft_kv));
             }
             match reason {
                 Some(r) => finished.push((seq.id, r)),
@@ -325,6 +348,7 @@ impl<B: Backend> Engine<B> {
             }
         }
 
+        self.backend.save_checkpoints(&mut self.cache, &checkpoint_saves);
         self.backend.commit_states(&mut self.cache, &commits);
         for (id, ending) in finished {
             if let Some(idx) = self.seqs.iter().position(|s| s.id == id) {
@@ -444,5 +468,5 @@ fn finished_event(seq: Sequence, reason: FinishReason) -> RequestEvent {
 }
 
 fn summary(seq: Sequence) -> SequenceSummary {
-    SequenceSummary { prompt_tokens: seq.prompt_len, generated: seq.tokens[seq.prompt_len..].to_vec(), spec: seq.spec, method: seq.method }
+    SequenceSummary { prompt_tokens: seq.prompt_len, generated: seq.tokens[seq.prompt_len..].to_vec(), spec: seq.spec, method: seq.method, cached_tokens: seq.cached_tokens.unwrap_or(0) }
 }

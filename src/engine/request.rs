@@ -1,5 +1,6 @@
 //! Requests, their per-sequence state, stop conditions and the events the engine emits.
 
+use super::cache::blocks::NodeId;
 use super::metrics::SpecStats;
 use crate::backend::sampling::SamplingParams;
 
@@ -78,8 +79,9 @@ pub enum RequestFailure {
 /// What a step produced for one request.
 #[derive(Debug, Clone)]
 pub enum RequestEvent {
-    /// Newly generated tokens, in order.
-    Tokens { id: RequestId, tokens: Vec<u32> },
+    /// Newly generated tokens, in order, and the prompt tokens the request took from the
+    /// prefix cache.
+    Tokens { id: RequestId, tokens: Vec<u32>, cached_tokens: usize },
     Finished { id: RequestId, reason: FinishReason, output: SequenceSummary },
     /// The request ended with an error; `output` holds what it generated before.
     Failed { id: RequestId, error: RequestFailure, output: SequenceSummary },
@@ -92,12 +94,23 @@ pub struct SequenceSummary {
     pub generated: Vec<u32>,
     pub spec: SpecStats,
     pub method: SpecMethod,
+    /// Prompt tokens served from the prefix cache (at the request's first admission).
+    pub cached_tokens: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqStatus {
     Waiting,
     Running,
+}
+
+/// How a newly admitted sequence's recurrent state starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FreshState {
+    /// Zeroed: the prompt is computed from its first token.
+    Zero,
+    /// Copied from this prefix-cache checkpoint.
+    Checkpoint(usize),
 }
 
 /// A request in flight.
@@ -122,6 +135,13 @@ pub struct Sequence {
     pub spec: SpecStats,
     /// Order of admission, for choosing whom to preempt (the newest first).
     pub admitted_at: u64,
+    /// Set at admission, taken when the step's state resets and restores are laid out.
+    pub fresh_state: Option<FreshState>,
+    /// Prefix-cache node of each leading block of `block_table` found in or registered with
+    /// the cache, in order.
+    pub cache_nodes: Vec<NodeId>,
+    /// Prompt tokens the first admission took from the prefix cache (`None` before it).
+    pub cached_tokens: Option<usize>,
 }
 
 impl Sequence {
@@ -141,6 +161,9 @@ impl Sequence {
             drafts: Vec::new(),
             spec: SpecStats::default(),
             admitted_at: 0,
+            fresh_state: None,
+            cache_nodes: Vec::new(),
+            cached_tokens: None,
         }
     }
 
@@ -170,5 +193,7 @@ impl Sequence {
         self.state_slot = None;
         self.drafts.clear();
         self.status = SeqStatus::Waiting;
+        self.fresh_state = None;
+        self.cache_nodes.clear();
     }
 }

@@ -2,7 +2,7 @@
 //! streams as `chat.completion.chunk` events or returns as one `chat.completion`.
 
 use super::error::{ApiError, ApiJson};
-use super::generation::{self, Ending};
+use super::generation;
 use super::output_text::OutputText;
 use super::protocol::{max_tokens, ChatCompletionRequest};
 use super::tool_calls::{OutputPiece, ParsedToolCall};
@@ -81,10 +81,10 @@ pub async fn chat_completions(State(state): State<ServerState>, ApiJson(body): A
             }
         };
         match generation::drive(generation, &mut output, events.closed(), emit).await {
-            Ok(Some(Ending { finish_reason, completion_tokens })) => {
-                generation::send_json(&events, &response.chunk(json!({}), Some(finish_reason)));
+            Ok(Some(ending)) => {
+                generation::send_json(&events, &response.chunk(json!({}), Some(ending.finish_reason)));
                 if include_usage {
-                    generation::send_json(&events, &response.usage_chunk(generation::usage_json(prompt_tokens, completion_tokens)));
+                    generation::send_json(&events, &response.usage_chunk(generation::usage_json(prompt_tokens, &ending)));
                 }
                 generation::send_done(&events);
             }
@@ -121,7 +121,7 @@ async fn whole_response(
     Ok(Json(json!({
         "id": response.id, "object": "chat.completion", "created": response.created, "model": response.model,
         "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": ending.finish_reason}],
-        "usage": generation::usage_json(prompt_tokens, ending.completion_tokens),
+        "usage": generation::usage_json(prompt_tokens, &ending),
     }))
     .into_response())
 }

@@ -1,7 +1,7 @@
 //! `POST /v1/completions`: raw text (or token ids) in, a continuation out.
 
 use super::error::{ApiError, ApiJson};
-use super::generation::{self, Ending};
+use super::generation;
 use super::output_text::OutputText;
 use super::protocol::{max_tokens, CompletionRequest, Prompt};
 use super::tool_calls::OutputPiece;
@@ -58,7 +58,7 @@ pub async fn completions(State(state): State<ServerState>, ApiJson(body): ApiJso
         };
         let ending = generation::drive(generation, &mut output, std::future::pending(), emit).await?.ok_or_else(|| ApiError::internal("the generation ended early"))?;
         let mut whole = response.chunk(&text, Some(ending.finish_reason));
-        whole["usage"] = generation::usage_json(prompt_tokens, ending.completion_tokens);
+        whole["usage"] = generation::usage_json(prompt_tokens, &ending);
         return Ok(Json(whole).into_response());
     }
 
@@ -72,12 +72,12 @@ pub async fn completions(State(state): State<ServerState>, ApiJson(body): ApiJso
             }
         };
         match generation::drive(generation, &mut output, events.closed(), emit).await {
-            Ok(Some(Ending { finish_reason, completion_tokens })) => {
-                generation::send_json(&events, &response.chunk("", Some(finish_reason)));
+            Ok(Some(ending)) => {
+                generation::send_json(&events, &response.chunk("", Some(ending.finish_reason)));
                 if include_usage {
                     let usage = json!({
                         "id": response.id, "object": "text_completion", "created": response.created, "model": response.model,
-                        "choices": [], "usage": generation::usage_json(prompt_tokens, completion_tokens),
+                        "choices": [], "usage": generation::usage_json(prompt_tokens, &ending),
                     });
                     generation::send_json(&events, &usage);
                 }

@@ -51,6 +51,8 @@ fn refusal(err: EngineError, prompt_param: &str) -> ApiError {
 pub struct Ending {
     pub finish_reason: &'static str,
     pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
 }
 
 /// Runs a generation to its end, handing each output piece to `emit`. Returns `None` when
@@ -62,13 +64,16 @@ pub async fn drive(
     mut emit: impl FnMut(OutputPiece),
 ) -> Result<Option<Ending>, ApiError> {
     tokio::pin!(client_gone);
+    // Every way out of the loop that reaches the end sets it.
+    let mut cached_tokens;
     let engine_reason = loop {
         let event = tokio::select! {
             event = generation.next() => event,
             () = &mut client_gone => return Ok(None),
         };
         match event {
-            Some(GenerationEvent::Tokens { tokens, .. }) => {
+            Some(GenerationEvent::Tokens { tokens, cached_tokens: cached, .. }) => {
+                cached_tokens = cached;
                 for piece in output.push_tokens(&tokens).map_err(|err| ApiError::internal(format!("cannot decode the output: {err}")))? {
                     emit(piece);
                 }
@@ -78,7 +83,10 @@ pub async fn drive(
                     break FinishReason::Stop;
                 }
             }
-            Some(GenerationEvent::Finished { reason, .. }) => break reason,
+            Some(GenerationEvent::Finished { reason, summary }) => {
+                cached_tokens = summary.cached_tokens;
+                break reason;
+            }
             // The request alone failed: an error for this client, the server goes on.
             Some(GenerationEvent::Failed { error, .. }) => return Err(ApiError::generation_failed(error.to_string())),
             Some(GenerationEvent::Accepted) | Some(GenerationEvent::Rejected(_)) => {}
@@ -94,7 +102,7 @@ pub async fn drive(
         // Abort only comes from our own cancel after a stop string; a cancelled client is gone.
         FinishReason::Stop | FinishReason::Abort => "stop",
     };
-    Ok(Some(Ending { finish_reason, completion_tokens: output.tokens_used() }))
+    Ok(Some(Ending { finish_reason, completion_tokens: output.tokens_used(), cached_tokens }))
 }
 
 /// An SSE response fed by `events`; the body ends when the sender is dropped.
@@ -129,10 +137,13 @@ pub fn unix_seconds() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-pub fn usage_json(prompt_tokens: usize, completion_tokens: usize) -> serde_json::Value {
+/// The `usage` object; `prompt_tokens_details.cached_tokens` counts the prompt tokens served
+/// from the prefix cache.
+pub fn usage_json(prompt_tokens: usize, ending: &Ending) -> serde_json::Value {
     serde_json::json!({
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": ending.completion_tokens,
+        "total_tokens": prompt_tokens + ending.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": ending.cached_tokens},
     })
 }

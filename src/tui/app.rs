@@ -239,12 +239,13 @@ impl App {
                     self.view.generating = false;
                     self.view.error(format!("the engine refused the message: {err}"));
                 }
-                GenerationEvent::Tokens { tokens, spec } => {
+                GenerationEvent::Tokens { tokens, spec, cached_tokens } => {
                     active.generated.extend_from_slice(&tokens);
                     if let Some(stats) = self.view.reply.as_mut() {
                         stats.first_token_at.get_or_insert_with(Instant::now);
                         stats.tokens = active.generated.len();
                         stats.spec = spec;
+                        stats.cached_tokens = Some(cached_tokens);
                     }
                     self.refresh_reply_text();
                 }
@@ -252,6 +253,7 @@ impl App {
                     if let Some(stats) = self.view.reply.as_mut() {
                         stats.spec = summary.spec;
                         stats.tokens = summary.generated.len();
+                        stats.cached_tokens = Some(summary.cached_tokens);
                     }
                     self.end_reply(Some(reason));
                 }

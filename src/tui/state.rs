@@ -48,12 +48,14 @@ pub struct ReplyStats {
     pub finished_at: Option<Instant>,
     pub tokens: usize,
     pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache (known once the engine admitted the request).
+    pub cached_tokens: Option<usize>,
     pub spec: SpecStats,
 }
 
 impl ReplyStats {
     pub fn new(method: SpecMethod, prompt_tokens: usize, submitted_at: Instant) -> Self {
-        ReplyStats { method, submitted_at, first_token_at: None, finished_at: None, tokens: 0, prompt_tokens, spec: SpecStats::default() }
+        ReplyStats { method, submitted_at, first_token_at: None, finished_at: None, tokens: 0, prompt_tokens, cached_tokens: None, spec: SpecStats::default() }
     }
 
     pub fn ttft(&self) -> Option<Duration> {

@@ -3,6 +3,7 @@
 use super::panel::PANEL_WIDTH;
 use super::state::{ChatView, Entry, ReplyStats, Settings, Speaker};
 use super::view::{draw, wrap, MIN_WIDTH_FOR_PANEL};
+use crate::engine::cache::PrefixCacheStats;
 use crate::engine::metrics::SpecStats;
 use crate::engine::request::SpecMethod;
 use crate::engine::worker::EngineSnapshot;
@@ -34,9 +35,12 @@ fn snapshot() -> EngineSnapshot {
 }
 
 fn render(view: &mut ChatView, width: u16, height: u16) -> Vec<String> {
+    render_with(view, width, height, &snapshot())
+}
+
+fn render_with(view: &mut ChatView, width: u16, height: u16, snapshot: &EngineSnapshot) -> Vec<String> {
     let mut terminal = Terminal::new(TestBackend::new(width, height)).expect("test terminal");
-    let snapshot = snapshot();
-    terminal.draw(|frame| draw(frame, view, &snapshot)).expect("draws");
+    terminal.draw(|frame| draw(frame, view, snapshot)).expect("draws");
     let buffer = terminal.backend().buffer();
     (0..height).map(|y| (0..width).map(|x| buffer.cell((x, y)).map_or(" ", |cell| cell.symbol())).collect::<String>()).collect()
 }
@@ -134,4 +138,17 @@ fn a_short_panel_keeps_acceptance_speed_and_cache_figures() {
     for needle in ["acceptance   50.0%", " 3 ", "TTFT", "KV cache", "state slots"] {
         assert!(text.contains(needle), "missing {needle:?} in\n{text}");
     }
+}
+
+#[test]
+fn panel_shows_the_prompt_tokens_served_from_the_prefix_cache() {
+    let mut view = view_with_reply();
+    let text = render(&mut view, 100, 40).join("\n");
+    assert!(text.contains("cached       —"), "not yet admitted: {text}");
+    assert!(text.contains("prefix cache off"), "{text}");
+    view.reply.as_mut().expect("a reply").cached_tokens = Some(9);
+    let stats = PrefixCacheStats { queries: 4, hits: 2, queried_tokens: 1000, cached_tokens: 600, checkpoints: 3, checkpoint_capacity: 64, ..Default::default() };
+    let text = render_with(&mut view, 100, 40, &EngineSnapshot { prefix_cache: Some(stats), ..snapshot() }).join("\n");
+    assert!(text.contains("cached       9 (75%)"), "{text}");
+    assert!(text.contains("prefix cache 60% hit, 3 ckpt"), "{text}");
 }

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod conversation;
+
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
 use kestrel::engine::request::{Request, RequestEvent, RequestId, SpecMethod};

@@ -9,7 +9,7 @@ pub mod gdn;
 pub mod matmul;
 pub mod pool;
 
-use super::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, StateCommit};
+use super::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, StateCheckpoint, StateCommit};
 use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
 pub use dot::Isa;
@@ -38,6 +38,9 @@ pub struct CpuCache {
     pub rec: Vec<Vec<f32>>,
     pub conv_snap: Vec<Vec<f32>>,
     pub rec_snap: Vec<Vec<f32>>,
+    /// Per prefix-cache checkpoint: every linear layer's conv window then delta-rule state,
+    /// layer after layer. Allocated on first use, so an unused budget costs no memory.
+    pub checkpoints: Vec<Vec<f32>>,
 }
 
 pub struct CpuBackend {
@@ -203,6 +206,7 @@ impl Backend for CpuBackend {
             rec: alloc(spec.state_slots * rec_len, spec.linear_layers)?,
             conv_snap: alloc(spec.snapshot_slots * conv_len, spec.linear_layers)?,
             rec_snap: alloc(spec.snapshot_slots * rec_len, spec.linear_layers)?,
+            checkpoints: vec![Vec::new(); spec.checkpoint_slots],
             spec: spec.clone(),
         })
     }
@@ -427,6 +431,37 @@ impl Backend for CpuBackend {
             if !conv_only {
                 let (src, dst) = (&cache.rec_snap[layer][snapshot * rec_len..][..rec_len], &mut cache.rec[layer][slot * rec_len..][..rec_len]);
                 dst.copy_from_slice(src);
+            }
+        }
+    }
+
+    fn save_checkpoints(&self, cache: &mut CpuCache, copies: &[StateCheckpoint]) {
+        if cache.spec.linear_layers == 0 {
+            return;
+        }
+        let (conv_len, rec_len) = (cache.spec.linear.conv_state_len(), cache.spec.linear.recurrent_state_len());
+        for &StateCheckpoint { slot, checkpoint } in copies {
+            let mut saved = std::mem::take(&mut cache.checkpoints[checkpoint]);
+            saved.clear();
+            for layer in 0..cache.spec.linear_layers {
+                saved.extend_from_slice(&cache.conv[layer][slot * conv_len..][..conv_len]);
+                saved.extend_from_slice(&cache.rec[layer][slot * rec_len..][..rec_len]);
+            }
+            cache.checkpoints[checkpoint] = saved;
+        }
+    }
+
+    fn restore_checkpoints(&self, cache: &mut CpuCache, copies: &[StateCheckpoint]) {
+        if cache.spec.linear_layers == 0 {
+            return;
+        }
+        let (conv_len, rec_len) = (cache.spec.linear.conv_state_len(), cache.spec.linear.recurrent_state_len());
+        for &StateCheckpoint { slot, checkpoint } in copies {
+            let saved = &cache.checkpoints[checkpoint];
+            assert_eq!(saved.len(), cache.spec.linear_layers * (conv_len + rec_len), "restore_checkpoints: checkpoint {checkpoint} was never saved");
+            for (layer, state) in saved.chunks_exact(conv_len + rec_len).enumerate() {
+                cache.conv[layer][slot * conv_len..][..conv_len].copy_from_slice(&state[..conv_len]);
+                cache.rec[layer][slot * rec_len..][..rec_len].copy_from_slice(&state[conv_len..]);
             }
         }
     }

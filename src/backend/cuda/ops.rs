@@ -5,7 +5,7 @@ use super::cache::{self, CudaCache};
 use super::quant_tiles::RowOrder;
 use super::tensor::{StackedPart, WeightStorage};
 use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, CudaVector};
-use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StateCommit, StepLimits, GraphInputs, GraphKey};
+use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StateCheckpoint, StateCommit, StepLimits, GraphInputs, GraphKey};
 use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
 use kestrel_quant::Dtype;
@@ -448,5 +448,15 @@ impl Backend for CudaBackend {
     fn reset_states(&self, cache: &mut CudaCache, slots: &[usize]) {
         let _span = self.span("reset_states");
         cache::reset(self, cache, slots)
+    }
+
+    fn save_checkpoints(&self, cache: &mut CudaCache, copies: &[StateCheckpoint]) {
+        let _span = self.span("save_checkpoints");
+        cache::save_checkpoints(self, cache, copies)
+    }
+
+    fn restore_checkpoints(&self, cache: &mut CudaCache, copies: &[StateCheckpoint]) {
+        let _span = self.span("restore_checkpoints");
+        cache::restore_checkpoints(self, cache, copies)
     }
 }

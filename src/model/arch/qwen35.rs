@@ -246,6 +246,7 @@ impl<B: Backend> Qwen35<B> {
     }
 
     /// Cache geometry for this model; MTP layers get attention-layer indices after the main ones.
+    /// No prefix-cache checkpoints: the engine sets `checkpoint_slots` when it wants some.
     pub fn cache_spec(&self, num_blocks: usize, block_size: usize, state_slots: usize, snapshot_slots: usize) -> CacheSpec {
         let c = &self.config;
         CacheSpec {
@@ -258,6 +259,7 @@ impl<B: Backend> Qwen35<B> {
             linear: c.linear.clone(),
             state_slots,
             snapshot_slots,
+            checkpoint_slots: 0,
         }
     }
 
