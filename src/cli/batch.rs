@@ -96,6 +96,7 @@ fn run_lines<B: Backend>(mut engine: Engine<B>, lines: &[(usize, BatchLine, Vec<
             max_tokens: req.max_tokens,
             stop_token_ids: files.config.eos_token_ids.clone(),
             spec: req.spec,
+            logits: Default::default(),
         };
         let id = engine.add_request(request).with_context(|| format!("{} line {n}", input.display()))?;
         by_engine_id.insert(id, idx);

@@ -147,7 +147,7 @@ fn run_one<B: Backend>(args: &BenchArgs, engine: &mut Engine<B>, prompts: &[Vec<
     let mut output_tokens = 0usize;
     while done.len() < prompts.len() {
         while next < prompts.len() && engine.num_running() + engine.num_waiting() < concurrency {
-            let req = Request { prompt_ids: prompts[next].clone(), params: args.sampling.params(), max_tokens: args.max_tokens, stop_token_ids: Vec::new(), spec: None };
+            let req = Request::new(prompts[next].clone(), args.sampling.params(), args.max_tokens, Vec::new());
             let id = engine.add_request(req).with_context(|| format!("prompt {next}"))?;
             timelines.insert(id, RequestTimeline::new(clock.now())?);
             next += 1;
@@ -155,7 +155,7 @@ fn run_one<B: Backend>(args: &BenchArgs, engine: &mut Engine<B>, prompts: &[Vec<
         for event in engine.step() {
             let now = clock.now();
             match event {
-                RequestEvent::Tokens { id, tokens } => {
+                RequestEvent::Tokens { id, tokens, .. } => {
                     if let Some(t) = timelines.get_mut(&id) {
                         t.record_chunk(now, tokens.len())?;
                     }

@@ -91,7 +91,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let prompt_ids = files.tokenizer.encode(&text, false).context("cannot tokenize the prompt")?;
     // A chat turn ends at the template's end-of-turn token as well as at end-of-sequence.
     let stop_token_ids = if args.chat { files.chat_stop_token_ids() } else { files.config.eos_token_ids.clone() };
-    let request = Request { prompt_ids, params, max_tokens: args.max_tokens, stop_token_ids, spec: None };
+    let request = Request::new(prompt_ids, params, args.max_tokens, stop_token_ids);
     with_engine!(args.engine, &files, 1, |engine| generate(engine, request, &files, args.json))
 }
 

@@ -1,5 +1,7 @@
 //! Requests, their per-sequence state, stop conditions and the events the engine emits.
 
+use super::logits::logprobs::TokenLogprob;
+use super::logits::{LogitsOptions, LogitsState};
 use super::metrics::SpecStats;
 use crate::backend::sampling::SamplingParams;
 
@@ -45,6 +47,15 @@ pub struct Request {
     pub stop_token_ids: Vec<u32>,
     /// Overrides the engine's speculation method for this request.
     pub spec: Option<SpecMethod>,
+    /// Penalties, logit bias, grammar, log probabilities (none by default).
+    pub logits: LogitsOptions,
+}
+
+impl Request {
+    /// A request with no speculation override and nothing asked of its logits.
+    pub fn new(prompt_ids: Vec<u32>, params: SamplingParams, max_tokens: usize, stop_token_ids: Vec<u32>) -> Self {
+        Request { prompt_ids, params, max_tokens, stop_token_ids, spec: None, logits: LogitsOptions::default() }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -71,8 +82,8 @@ impl FinishReason {
 /// What a step produced for one request.
 #[derive(Debug, Clone)]
 pub enum RequestEvent {
-    /// Newly generated tokens, in order.
-    Tokens { id: RequestId, tokens: Vec<u32> },
+    /// Newly generated tokens, in order, with their log probabilities when the request asked.
+    Tokens { id: RequestId, tokens: Vec<u32>, logprobs: Vec<TokenLogprob> },
     Finished { id: RequestId, reason: FinishReason, output: SequenceSummary },
 }
 
@@ -81,6 +92,8 @@ pub enum RequestEvent {
 pub struct SequenceSummary {
     pub prompt_tokens: usize,
     pub generated: Vec<u32>,
+    /// Log probabilities of the generated tokens, when the request asked.
+    pub logprobs: Vec<TokenLogprob>,
     pub spec: SpecStats,
     pub method: SpecMethod,
 }
@@ -113,10 +126,15 @@ pub struct Sequence {
     pub spec: SpecStats,
     /// Order of admission, for choosing whom to preempt (the newest first).
     pub admitted_at: u64,
+    /// Penalties, bias, grammar and log probabilities of this request.
+    pub logits: LogitsState,
+    /// Log probabilities of the generated tokens so far, when asked for.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 impl Sequence {
     pub fn new(id: RequestId, req: Request, method: SpecMethod) -> Self {
+        let logits = LogitsState::new(req.logits, &req.prompt_ids);
         Sequence {
             id,
             prompt_len: req.prompt_ids.len(),
@@ -132,6 +150,8 @@ impl Sequence {
             drafts: Vec::new(),
             spec: SpecStats::default(),
             admitted_at: 0,
+            logits,
+            logprobs: Vec::new(),
         }
     }
 

@@ -10,6 +10,7 @@
 //! request and frees its cache, which is how a client that disconnects releases its work.
 
 use crate::backend::Backend;
+use crate::engine::logits::logprobs::TokenLogprob;
 use crate::engine::metrics::SpecStats;
 use crate::engine::request::{FinishReason, Request, RequestEvent, RequestId, SequenceSummary, SpecMethod};
 use crate::engine::{Engine, EngineError};
@@ -43,8 +44,9 @@ pub enum GenerationEvent {
     Accepted,
     /// The engine refused the request (too long, invalid parameters, ...); nothing else follows.
     Rejected(EngineError),
-    /// Tokens produced by one step, with the request's speculation counters so far.
-    Tokens { tokens: Vec<u32>, spec: SpecStats },
+    /// Tokens produced by one step (with their log probabilities when the request asked), and
+    /// the request's speculation counters so far.
+    Tokens { tokens: Vec<u32>, logprobs: Vec<TokenLogprob>, spec: SpecStats },
     Finished { reason: FinishReason, summary: SequenceSummary },
 }
 
@@ -379,12 +381,12 @@ impl<B: Backend> WorkerLoop<B> {
         let mut gone = Vec::new();
         for event in events {
             match event {
-                RequestEvent::Tokens { id, tokens } => {
+                RequestEvent::Tokens { id, tokens, logprobs } => {
                     self.counters.generated_tokens += tokens.len() as u64;
                     self.rate.record(tokens.len());
                     let Some(live) = self.live.get(&id) else { continue };
                     let spec = self.engine.request_spec_stats(id).cloned().unwrap_or_default();
-                    if live.events.send(GenerationEvent::Tokens { tokens, spec }).is_err() {
+                    if live.events.send(GenerationEvent::Tokens { tokens, logprobs, spec }).is_err() {
                         gone.push(id);
                     }
                 }

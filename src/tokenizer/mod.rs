@@ -11,6 +11,7 @@ mod chat_template;
 mod config;
 mod python_json;
 mod stream;
+mod token_bytes;
 mod strftime;
 
 #[cfg(test)]
@@ -26,6 +27,7 @@ use tokenizers::AddedToken;
 pub use bpe_vocab::BpeVocab;
 pub use chat_template::ChatMessage;
 pub use stream::StreamDecoder;
+pub use token_bytes::TokenBytes;
 
 use chat_template::{ChatTemplate, ChatTemplateSources, DEFAULT_TEMPLATE_NAME};
 use config::TokenizerConfig;
@@ -301,11 +303,29 @@ impl Tokenizer {
         add_generation_prompt: bool,
         tools: Option<&serde_json::Value>,
     ) -> Result<String, TokenizerError> {
+        self.apply_chat_template_with(messages, add_generation_prompt, tools, &serde_json::Map::new())
+    }
+
+    /// [`Self::apply_chat_template`] with further template variables (`chat_template_kwargs`
+    /// in the OpenAI-compatible API, e.g. `{"enable_thinking": false}`).
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, TokenizerError> {
         let template = self
             .chat_template
             .as_ref()
             .ok_or(TokenizerError::NoChatTemplate)?;
-        template.render(messages, add_generation_prompt, tools)
+        template.render(messages, add_generation_prompt, tools, extra)
+    }
+
+    /// The source of the chat template a conversation with (or without) tools is rendered
+    /// by; its conventions (tool-call syntax, reasoning blocks) are read from it.
+    pub fn chat_template_source(&self, has_tools: bool) -> Option<&str> {
+        self.chat_template.as_ref().and_then(|template| template.source(has_tools).ok())
     }
 
     pub fn stream_decoder(&self, skip_special_tokens: bool) -> StreamDecoder<'_> {

@@ -180,7 +180,7 @@ impl App {
             seed: self.options.sampling.seed.wrapping_add(self.replies_started),
             ..self.options.sampling.clone()
         };
-        let request = Request { prompt_ids, params, max_tokens, stop_token_ids: self.files.chat_stop_token_ids(), spec: Some(self.view.settings.spec) };
+        let request = Request { spec: Some(self.view.settings.spec), ..Request::new(prompt_ids, params, max_tokens, self.files.chat_stop_token_ids()) };
         let generation = self.engine.submit(request).map_err(|err| err.to_string())?;
         self.view.transcript.push(Entry::new(Speaker::Assistant, ""));
         self.active = Some(ActiveReply { generation, generated: Vec::new(), entry: self.view.transcript.len() - 1 });
@@ -214,7 +214,7 @@ impl App {
                     self.view.generating = false;
                     self.view.error(format!("the engine refused the message: {err}"));
                 }
-                GenerationEvent::Tokens { tokens, spec } => {
+                GenerationEvent::Tokens { tokens, spec, .. } => {
                     active.generated.extend_from_slice(&tokens);
                     if let Some(stats) = self.view.reply.as_mut() {
                         stats.first_token_at.get_or_insert_with(Instant::now);
