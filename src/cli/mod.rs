@@ -8,6 +8,7 @@ pub mod info;
 pub mod perplexity;
 pub mod run;
 pub mod serve;
+pub mod tokenize;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};

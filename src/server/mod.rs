@@ -1,5 +1,6 @@
 //! The local OpenAI-compatible HTTP server (axum): `/v1/models`, `/v1/completions`,
-//! `/v1/chat/completions` (SSE streaming or whole), `/health` and `/metrics`.
+//! `/v1/chat/completions` (SSE streaming or whole), vLLM's `/tokenize` and `/detokenize`,
+//! `/health` and `/metrics`.
 //!
 //! Handlers run on the tokio runtime and never touch the engine directly: they submit requests to
 //! the engine's worker thread ([`crate::engine::worker`]), which batches everything in flight, and receive the tokens back
@@ -14,6 +15,7 @@ mod logprobs_json;
 mod output_text;
 pub mod protocol;
 mod routes;
+mod tokenize;
 pub mod stop_strings;
 
 use crate::engine::logits::grammar::{Grammar, GrammarCompiler, GrammarSpec};

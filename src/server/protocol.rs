@@ -212,7 +212,7 @@ impl ChatCompletionRequest {
 }
 
 impl RequestMessage {
-    fn to_chat_message(&self, index: usize) -> Result<ChatMessage, ApiError> {
+    pub fn to_chat_message(&self, index: usize) -> Result<ChatMessage, ApiError> {
         let param = format!("messages[{index}]");
         let role = match self.role.as_str() {
             "system" | "user" | "assistant" | "tool" => self.role.clone(),

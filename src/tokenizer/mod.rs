@@ -17,7 +17,7 @@ mod strftime;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
-mod tiny_bpe_fixture;
+pub(crate) mod tiny_bpe_fixture;
 
 use std::io;
 use std::path::{Path, PathBuf};

@@ -154,7 +154,8 @@ impl Grammar {
         masks.push(self.mask_here(active));
         for &draft in drafts {
             if active {
-                if self.end_tokens.contains(&draft) || self.matcher.consume_token(draft).is_err() {
+                // A token the grammar refuses is checked first: consuming it would break the matcher.
+                if self.end_tokens.contains(&draft) || self.matcher.try_consume_tokens(&[draft]).unwrap_or(0) != 1 {
                     break;
                 }
                 consumed += 1;
@@ -194,8 +195,8 @@ impl Grammar {
             if !self.active {
                 self.active = Some(token) == self.starts_after;
             } else if !self.end_tokens.contains(&token) {
-                // A token the mask allowed is always accepted; an error leaves the matcher in
-                // its error state, whose mask then only lets the generation end.
+                // A token the mask allowed is always accepted. One it did not (the mask was
+                // skipped) puts the matcher in its error state, whose mask lets the output end.
                 let _ = self.matcher.consume_token(token);
             }
         }
@@ -236,9 +237,10 @@ impl Grammar {
     }
 }
 
-/// Whitespace between JSON tokens, at most this long: enough for pretty-printed nesting, and a
-/// model that would emit whitespace forever cannot fill its token budget with it.
-const JSON_WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,24}";
+/// Whitespace between JSON tokens: one space, or a line break and up to 20 spaces or tabs of
+/// indentation (llama.cpp's JSON grammars allow the same). Enough for compact and pretty-printed
+/// JSON; a model that would emit whitespace forever cannot fill its token budget with it.
+const JSON_WHITESPACE: &str = r"(?: |\n[ \t]{0,20})";
 
 /// A schema with llguidance's whitespace option set (unless the schema sets its own).
 fn with_bounded_whitespace(mut schema: serde_json::Value) -> serde_json::Value {
@@ -255,6 +257,97 @@ pub fn apply_mask(mask: &SimpleVob, logits: &mut [f32]) {
     for (token, logit) in logits.iter_mut().enumerate() {
         if token >= mask.len() || !mask.get(token) {
             *logit = f32::NEG_INFINITY;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokenizer::tiny_bpe_fixture::tiny_tokenizer;
+
+    const SCHEMA: &str = r#"{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"], "additionalProperties": false}"#;
+
+    fn setup() -> (Tokenizer, GrammarCompiler, u32) {
+        let tokenizer = tiny_tokenizer();
+        let end = tokenizer.token_to_id("<|im_end|>").expect("end token");
+        let compiler = GrammarCompiler::new(&tokenizer, tokenizer.vocab_size(), &[end]).expect("token table builds");
+        (tokenizer, compiler, end)
+    }
+
+    fn allowed(mask: &TokenMask, token: u32) -> bool {
+        mask.as_ref().is_none_or(|m| m.is_allowed(token))
+    }
+
+    #[test]
+    fn masks_follow_a_json_schema_and_end_where_the_value_ends() {
+        let (tokenizer, compiler, end) = setup();
+        let mut grammar = compiler.compile(&GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema")), &[end]).expect("compiles");
+        let tokens = tokenizer.encode(r#"{"a": 12, "b": "y"}"#, false).expect("encodes");
+        for &token in &tokens {
+            let mask = grammar.masks(&[]).remove(0);
+            assert!(allowed(&mask, token), "token {token} ({:?}) masked", tokenizer.decode(&[token], false));
+            assert!(!allowed(&mask, end), "the output cannot end inside the object");
+            grammar.commit(&[token]);
+        }
+        let last = grammar.masks(&[]).remove(0).expect("a mask");
+        assert!(last.is_allowed(end));
+        assert_eq!(last.num_set(), 1, "only the end is left");
+        let wrong = tokenizer.encode("[", false).expect("encodes")[0];
+        let first = compiler.compile(&GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema")), &[end]).expect("compiles").masks(&[]).remove(0).expect("a mask");
+        assert!(!first.is_allowed(wrong), "a JSON object starts with a brace");
+    }
+
+    #[test]
+    fn draft_masks_equal_step_masks_and_leave_the_state_unchanged() {
+        let (tokenizer, compiler, end) = setup();
+        let spec = GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema"));
+        let tokens = tokenizer.encode(r#"{"a": 7, "b": "x"}"#, false).expect("encodes");
+        let mut stepped = compiler.compile(&spec, &[end]).expect("compiles");
+        let mut expected = Vec::new();
+        for &token in &tokens {
+            expected.push(stepped.masks(&[]).remove(0).expect("a mask").to_list());
+            stepped.commit(&[token]);
+        }
+        let mut drafted = compiler.compile(&spec, &[end]).expect("compiles");
+        let got: Vec<Vec<u32>> = drafted.masks(&tokens[..tokens.len() - 1]).into_iter().map(|m| m.expect("a mask").to_list()).collect();
+        assert_eq!(got, expected);
+        assert_eq!(drafted.masks(&[]).remove(0).expect("a mask").to_list(), expected[0], "rolled back to where it was");
+        assert_eq!(drafted.valid_drafts(&tokens), tokens.len());
+        // A draft the grammar refuses cuts the row: its position's mask is the last one.
+        let mut bad = tokens.clone();
+        bad[3] = tokenizer.encode("[", false).expect("encodes")[0];
+        assert_eq!(drafted.valid_drafts(&bad), 3);
+        assert_eq!(drafted.masks(&bad).len(), 4);
+    }
+
+    #[test]
+    fn a_grammar_can_wait_for_a_token() {
+        let (tokenizer, compiler, end) = setup();
+        let start = tokenizer.token_to_id("<|im_start|>").expect("token");
+        let mut grammar = compiler.compile(&GrammarSpec::Lark("start: \"hello\"".into()), &[end]).expect("compiles").starting_after(start);
+        let free = tokenizer.encode("free text", false).expect("encodes");
+        let mut drafts = free.clone();
+        drafts.push(start);
+        let masks = grammar.masks(&drafts);
+        assert!(masks[..free.len() + 1].iter().all(Option::is_none), "no mask before the token and at it");
+        assert!(masks[free.len() + 1].is_some(), "a mask right after it");
+        grammar.commit(&drafts);
+        let hello = tokenizer.encode("hello", false).expect("encodes");
+        assert!(allowed(&grammar.masks(&[]).remove(0), hello[0]));
+        assert!(!allowed(&grammar.masks(&[]).remove(0), free[0]) || free[0] == hello[0]);
+    }
+
+    #[test]
+    fn schemas_and_grammars_that_cannot_compile_say_why() {
+        let (_, compiler, end) = setup();
+        for spec in [
+            GrammarSpec::JsonSchema(serde_json::json!({"type": "strng"})),
+            GrammarSpec::JsonSchema(serde_json::json!({"$ref": "#/$defs/missing"})),
+            GrammarSpec::Lark("start: undefined_rule".into()),
+        ] {
+            let err = compiler.compile(&spec, &[end]).expect_err("refused");
+            assert!(!err.to_string().is_empty());
         }
     }
 }
