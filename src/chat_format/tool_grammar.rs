@@ -10,6 +10,7 @@
 //! named as tokens, so the model writes them the way it was trained to.
 
 use super::ToolCallSyntax;
+use crate::engine::logits::grammar::with_bounded_whitespace;
 use serde_json::{json, Value};
 
 /// The Lark grammar that allows exactly one call to one of `tools` (name and parameter schema).
@@ -28,17 +29,24 @@ pub fn forced_call_grammar(syntax: ToolCallSyntax, tools: &[(String, Value)]) ->
                     "required": ["name", "arguments"],
                     "additionalProperties": false,
                 });
-                rules.push(format!("{rule}: \"\\n\" %json {schema} \"\\n\""));
+                rules.push(format!("{rule}: \"\\n\" %json {} \"\\n\"", with_bounded_whitespace(schema)));
             }
             ToolCallSyntax::Xml => rules.extend(xml_function_rules(&rule, name, parameters)),
         }
     }
     // A call ends at its closing tag: nothing may follow but the end of the turn.
-    let mut grammar = format!("start: space? <tool_call> call </tool_call>\nspace: /[ \\t\\n]+/\ncall: {}\n", alternatives.join(" | "));
+    let mut grammar = format!("start: space? <tool_call> call </tool_call>\nspace: /[ \\t\\n]{{1,4}}/\ncall: {}\n", alternatives.join(" | "));
+    if syntax == ToolCallSyntax::Xml {
+        // A string value is any text without the tags that would end it early for a parser.
+        grammar.push_str(&format!("TEXT: /(?s:.*)/ & ~/{FORBIDDEN_IN_TEXT}/\n"));
+    }
     grammar.push_str(&rules.join("\n"));
     grammar.push('\n');
     grammar
 }
+
+/// Text that contains a tag which would end a string value early for a parser.
+const FORBIDDEN_IN_TEXT: &str = r"(?s:.*(<parameter=|<\/parameter>|<\/function>).*)";
 
 fn lark_string(text: &str) -> String {
     serde_json::to_string(text).expect("a string serializes")
@@ -54,12 +62,26 @@ fn xml_function_rules(rule: &str, name: &str, parameters: &Value) -> Vec<String>
         let param_rule = format!("{rule}_p{index}");
         let open = lark_string(&format!("<parameter={key}>\n"));
         let close = "\"\\n</parameter>\\n\"";
-        if is_string_schema(schema) {
-            // Free text up to the closing tag (a lazy match: it ends at the first one).
+        let enum_strings: Option<Vec<&str>> = schema.get("enum").and_then(Value::as_array).and_then(|values| values.iter().map(Value::as_str).collect());
+        if let Some(values) = enum_strings.filter(|v| !v.is_empty()) {
+            let choices: Vec<String> = values.iter().map(|v| lark_string(v)).collect();
+            rules.push(format!("{param_rule}: {open} ({}) {close}", choices.join(" | ")));
+        } else if is_string_schema(schema) {
+            // Free text up to the closing tag (a lazy match: it ends at the first one), at most
+            // `maxLength` characters when the schema says.
+            let text = match schema.get("maxLength").and_then(Value::as_u64) {
+                Some(max) => {
+                    let min = schema.get("minLength").and_then(Value::as_u64).unwrap_or(0).min(max);
+                    let terminal = format!("{}_TEXT", param_rule.to_uppercase());
+                    rules.push(format!("{terminal}: /(?s:.{{{min},{max}}})/ & ~/{FORBIDDEN_IN_TEXT}/"));
+                    terminal
+                }
+                None => "TEXT".to_string(),
+            };
             rules.push(format!("{param_rule}: {open} {param_rule}_text"));
-            rules.push(format!("{param_rule}_text[suffix={close}]: /(?s:.*)/"));
+            rules.push(format!("{param_rule}_text[suffix={close}]: {text}"));
         } else {
-            rules.push(format!("{param_rule}: {open} %json {} {close}", serde_json::to_string(schema).expect("a schema serializes")));
+            rules.push(format!("{param_rule}: {open} %json {} {close}", with_bounded_whitespace((*schema).clone())));
         }
         let optional = if required.contains(&key.as_str()) { "" } else { "?" };
         body.push(format!("{param_rule}{optional}"));
@@ -90,13 +112,21 @@ mod tests {
     }
 
     #[test]
+    fn xml_string_values_can_be_bounded_or_enumerated() {
+        let parameters = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}}});
+        let grammar = forced_call_grammar(ToolCallSyntax::Xml, &[("get_weather".into(), parameters)]);
+        assert!(grammar.contains(r#"CALL_0_P0_TEXT: /(?s:.{0,20})/ & ~/"#), "{grammar}");
+        assert!(grammar.contains(r#"call_0_p1: "<parameter=unit>\n" ("c" | "f") "\n</parameter>\n""#), "{grammar}");
+    }
+
+    #[test]
     fn xml_syntax_has_a_block_per_parameter() {
         let parameters = json!({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]});
         let grammar = forced_call_grammar(ToolCallSyntax::Xml, &[("get_weather".into(), parameters), ("now".into(), json!({}))]);
         assert!(grammar.contains("call: call_0 | call_1"), "{grammar}");
         assert!(grammar.contains(r#"call_0: "\n<function=get_weather>\n" call_0_p0 call_0_p1? "</function>\n""#), "{grammar}");
-        assert!(grammar.contains(r#"call_0_p0_text[suffix="\n</parameter>\n"]: /(?s:.*)/"#), "{grammar}");
-        assert!(grammar.contains(r#"call_0_p1: "<parameter=days>\n" %json {"type":"integer"} "\n</parameter>\n""#), "{grammar}");
+        assert!(grammar.contains(r#"call_0_p0_text[suffix="\n</parameter>\n"]: TEXT"#), "{grammar}");
+        assert!(grammar.contains(r#"call_0_p1: "<parameter=days>\n" %json {"type":"integer","x-guidance":"#), "{grammar}");
         assert!(grammar.contains(r#"call_1: "\n<function=now>\n" "</function>\n""#), "{grammar}");
     }
 }

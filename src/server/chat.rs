@@ -9,7 +9,7 @@
 use super::error::{ApiError, ApiJson};
 use super::generation::{self, Emitted, Ending};
 use super::generation_options::ToolChoice;
-use super::logprobs_json;
+use super::logprobs_json::{self, TokenNames};
 use super::output_text::{OutputParsing, OutputText};
 use super::protocol::{max_tokens, ChatCompletionRequest};
 use super::ServerState;
@@ -37,6 +37,7 @@ struct ChatResponse {
     reasoning: Option<bool>,
     tools: Option<ToolSchemas>,
     logprobs: bool,
+    token_ids: bool,
 }
 
 impl ChatResponse {
@@ -50,6 +51,10 @@ impl ChatResponse {
 
     fn usage_chunk(&self, usage: Value) -> Value {
         json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [], "usage": usage})
+    }
+
+    fn names<'t>(&self, state: &'t ServerState) -> TokenNames<'t> {
+        TokenNames { tokenizer: &state.files.tokenizer, as_ids: self.token_ids }
     }
 
     fn output<'t>(&self, state: &'t ServerState) -> OutputText<'t> {
@@ -121,6 +126,7 @@ pub async fn chat_completions(State(state): State<ServerState>, ApiJson(body): A
         reasoning: format.thinking.then_some(reasoning_open),
         tools: tools.as_ref().map(ToolSchemas::from_tools),
         logprobs: body.logprobs == Some(true),
+        token_ids: body.fields.return_tokens_as_token_ids,
     };
     if body.fields.stream {
         Ok(stream_response(state, generations, response, prompt_tokens, body.fields.include_usage()))
@@ -166,7 +172,7 @@ async fn whole_response(state: ServerState, generations: Vec<Generation>, respon
     }
     finished.sort_by_key(|(index, _, _)| *index);
     let completion_tokens = finished.iter().map(|(_, _, ending)| ending.completion_tokens).sum();
-    let tokenizer = &state.files.tokenizer;
+    let names = response.names(&state);
     let choices: Vec<Value> = finished
         .into_iter()
         .map(|(index, choice, ending)| {
@@ -180,7 +186,7 @@ async fn whole_response(state: ServerState, generations: Vec<Generation>, respon
                 }
                 message["tool_calls"] = Value::Array(choice.tool_calls);
             }
-            let logprobs = response.logprobs.then(|| json!({"content": logprobs_json::chat_content(tokenizer, &choice.logprobs)}));
+            let logprobs = response.logprobs.then(|| json!({"content": logprobs_json::chat_content(names, &choice.logprobs)}));
             json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": ending.finish_reason})
         })
         .collect();
@@ -228,7 +234,7 @@ fn stream_response(state: ServerState, generations: Vec<Generation>, response: C
 /// tokens made; tokens that made no text yet (a partial character, a held-back tag) wait for
 /// the next chunk, or the choice's last.
 async fn stream_choice(state: &ServerState, index: usize, generation: Generation, response: &ChatResponse, events: &UnboundedSender<axum::response::sse::Event>) -> Result<Option<Ending>, ApiError> {
-    let tokenizer = &state.files.tokenizer;
+    let names = response.names(state);
     let mut output = response.output(state);
     let mut tool_index = 0;
     let mut pending_logprobs: Vec<TokenLogprob> = Vec::new();
@@ -243,13 +249,13 @@ async fn stream_choice(state: &ServerState, index: usize, generation: Generation
                     json!({"tool_calls": [tool_call_json(tool_index - 1, &call)]})
                 }
             };
-            let logprobs = response.logprobs.then(|| logprobs_json::chat_content(tokenizer, &std::mem::take(&mut pending_logprobs)));
+            let logprobs = response.logprobs.then(|| logprobs_json::chat_content(names, &std::mem::take(&mut pending_logprobs)));
             generation::send_json(events, &response.chunk(index, delta, logprobs, None));
         }
     };
     let ending = generation::drive(generation, &mut output, events.closed(), emit).await?;
     if let Some(ending) = ending {
-        let logprobs = response.logprobs.then(|| logprobs_json::chat_content(tokenizer, &pending_logprobs));
+        let logprobs = response.logprobs.then(|| logprobs_json::chat_content(names, &pending_logprobs));
         generation::send_json(events, &response.chunk(index, json!({}), logprobs, Some(ending.finish_reason)));
     }
     Ok(ending)

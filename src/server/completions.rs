@@ -3,7 +3,7 @@
 
 use super::error::{ApiError, ApiJson};
 use super::generation::{self, Emitted, Ending};
-use super::logprobs_json;
+use super::logprobs_json::{self, TokenNames};
 use super::output_text::{OutputParsing, OutputText};
 use super::protocol::{max_tokens, CompletionRequest, Prompt};
 use super::ServerState;
@@ -29,6 +29,7 @@ struct CompletionResponse {
     /// `echo`: the prompt's text, put before each choice's continuation.
     echo: Option<String>,
     logprobs: bool,
+    token_ids: bool,
 }
 
 impl CompletionResponse {
@@ -87,6 +88,7 @@ pub async fn completions(State(state): State<ServerState>, ApiJson(body): ApiJso
         stops,
         echo: echo.then_some(prompt_text),
         logprobs: logprobs.is_some(),
+        token_ids: body.fields.return_tokens_as_token_ids,
     };
     if body.fields.stream {
         Ok(stream_response(state, generations, response, prompt_tokens, body.fields.include_usage()))
@@ -120,7 +122,7 @@ async fn whole_response(state: ServerState, generations: Vec<Generation>, respon
     let choices: Vec<Value> = finished
         .into_iter()
         .map(|(index, text, logprobs, ending)| {
-            let logprobs = response.logprobs.then(|| logprobs_json::completion(&state.files.tokenizer, &logprobs, echo_chars));
+            let logprobs = response.logprobs.then(|| logprobs_json::completion(TokenNames { tokenizer: &state.files.tokenizer, as_ids: response.token_ids }, &logprobs, echo_chars));
             json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": ending.finish_reason})
         })
         .collect();
@@ -175,6 +177,7 @@ async fn stream_choice(state: &ServerState, index: usize, generation: Generation
         generation::send_json(events, &response.chunk(index, echo, None, None));
         offset = echo.chars().count();
     }
+    let names = TokenNames { tokenizer, as_ids: response.token_ids };
     let mut pending: Vec<TokenLogprob> = Vec::new();
     let emit = |emitted: Emitted| {
         pending.extend(emitted.logprobs);
@@ -182,13 +185,13 @@ async fn stream_choice(state: &ServerState, index: usize, generation: Generation
         if text.is_empty() {
             return;
         }
-        let logprobs = response.logprobs.then(|| logprobs_json::completion(tokenizer, &std::mem::take(&mut pending), offset));
+        let logprobs = response.logprobs.then(|| logprobs_json::completion(names, &std::mem::take(&mut pending), offset));
         offset += text.chars().count();
         generation::send_json(events, &response.chunk(index, &text, logprobs, None));
     };
     let ending = generation::drive(generation, &mut output, events.closed(), emit).await?;
     if let Some(ending) = ending {
-        let logprobs = response.logprobs.then(|| logprobs_json::completion(tokenizer, &pending, offset));
+        let logprobs = response.logprobs.then(|| logprobs_json::completion(names, &pending, offset));
         generation::send_json(events, &response.chunk(index, "", logprobs, Some(ending.finish_reason)));
     }
     Ok(ending)

@@ -39,6 +39,9 @@ pub struct GenerationFields {
     pub response_format: Option<Value>,
     /// Extension: a grammar in llguidance's Lark syntax the output must follow.
     pub grammar: Option<String>,
+    /// vLLM's: name tokens in log probabilities `token_id:ID` rather than by their text.
+    #[serde(default)]
+    pub return_tokens_as_token_ids: bool,
     /// Kestrel extension: the speculation method of this request (`none`, `ngram`, `mtp`).
     pub spec: Option<String>,
 }

@@ -104,6 +104,7 @@ fn raise_exception(message: String) -> Result<Value, Error> {
 }
 
 /// A model's chat templates, compiled once, ready to render conversations.
+#[derive(Clone)]
 pub(crate) struct ChatTemplate {
     environment: Environment<'static>,
     template_names: Vec<String>,

@@ -106,7 +106,7 @@ pub enum TokenizerError {
 
 /// A model's tokenizer with its chat template. Immutable after loading, so one
 /// instance behind an `Arc` serves every request.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// Counted once: `tokenizers` rebuilds the whole vocabulary map to count it.

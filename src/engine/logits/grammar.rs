@@ -36,11 +36,12 @@ pub enum GrammarError {
     Tokenizer(String),
 }
 
-/// The vocabulary as llguidance sees it: each token's bytes in a trie. Tokenizing text is
-/// only needed to force tokens, which the engine never does; the trie's greedy tokenization
-/// serves.
+/// The vocabulary as llguidance sees it: each token's bytes in a trie, and the tokenizer, with
+/// which llguidance splits text that the grammar forces (so the model writes forced text the
+/// way it was trained to: `<`, `function`, not the trie's greedy `<f`, `unction`).
 struct VocabEnv {
     trie: TokTrie,
+    tokenizer: Tokenizer,
 }
 
 impl TokenizerEnv for VocabEnv {
@@ -49,7 +50,8 @@ impl TokenizerEnv for VocabEnv {
     }
 
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        self.trie.greedy_tokenize(s)
+        // Bytes that are not UTF-8 (part of a character) fall back to the trie.
+        self.trie.tokenize_with_greedy_fallback(s, |text| self.tokenizer.encode(text, false).unwrap_or_else(|_| self.trie.greedy_tokenize(text.as_bytes())))
     }
 }
 
@@ -84,7 +86,7 @@ impl GrammarCompiler {
             .collect();
         let info = TokRxInfo::new(words.len() as u32, first_end);
         let trie = TokTrie::from(&info, &words).with_eos_tokens(end_tokens);
-        let env: TokEnv = Arc::new(VocabEnv { trie });
+        let env: TokEnv = Arc::new(VocabEnv { trie, tokenizer: tokenizer.clone() });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::Tokenizer(e.to_string()))?;
         factory.quiet();
         Ok(GrammarCompiler { factory, end_tokens: end_tokens.to_vec() })
@@ -242,8 +244,9 @@ impl Grammar {
 /// JSON; a model that would emit whitespace forever cannot fill its token budget with it.
 const JSON_WHITESPACE: &str = r"(?: |\n[ \t]{0,20})";
 
-/// A schema with llguidance's whitespace option set (unless the schema sets its own).
-fn with_bounded_whitespace(mut schema: serde_json::Value) -> serde_json::Value {
+/// A schema with llguidance's whitespace option set (unless the schema sets its own); also for
+/// schemas written inline in a Lark grammar (`%json {...}`).
+pub fn with_bounded_whitespace(mut schema: serde_json::Value) -> serde_json::Value {
     if let Some(object) = schema.as_object_mut() {
         if !object.contains_key("x-guidance") {
             object.insert("x-guidance".into(), serde_json::json!({"whitespace_pattern": JSON_WHITESPACE}));
