@@ -1,10 +1,12 @@
-// Position-keyed sampling on the device (the draw is defined in src/backend/sampling.rs): one
-// block per logits row, so only the chosen token ids leave the GPU.
+// Position-keyed sampling on the device (the draw is defined in src/backend/sampling/mod.rs):
+// one block per logits row, so only the chosen token ids leave the GPU.
 //
 // inv_temps[r] == 0 selects greedy: the argmax, NaN as -inf, ties to the lowest id.
 // Otherwise Gumbel-max over every token: score = (double)logit * inv_temp - ln(-ln(u)) with
 // u from the SplitMix64 hash of (position key, token); -inf and NaN logits never win. Rows with
-// top-k / top-p filtering are drawn on the host (the filtered set needs a sort).
+// top-k / top-p / min-p filtering are drawn on the host (the filtered set needs a sort).
+// A row without a single finite logit draws -1 (the host's NO_FINITE_LOGIT): its request ends
+// with an error.
 
 __device__ __forceinline__ u64 splitmix64_mix(u64 z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -21,6 +23,12 @@ __device__ __forceinline__ bool beats(double s, int t, double best_s, int best_t
 
 #define SAMPLE_THREADS 256
 #define NEG_INF_F64 __longlong_as_double(0xfff0000000000000LL)
+// done[r] counts the row's finished blocks in its low 16 bits and, from this bit up, those of
+// them that saw a finite logit (a row has fewer than 65536 blocks).
+#define FINITE_BLOCK 0x10000u
+
+// Neither NaN nor an infinity: the exponent bits are not all ones.
+__device__ __forceinline__ bool is_finite_f32(float x) { return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u; }
 
 // Keeps (s, t) as the thread's best if it beats it.
 __device__ __forceinline__ void keep_best(double s, int t, double& best_s, int& best_t) {
@@ -49,8 +57,9 @@ __device__ __forceinline__ void best_of_block(double best_s, int best_t, double*
     }
 }
 
-// out[r] = token drawn from logits[rows[r]], with keys[r] = position key (splitmix64_step(
-// splitmix64_step(seed) ^ position)) and inv_temps[r] = 1 / temperature (0 for greedy).
+// out[r] = token drawn from logits[rows[r]] (-1 when no logit of the row is finite), with
+// keys[r] = position key (splitmix64_step(splitmix64_step(seed) ^ position)) and inv_temps[r] =
+// 1 / temperature (0 for greedy).
 // Grid (splits, rows): a row's vocabulary is cut into gridDim.x ranges, a block each (one block
 // walking a 248K vocabulary took about 0.2 ms, most of a small model's decode step). Each
 // block leaves its range's best in part_s/part_t; the last block of the row to finish (counted
@@ -60,7 +69,7 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
     wait_for_inputs();
     __shared__ double best_scores[SAMPLE_THREADS];
     __shared__ int best_tokens[SAMPLE_THREADS];
-    __shared__ bool last;
+    __shared__ bool last, row_finite;
     int r = blockIdx.y, splits = gridDim.x;
     const float* row = logits + (long long)rows[r] * vocab;
     double inv_t = inv_temps[r];
@@ -68,6 +77,7 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
     bool greedy = inv_t == 0.0;
     double best_s = NEG_INF_F64;
     int best_t = 0x7fffffff;
+    bool finite = false;
     int chunk = (vocab + splits - 1) / splits, t0 = blockIdx.x * chunk, t1 = min(t0 + chunk, vocab);
     // Four loads in flight per thread before the scores.
     for (int base = t0 + threadIdx.x; base < t1; base += 4 * blockDim.x) {
@@ -82,6 +92,7 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
             int t = base + j * blockDim.x;
             bool masked = l[j] != l[j] || l[j] == NEG_INF;  // NaN or -inf
             if (t >= t1 || (masked && !greedy)) continue;
+            finite |= is_finite_f32(l[j]);
             double s;
             if (greedy) {
                 s = masked ? NEG_INF_F64 : (double)l[j];
@@ -93,10 +104,11 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
             keep_best(s, t, best_s, best_t);
         }
     }
+    bool block_finite = __syncthreads_or(finite) != 0;
     best_of_block(best_s, best_t, best_scores, best_tokens);
-    // Every token masked: token 0, as the host sampler answers.
+    // A finite logit is never masked, so a row with one always has a winner.
     if (splits == 1) {
-        if (threadIdx.x == 0) out[r] = best_tokens[0] == 0x7fffffff ? 0 : best_tokens[0];
+        if (threadIdx.x == 0) out[r] = block_finite ? best_tokens[0] : -1;
         return;
     }
     if (threadIdx.x == 0) {
@@ -104,7 +116,11 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
         part_t[r * splits + blockIdx.x] = best_tokens[0];
         // The partial is visible to every block before this block is counted.
         __threadfence();
-        last = atomicAdd(&done[r], 1u) == (unsigned)splits - 1;
+        unsigned mine = 1u + (block_finite ? FINITE_BLOCK : 0u);
+        // The last block's count includes every other block's.
+        unsigned counted = atomicAdd(&done[r], mine) + mine;
+        last = (counted & (FINITE_BLOCK - 1u)) == (unsigned)splits;
+        row_finite = counted >= FINITE_BLOCK;
     }
     __syncthreads();
     if (!last) return;
@@ -116,7 +132,7 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
     for (int i = threadIdx.x; i < splits; i += blockDim.x) keep_best(ps[r * splits + i], pt[r * splits + i], best_s, best_t);
     best_of_block(best_s, best_t, best_scores, best_tokens);
     if (threadIdx.x == 0) {
-        out[r] = best_tokens[0] == 0x7fffffff ? 0 : best_tokens[0];
+        out[r] = row_finite ? best_tokens[0] : -1;
         done[r] = 0u;
     }
 }

@@ -22,10 +22,16 @@ fn ok_json(args: &[&str]) -> Value {
 }
 
 fn fails_with(args: &[&str], needle: &str) {
+    fails_with_text(args, needle);
+}
+
+/// Like [`fails_with`], returning stderr.
+fn fails_with_text(args: &[&str], needle: &str) -> String {
     let out = kestrel(args);
     assert!(!out.status.success(), "kestrel {args:?} should fail");
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(err.contains(needle), "kestrel {args:?}: stderr lacks `{needle}`:\n{err}");
+    err
 }
 
 fn eval_json() -> Value {
@@ -106,11 +112,12 @@ fn batch_writes_one_line_per_request_in_order() {
     .unwrap();
     let out = kestrel(&["batch", "--input", input.to_str().unwrap(), "--output", output.to_str().unwrap(), "--max-batch", "2", "--spec", "mtp"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let lines: Vec<Value> = std::fs::read_to_string(&output).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    // Lines are written as their requests finish: find them by id.
+    let mut lines: Vec<Value> = std::fs::read_to_string(&output).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.len(), 3);
-    assert_eq!(lines[0]["id"], "a");
-    assert_eq!(lines[1]["id"], 7);
-    assert_eq!(lines[2]["id"], "c");
+    let ids = [serde_json::json!("a"), serde_json::json!(7), serde_json::json!("c")];
+    let order = |v: &Value| ids.iter().position(|id| v["id"] == *id).expect("a known id");
+    lines.sort_by_key(order);
     assert_eq!(lines[2]["spec"]["method"], "ngram");
     assert_eq!(lines[0]["spec"]["method"], "mtp");
     for l in &lines {
@@ -160,12 +167,32 @@ fn a_bench_sweep_that_stops_early_keeps_the_finished_results() {
     assert!(err.contains("mtp at concurrency 8") && err.contains("MTP head"), "{err}");
 }
 
+/// The thread count changes speed, never text: every output row is computed in the same order
+/// whichever thread runs it.
+#[test]
+fn the_thread_count_keeps_the_text() {
+    let default = ok_json(&["run", "def fib(n):", "-n", "32", "--json", "--device", "cpu"]);
+    for threads in ["1", "3"] {
+        let v = ok_json(&["run", "def fib(n):", "-n", "32", "--json", "--device", "cpu", "-t", threads]);
+        assert_eq!(v["token_ids"], default["token_ids"], "-t {threads} changed the text");
+    }
+}
+
+/// A real-size model with random weights runs on the CPU (the values the GPU would make).
+#[test]
+fn dummy_weights_at_a_real_size_run_on_the_cpu() {
+    let v = ok_json(&["run", "def", "-n", "2", "--json", "--device", "cpu", "--load-format", "dummy", "--model", "qwen3.5-0.8b", "--max-model-len", "64"]);
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+    assert_eq!(v["token_ids"].as_array().map(Vec::len), Some(2));
+}
+
 #[test]
 fn bad_input_gets_a_clear_error() {
     fails_with(&["run", "--model", "/nonexistent/model", "hi"], "does not exist");
     fails_with(&["run", ""], "empty prompt");
     fails_with(&["run", "hi", "-n", "0"], "max_tokens must be at least 1");
     fails_with(&["run", "hi", "--temperature=-1"], "temperature");
+    fails_with(&["run", "hi", "-n", "-5"], "max_tokens must be at least 1");
     fails_with(&["run", "hi", "--spec", "medusa"], "unknown speculation method");
     fails_with(&["run", "hi", "--spec", "none,ngram"], "one method");
     fails_with(&["run", "hi", "-n", "5000"], "exceeds the context length");
@@ -173,17 +200,229 @@ fn bad_input_gets_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("bad.jsonl");
     std::fs::write(&bad, "{\"id\": 1, \"prompt\": \"x\"}\n{not json}\n").unwrap();
-    fails_with(&["batch", "--input", bad.to_str().unwrap()], "line 2");
-    std::fs::write(&bad, r#"{"id": 1, "prompt": "x", "messages": []}"#).unwrap();
-    fails_with(&["batch", "--input", bad.to_str().unwrap()], "exactly one of `prompt` and `messages`");
     let empty_dir = tempfile::tempdir().unwrap();
     fails_with(&["info", "--model", empty_dir.path().to_str().unwrap()], "not a model directory");
-    // Dummy weights are generated on the GPU; the CPU refuses them, and a preset must exist.
-    fails_with(&["run", "hi", "--load-format", "dummy", "--model", "qwen3.5-0.8b", "--device", "cpu"], "use --device cuda");
-    fails_with(&["bench", "--load-format", "dummy", "--model", "qwen3.5-0.8b", "--device", "cpu", "--num-prompts", "1"], "use --device cuda");
+    // Dummy weights need a preset that exists.
     fails_with(&["run", "hi", "--load-format", "dummy", "--model", "qwen9-huge", "--device", "cpu"], "unknown model preset `qwen9-huge`");
+    fails_with(&["run", "hi", "--threads", "0"], "--threads must be at least 1");
+    fails_with(&["bench", "-t", "0", "--num-prompts", "1"], "--threads must be at least 1");
     fails_with(&["run", "hi", "--load-format", "dummy"], "needs --model PRESET");
     fails_with(&["run", "hi", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]");
-    fails_with(&["run", "hi", "--kv-cache-dtype", "tq3"], "only bf16");
     assert!(Path::new(env!("CARGO_BIN_EXE_kestrel")).exists());
+}
+
+fn stderr_of(args: &[&str]) -> String {
+    String::from_utf8_lossy(&kestrel(args).stderr).into_owned()
+}
+
+#[test]
+fn negative_numbers_are_values_and_ranges_are_those_of_the_server() {
+    for (flag, value) in [("--temperature", "-1"), ("--temp", "1e9"), ("--temperature", "2.5"), ("--top-p", "-0.5"), ("--top-p", "0"), ("--min-p", "-0.1"), ("--min-p", "2"), ("--top-k", "-2")] {
+        let canonical = if flag == "--temp" { "--temperature" } else { flag };
+        let err = stderr_of(&["run", "hi", flag, value]);
+        assert!(err.contains(&format!("invalid value for {canonical}")) && !err.contains("unexpected argument"), "{flag} {value}: {err}");
+    }
+    fails_with(&["run", "hi", "--seed", "-1.5"], "a seed is a whole number");
+    // -1 means something: a random seed, no top-k limit, as many tokens as the context holds.
+    let v = ok_json(&["run", "def f(x):", "--temperature", "0.8", "--seed", "-1", "--top-k", "-1", "-n", "4", "--json"]);
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    let v = ok_json(&["run", "def f(x):", "-c", "40", "-n", "-1", "--json"]);
+    let used = v["usage"]["prompt_tokens"].as_u64().unwrap() + v["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(used == 40 || v["finish_reason"] == "stop", "-n -1 should fill the context of 40: {v}");
+    // The top of the range is the server's and the chat's: 2.
+    ok_json(&["run", "def f(x):", "--temperature", "2", "-n", "2", "--json"]);
+}
+
+#[test]
+fn the_names_llama_cpp_and_vllm_users_try_first() {
+    let prompt = "def add(a, b):";
+    let base = ok_json(&["run", prompt, "-n", "12", "--json"]);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("prompt.txt");
+    std::fs::write(&file, prompt).unwrap();
+    for args in [&["-f", file.to_str().unwrap()][..], &["--file", file.to_str().unwrap()], &[prompt, "--temp", "0", "-c", "512"], &[prompt, "--ctx-size", "512"]] {
+        let mut all = vec!["run", "-n", "12", "--json"];
+        all.extend_from_slice(args);
+        assert_eq!(ok_json(&all)["token_ids"], base["token_ids"], "{args:?}");
+    }
+    fails_with(&["run", prompt, "-c", "8", "-n", "6"], "exceeds the context length of 8");
+    fails_with(&["run", prompt, "--ctx-size", "8", "-n", "6"], "exceeds the context length of 8");
+    fails_with(&["run", "-f", "/nonexistent/prompt.txt"], "cannot read the prompt from /nonexistent/prompt.txt");
+    fails_with(&["run", prompt, "-f", file.to_str().unwrap()], "cannot be used with");
+    // --stop ends the text before the stop string.
+    let text = base["text"].as_str().unwrap();
+    let stop: String = text.trim().chars().last().unwrap().to_string();
+    let cut = &text[..text.find(&stop).unwrap()];
+    let stopped = ok_json(&["run", prompt, "-n", "12", "--json", "--stop", &stop, "--stop", "\u{1}never"]);
+    assert_eq!(stopped["text"], cut, "stop {stop:?}");
+    assert_eq!(stopped["finish_reason"], "stop");
+    let out = kestrel(&["run", prompt, "-n", "12", "--stop", &stop]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), cut);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("(stop string)"));
+    fails_with(&["run", prompt, "--stop", "a", "--stop", "b", "--stop", "c", "--stop", "d", "--stop", "e"], "at most 4 --stop strings");
+}
+
+/// The options of `kestrel SUB --help`, and whether each has a line of help under it.
+fn options_with_help(sub: &str) -> Vec<(String, bool)> {
+    let out = kestrel(&[sub, "--help"]);
+    assert!(out.status.success(), "{sub} --help failed");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let lines: Vec<&str> = text.lines().collect();
+    let mut options = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let trimmed = line.trim_start();
+        // Options sit at most 6 columns in; deeper lines are their help (lists of values included).
+        if !(trimmed.starts_with('-') && line.len() - trimmed.len() <= 6) {
+            continue;
+        }
+        let long = trimmed.split([' ', ',']).find(|w| w.starts_with("--")).unwrap_or(trimmed).to_string();
+        // Short help puts the text beside the flag, two spaces on; long help on the next line.
+        let beside = trimmed.split("  ").skip(1).any(|s| !s.trim().is_empty());
+        let next = lines.get(i + 1).map_or("", |l| l.trim());
+        options.push((long, beside || (!next.is_empty() && !next.starts_with('[') && !next.starts_with('-'))));
+    }
+    options
+}
+
+#[test]
+fn each_subcommand_lists_only_the_flags_it_uses_each_with_a_help_line() {
+    let cases: [(&str, &[&str], &[&str]); 7] = [
+        ("run", &["--temperature", "--min-p", "--stop", "--file", "--spec", "--max-model-len", "--device", "--ignore-generation-config"], &["--input", "--port", "--context", "--max-num-seqs"]),
+        ("info", &["--model", "--json", "--load-format"], &["--spec", "--device", "--max-model-len", "--temperature", "--kv-blocks", "--gpu-memory-utilization"]),
+        ("perplexity", &["--file", "--context", "--device", "--allow-long-context"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs"]),
+        ("serve", &["--host", "--max-num-seqs", "--allowed-origins", "--spec", "--max-model-len"], &["--temperature", "--input", "--json"]),
+        ("batch", &["--input", "--max-num-seqs", "--spec", "--ignore-generation-config"], &["--temperature", "--port", "--json"]),
+        ("chat", &["--system", "--temperature", "--spec", "--max-model-len"], &["--json", "--port", "--input"]),
+        ("bench", &["--concurrency", "--spec", "--temperature", "--dataset"], &["--port", "--input", "--ignore-generation-config"]),
+    ];
+    for (sub, present, absent) in cases {
+        let options = options_with_help(sub);
+        let names: Vec<&str> = options.iter().map(|(name, _)| name.as_str()).collect();
+        for flag in present {
+            assert!(names.contains(flag), "{sub} --help lacks {flag}: {names:?}");
+        }
+        for flag in absent {
+            assert!(!names.contains(flag), "{sub} --help lists {flag}, which it does not use");
+        }
+        let bare: Vec<&str> = options.iter().filter(|(_, helped)| !helped).map(|(name, _)| name.as_str()).collect();
+        assert!(bare.is_empty(), "{sub}: options without a help line: {bare:?}");
+    }
+    // A flag that does not apply is refused, not ignored.
+    fails_with(&["info", "--spec", "mtp"], "unexpected argument '--spec'");
+    fails_with(&["perplexity", "--file", "x", "--temperature", "1"], "unexpected argument '--temperature'");
+}
+
+#[test]
+fn hints_point_at_the_fix() {
+    // `gpu` is another name of `cuda`: it needs a GPU, and runs where there is one.
+    let out = kestrel(&["run", "hi", "--device", "gpu", "-n", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() || err.contains("--device cuda"), "{err}");
+    assert!(!err.contains("invalid value"), "{err}");
+    let weights = root().join("models/kestrel-coder/model.safetensors");
+    fails_with(&["run", "hi", "-m", weights.to_str().unwrap()], "pass the directory itself");
+    fails_with(&["info", "--model", root().join("models/kestrel-coder/config.json").to_str().unwrap()], "pass the directory itself");
+    for dtype in ["fp8", "tq3", "bf16"] {
+        let err = fails_with_text(&["run", "hi", "--kv-cache-dtype", dtype], "not implemented yet");
+        assert!(!err.contains("only bf16"), "{err}");
+    }
+    fails_with(&["run", "hi", "--quantization", "fp8"], "not implemented yet");
+}
+
+#[test]
+fn limits_are_documented_and_enforced() {
+    for k in ["0", "17", "100000"] {
+        fails_with(&["run", "hi", "--spec", "ngram", "--spec-tokens", k], "from 1 to 16");
+    }
+    ok_json(&["run", "def f(x):", "--spec", "ngram", "--spec-tokens", "16", "-n", "4", "--json"]);
+    // Past the model's trained length (4096) only when asked for.
+    fails_with(&["run", "hi", "-c", "8192"], "--allow-long-context");
+    fails_with(&["run", "hi", "--max-model-len", "8192"], "max_position_embeddings (4096)");
+    ok_json(&["run", "def f(x):", "-c", "8192", "--allow-long-context", "-n", "2", "--json"]);
+    let heldout = root().join("models/kestrel-coder/heldout.txt");
+    fails_with(&["perplexity", "--file", heldout.to_str().unwrap(), "--context", "8192"], "--allow-long-context");
+    let v = ok_json(&["perplexity", "--file", heldout.to_str().unwrap(), "--context", "8192", "--allow-long-context", "--json"]);
+    assert!(v["perplexity"].as_f64().unwrap().is_finite(), "{v}");
+}
+
+#[test]
+fn a_bad_batch_line_gets_an_error_line_and_the_others_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.jsonl");
+    let lines = [
+        // A byte-order mark before line 1 is not part of it.
+        "\u{feff}{\"id\": \"a\", \"prompt\": \"def add(a, b):\", \"max_tokens\": 4}",
+        "{not json}",
+        r#"{"id": 3, "messages": [{"role": "wizard", "content": "x"}]}"#,
+        "",
+        r#"{"id": "d", "prompt": "x", "max_tokens": 2, "temperature": "hot"}"#,
+        r#"{"id": "e", "promt": "x"}"#,
+        r#"{"id": "f", "prompt": "x", "messages": []}"#,
+        r#"{"id": "g", "prompt": "class A:", "max_tokens": 5000}"#,
+        r#"{"id": "h", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0.9, "min_p": 0.2, "seed": -1}"#,
+        r#"{"id": "i", "prompt": "x", "top_p": 7}"#,
+        r#"{"prompt": "no id"}"#,
+    ];
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let out = kestrel(&["batch", "--input", input.to_str().unwrap(), "--max-num-seqs", "2"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let results: Vec<Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(results.len(), 10, "one line per request: {results:?}");
+    let by_line = |line: u64| results.iter().find(|r| r["line"] == line).unwrap_or_else(|| panic!("no error line for input line {line}: {results:?}"));
+    for (line, id, needle) in [
+        (2, Value::Null, "column"),
+        (3, serde_json::json!(3), "unknown role `wizard`"),
+        (5, serde_json::json!("d"), "`temperature`"),
+        (6, serde_json::json!("e"), "unknown field `promt`"),
+        (7, serde_json::json!("f"), "exactly one of `prompt` and `messages`"),
+        (8, serde_json::json!("g"), "exceeds the context length"),
+        (10, serde_json::json!("i"), "top_p"),
+        (11, Value::Null, "missing field `id`"),
+    ] {
+        let r = by_line(line);
+        assert_eq!(r["id"], id, "{r}");
+        let message = r["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with(&format!("line {line}: ")) && message.contains(needle), "line {line}: {message}");
+        assert!(r.get("text").is_none(), "{r}");
+    }
+    for id in ["a", "h"] {
+        let r = results.iter().find(|r| r["id"] == id).unwrap_or_else(|| panic!("no result for {id}"));
+        assert!(r.get("error").is_none() && r["text"].is_string(), "{r}");
+    }
+    assert!(String::from_utf8_lossy(&out.stderr).contains("8 of the requests failed"));
+}
+
+#[test]
+fn batch_results_are_written_as_requests_finish() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.jsonl");
+    std::fs::write(&input, "{\"id\": \"long\", \"prompt\": \"import os\", \"max_tokens\": 600}\n{\"id\": \"short\", \"prompt\": \"def f(x):\", \"max_tokens\": 2}\n").unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args(["batch", "--device", "cpu", "--max-num-seqs", "2", "--input", input.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    let still_running = child.try_wait().unwrap().is_none();
+    let first: Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(first["id"], "short", "{first}");
+    assert!(still_running, "the short request's line only came when the whole batch was done");
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    assert!(child.wait().unwrap().success());
+    let second: Value = serde_json::from_str(rest.trim()).unwrap();
+    assert_eq!(second["id"], "long");
+}
+
+#[test]
+fn batch_help_documents_the_input_format() {
+    let out = kestrel(&["batch", "--help"]);
+    let help = String::from_utf8_lossy(&out.stdout);
+    for needle in ["one JSON object per line", "\"prompt\"", "messages", "max_tokens", "min_p", "\"error\"", "in the order requests finish"] {
+        assert!(help.contains(needle), "batch --help lacks {needle:?}:\n{help}");
+    }
 }

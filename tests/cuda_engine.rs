@@ -57,8 +57,8 @@ enum Draw {
 fn sampling(draw: Draw, i: usize) -> SamplingParams {
     match draw {
         Draw::Greedy => SamplingParams::greedy(),
-        Draw::Seeded => SamplingParams { temperature: 0.8, top_k: 0, top_p: 1.0, seed: 1000 + i as u64 },
-        Draw::SeededFiltered => SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 2000 + i as u64 },
+        Draw::Seeded => SamplingParams { temperature: 0.8, seed: 1000 + i as u64, ..SamplingParams::greedy() },
+        Draw::SeededFiltered => SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 2000 + i as u64, ..SamplingParams::greedy() },
     }
 }
 
@@ -196,7 +196,7 @@ fn awkward_logits(rng: &mut Rng, rows: usize, vocab: usize) -> Vec<f32> {
                     row[i] = if i.is_multiple_of(2) { f32::NAN } else { f32::NEG_INFINITY };
                 }
             }
-            // Everything masked: token 0.
+            // Everything masked: nothing finite to draw from.
             2 if r % 10 == 2 => row.fill(f32::NEG_INFINITY),
             _ => {}
         }
@@ -214,9 +214,10 @@ fn device_sampling_draws_what_the_host_sampler_draws() {
         let logits = awkward_logits(&mut rng, rows, vocab);
         let params = [
             SamplingParams::greedy(),
-            SamplingParams { temperature: 0.7, top_k: 0, top_p: 1.0, seed: 3 },
-            SamplingParams { temperature: 1.5, top_k: 0, top_p: 1.0, seed: 99 },
-            SamplingParams { temperature: 0.9, top_k: 20, top_p: 0.9, seed: 7 },
+            SamplingParams { temperature: 0.7, seed: 3, ..SamplingParams::greedy() },
+            SamplingParams { temperature: 1.5, seed: 99, ..SamplingParams::greedy() },
+            SamplingParams { temperature: 0.9, top_k: 20, top_p: 0.9, seed: 7, ..SamplingParams::greedy() },
+            SamplingParams { temperature: 0.8, min_p: 0.05, seed: 11, ..SamplingParams::greedy() },
         ];
         let specs: Vec<RowSampling> = (0..rows).map(|r| RowSampling { params: params[r % params.len()].clone(), position: (r * 37) as u64 }).collect();
         let on_gpu = gpu.sample_rows(&gpu.from_host(&logits, rows, vocab), &specs);
@@ -227,6 +228,46 @@ fn device_sampling_draws_what_the_host_sampler_draws() {
         let argmax = gpu.sample_rows(&gpu.from_host(&logits, rows, vocab), &greedy);
         if vocab > 100 {
             assert!(on_gpu.iter().zip(&argmax).any(|(a, b)| a != b), "vocab {vocab}: sampled rows all equal the argmax");
+        }
+    }
+}
+
+/// Rows with no finite logit, in every shape a broken model gives them, among healthy rows: all
+/// NaN, all -inf, all +inf, a mix of the three, and rows whose only finite logit (or only +inf)
+/// sits in the last of a split row's blocks, so that blocks must agree on what they saw.
+fn rows_without_finite_logits(rng: &mut Rng, vocab: usize) -> Vec<Vec<f32>> {
+    let mixed: Vec<f32> = (0..vocab).map(|i| [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][i % 3]).collect();
+    let mut last_finite = vec![f32::NAN; vocab];
+    last_finite[vocab - 1] = -7.5;
+    let mut last_infinite = vec![f32::NEG_INFINITY; vocab];
+    last_infinite[vocab - 1] = f32::INFINITY;
+    vec![vec![f32::NAN; vocab], rng.vec(vocab, 4.0), vec![f32::NEG_INFINITY; vocab], vec![f32::INFINITY; vocab], mixed, last_finite, last_infinite, rng.vec(vocab, 4.0)]
+}
+
+#[test]
+fn rows_without_a_finite_logit_draw_the_no_finite_signal_on_the_device() {
+    use kestrel::backend::sampling::NO_FINITE_LOGIT;
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(17);
+    // One block per row, and a row split across blocks.
+    for vocab in [1000, 248_320] {
+        let rows = rows_without_finite_logits(&mut rng, vocab);
+        let flat: Vec<f32> = rows.concat();
+        let params = [
+            SamplingParams::greedy(),
+            SamplingParams { temperature: 0.8, seed: 5, ..SamplingParams::greedy() },
+            // Filtered rows are drawn on the host from the copied row.
+            SamplingParams { temperature: 0.8, top_k: 40, min_p: 0.05, seed: 5, ..SamplingParams::greedy() },
+        ];
+        for p in &params {
+            let specs: Vec<RowSampling> = (0..rows.len()).map(|r| RowSampling { params: p.clone(), position: r as u64 }).collect();
+            let on_gpu = gpu.sample_rows(&gpu.from_host(&flat, rows.len(), vocab), &specs);
+            let on_cpu = cpu.sample_rows(&cpu.from_host(&flat, rows.len(), vocab), &specs);
+            assert_eq!(on_gpu, on_cpu, "vocab {vocab} {p:?}: device and host disagree");
+            let signalled: Vec<bool> = on_gpu.iter().map(|&t| t == NO_FINITE_LOGIT).collect();
+            assert_eq!(signalled, [true, false, true, true, true, false, true, false], "vocab {vocab} {p:?}: {on_gpu:?}");
+            assert_eq!(on_gpu[5], (vocab - 1) as u32, "vocab {vocab} {p:?}: the one finite logit must be drawn");
         }
     }
 }

@@ -26,7 +26,7 @@ fn requests() -> Vec<Request> {
     let encode = |text: &str| files.tokenizer.encode(text, false).expect("encodes");
     let json = compiler.compile(&GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema")), &ends).expect("compiles");
     let lark = compiler.compile(&GrammarSpec::Lark("start: \"def \" NAME \"(\" NAME? \"):\"\nNAME: /[a-z_]{1,8}/".into()), &ends).expect("compiles");
-    let sampled = |seed| SamplingParams { temperature: 0.8, top_k: 0, top_p: 0.95, seed };
+    let sampled = |seed| SamplingParams { temperature: 0.8, top_k: 0, top_p: 0.95, min_p: 0.02, seed };
     let with = |prompt: &str, params, max_tokens, logits| Request { logits, ..Request::new(encode(prompt), params, max_tokens, ends.clone()) };
     vec![
         with("# describe it as JSON\n", sampled(3), 120, LogitsOptions { grammar: Some(json.clone()), logprobs: Some(3), ..LogitsOptions::default() }),

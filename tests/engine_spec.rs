@@ -59,7 +59,7 @@ fn max_tokens(i: usize) -> usize {
 fn sampling(kind: usize, i: usize) -> SamplingParams {
     match kind {
         0 => SamplingParams::greedy(),
-        _ => SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 1000 + i as u64 },
+        _ => SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 1000 + i as u64, ..SamplingParams::greedy() },
     }
 }
 
@@ -225,4 +225,22 @@ fn zero_draft_steps_mix_with_full_accepts() {
     // Several requests per step: some rows draft, others do not, and sometimes none do.
     let r = run_controlled(&ps, &refs, 4, 8, Box::new(|call, _, cap| if call % 3 == 0 { 0 } else if call % 2 == 0 { cap } else { 1 }));
     assert_eq!(r.outputs, refs, "mixed zero and non-zero draft rows in one step");
+}
+
+#[test]
+fn an_aborted_request_keeps_its_drafts_in_the_engine_totals() {
+    let (_, model) = load_model(&fixture_dir(MODEL));
+    let mut engine = engine(model, EngineConfig { max_num_seqs: 2, spec: SpecMethod::Ngram, spec_tokens: 3, ..EngineConfig::default() });
+    // Drafts from a custom drafter, so that every step drafts.
+    engine.set_custom_drafter(Some(Box::new(|_, tokens: &[u32], left| tokens.iter().rev().take(left.min(3)).copied().collect())));
+    let id = engine.add_request(request(&[5, 6, 7, 5, 6, 7], 200, SamplingParams::greedy(), None)).expect("accepted");
+    let mut steps = 0;
+    while engine.request_spec_stats(id).is_none_or(|s| s.drafted < 9) {
+        engine.step();
+        steps += 1;
+        assert!(steps < 100, "no drafts after 100 steps");
+    }
+    let drafted = engine.request_spec_stats(id).expect("in flight").drafted;
+    engine.abort(id).expect("aborted");
+    assert_eq!(engine.stats.spec.drafted, drafted, "the aborted request's drafts left the totals");
 }

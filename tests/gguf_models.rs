@@ -18,7 +18,7 @@ use kestrel::engine::request::SpecMethod;
 use kestrel::backend::sampling::SamplingParams;
 use kestrel::engine::EngineConfig;
 use kestrel::model::arch::qwen35::Qwen35;
-use kestrel::model::weights::gguf::{GgufFile, GgufTensor, GgufValue, GgufWriter};
+use kestrel::model::weights::gguf::{GgufArray, GgufFile, GgufTensor, GgufValue, GgufWriter};
 use kestrel::model::weights::Dtype;
 use kestrel::model::ModelFiles;
 use kestrel::tokenizer::ChatMessage;
@@ -453,6 +453,88 @@ fn unsupported_tensor_type_is_named() {
     let (_dir, path) = with_tensor_type("qwen35-moe-quant", "blk.0.attn_gate.weight", 10, 256, 84);
     let msg = gguf_load_error(&path);
     assert!(msg.contains("blk.0.attn_gate.weight") && msg.contains("Q2_K") && msg.contains("not supported"), "{msg}");
+}
+
+#[test]
+fn metadata_that_cannot_be_right_is_refused_naming_the_key() {
+    for (key, value) in [
+        ("qwen35.attention.layer_norm_rms_epsilon", GgufValue::F32(-1.0)),
+        ("qwen35.attention.layer_norm_rms_epsilon", GgufValue::F32(f32::NAN)),
+        ("qwen35.rope.freq_base", GgufValue::F32(0.0)),
+        ("qwen35.block_count", GgufValue::U32(0)),
+        ("qwen35.attention.head_count_kv", GgufValue::U32(3)),
+        ("tokenizer.ggml.eos_token_id", GgufValue::U32(99_999)),
+    ] {
+        let (_dir, path) = edited("qwen35-dense", |k, v| Some(if k == key { value.clone() } else { v.clone() }), keep);
+        let msg = gguf_load_error(&path);
+        assert!(msg.contains(&format!("`{key}`")), "{key} = {value:?}: {msg}");
+    }
+}
+
+/// Rows `rows..rows + extra` appended to a `[rows, width]` BF16 matrix: row `copy_of` times
+/// `scale` at `at`, zeros elsewhere.
+fn bf16_rows_appended(data: &[u8], width: usize, extra: usize, at: usize, copy_of: usize, scale: f32) -> Vec<u8> {
+    let rows = data.len() / (2 * width);
+    let mut out = data.to_vec();
+    out.resize((rows + extra) * width * 2, 0);
+    for c in 0..width {
+        let i = 2 * (copy_of * width + c);
+        let value = half::bf16::from_le_bytes([data[i], data[i + 1]]).to_f32() * scale;
+        let j = 2 * (at * width + c);
+        out[j..j + 2].copy_from_slice(&half::bf16::from_f32(value).to_le_bytes());
+    }
+    out
+}
+
+#[test]
+fn a_padded_vocabulary_decodes_the_padding_the_model_generates() {
+    // llama.cpp's converter pads the token list to the embedding's rows with `[PAD{id}]` tokens of
+    // type UNUSED (5). Here 8 padded rows are added, and the output row of padded id 517 is made
+    // to win the first draw: twice the logit of the reference's first greedy token (or half of a
+    // negative one), so it is the greedy choice.
+    let name = "qwen35-dense";
+    let r = reference(name);
+    let vocab = r.logits.len() / r.prompt_ids.len();
+    let greedy = r.greedy_ids[0] as usize;
+    let logit = r.logits[(r.prompt_ids.len() - 1) * vocab + greedy];
+    let scale = if logit > 0.0 { 2.0 } else { 0.5 };
+    let (extra, padded) = (8usize, vocab + 5);
+    let (_dir, path) = edited(
+        name,
+        |k, v| match (k, v) {
+            ("tokenizer.ggml.tokens", GgufValue::Array(GgufArray::String(tokens))) => {
+                assert_eq!(tokens.len(), vocab, "the fixture's token list fills its embedding");
+                Some(GgufValue::Array(GgufArray::String(tokens.iter().cloned().chain((vocab..vocab + extra).map(|i| format!("[PAD{i}]"))).collect())))
+            }
+            ("tokenizer.ggml.token_type", GgufValue::Array(GgufArray::I32(types))) => Some(GgufValue::Array(GgufArray::I32(types.iter().copied().chain(std::iter::repeat_n(5, extra)).collect()))),
+            _ => Some(v.clone()),
+        },
+        |t, d| {
+            if t.name() != "token_embd.weight" && t.name() != "output.weight" {
+                return keep(t, d);
+            }
+            assert_eq!(t.ggml_type(), 30, "{} is BF16 in the fixture", t.name());
+            let width = t.dims()[0] as usize;
+            let scale = if t.name() == "output.weight" { scale } else { 1.0 };
+            Some((t.name().to_string(), vec![width as u64, (vocab + extra) as u64], 30, bf16_rows_appended(d, width, extra, padded, greedy, scale)))
+        },
+    );
+    let prompt = std::fs::read(fixture_dir(name).join("reference.safetensors")).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&prompt).unwrap();
+    let text = meta.metadata().as_ref().unwrap()["prompt"].clone();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args(["run", "--model", path.to_str().unwrap(), &text, "-n", "6", "--json", "--device", "cpu"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "a generated padding id failed the run: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ids: Vec<u64> = v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    assert_eq!(ids[0], padded as u64, "the padded id was not generated: {v}");
+    // The padding decodes as nothing: the text is that of the other tokens.
+    let files = ModelFiles::open(Some(&path)).unwrap();
+    let rest: Vec<u32> = ids[1..].iter().map(|&i| i as u32).collect();
+    assert_eq!(v["text"], files.tokenizer.decode(&rest, true).unwrap());
+    assert!(files.tokenizer.decode(&[(vocab + extra) as u32], true).is_err(), "an id past the embedding must still fail");
 }
 
 #[test]

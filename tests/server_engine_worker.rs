@@ -47,6 +47,7 @@ fn collect(generation: &mut Generation) -> (Vec<u32>, FinishReason) {
         match next_event(generation) {
             GenerationEvent::Accepted => {}
             GenerationEvent::Rejected(err) => panic!("refused: {err}"),
+            GenerationEvent::Failed { error, .. } => panic!("failed: {error}"),
             GenerationEvent::Tokens { tokens: new, .. } => tokens.extend(new),
             GenerationEvent::Finished { reason, summary } => {
                 assert_eq!(summary.generated, tokens, "the summary holds exactly the streamed tokens");
@@ -72,7 +73,7 @@ fn wait_idle(handle: &EngineHandle) {
 fn concurrent_requests_share_the_batch_and_match_requests_run_alone() {
     let worker = start_worker(8, SpecMethod::Ngram);
     let handle = worker.handle();
-    let params = |i: usize| if i.is_multiple_of(2) { SamplingParams::greedy() } else { SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 7 + i as u64 } };
+    let params = |i: usize| if i.is_multiple_of(2) { SamplingParams::greedy() } else { SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 7 + i as u64, ..SamplingParams::greedy() } };
     let requests: Vec<Request> = (0..6).map(|i| request(&prompt(i as u32, 5 + 13 * i), 24 + i, params(i), None)).collect();
     let alone: Vec<Vec<u32>> = requests.iter().map(|r| generate_alone(Some(&fixture_dir(MODEL)), &r.prompt_ids, r.max_tokens, r.params.clone())).collect();
 

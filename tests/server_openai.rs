@@ -49,6 +49,63 @@ fn every_error_case_is_an_openai_error_and_the_server_keeps_serving() {
 }
 
 #[test]
+fn a_request_that_meets_nan_logits_fails_alone_and_the_others_go_on() {
+    let server = ServerProcess::start(nan_chat_model(), &["--max-num-seqs", "4"]);
+    let mut args = reply_args();
+    args.extend(["--poison-word".to_string(), POISON_WORD.to_string()]);
+    run_checks(&server, &args, &["nonfinite"]);
+    let mut server = server;
+    assert!(server.is_running(), "the server exited after a failed request");
+}
+
+#[test]
+fn browsers_of_allowed_origins_get_cors_headers() {
+    let server = ServerProcess::start(chat_model(), &["--allowed-origins", "http://localhost:5173,http://app.example"]);
+    run_checks(&server, &["--allowed-origin".into(), "http://app.example".into()], &["cors"]);
+}
+
+#[test]
+fn serve_takes_the_model_as_an_argument_a_host_name_and_the_max_batch_alias() {
+    let args: Vec<String> = vec![chat_model().display().to_string(), "--host".into(), "localhost".into(), "--max-batch".into(), "2".into()];
+    let server = ServerProcess::start_with(&args);
+    assert!(server.address.ip().is_loopback(), "localhost listens on loopback: {}", server.address);
+    run_checks(&server, &reply_args(), &["models", "chat"]);
+}
+
+/// `kestrel serve` with a model path that does not exist: whatever fails first was checked
+/// before the model was opened.
+fn serve_error(args: &[&str]) -> String {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_kestrel"));
+    command.args(["serve", "/nonexistent/model", "--device", "cpu"]).args(args);
+    let output = run_with_deadline(&mut command, std::time::Duration::from_secs(60));
+    assert!(!output.status.success(), "kestrel serve {args:?} should fail");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!stderr.contains("does not exist"), "kestrel serve {args:?} opened the model before refusing: {stderr}");
+    stderr
+}
+
+#[test]
+fn bad_flags_and_a_busy_port_are_refused_before_the_model_loads() {
+    for (args, needle) in [
+        (&["--api-key", ""][..], "--api-key is empty"),
+        (&["--max-request-bytes", "0"], "--max-request-bytes must be at least 1"),
+        (&["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+        (&["--allowed-origins", "example.com"], "not an origin"),
+        (&["--host", "no-such-host.invalid"], "--host no-such-host.invalid"),
+    ] {
+        let stderr = serve_error(args);
+        assert!(stderr.contains(needle), "kestrel serve {args:?}: stderr lacks {needle:?}: {stderr}");
+    }
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let port = busy.local_addr().expect("bound").port().to_string();
+    let stderr = serve_error(&["--port", &port]);
+    assert!(stderr.contains("in use") && stderr.contains(&port), "{stderr}");
+    // Both ways of naming the model at once is a mistake.
+    let stderr = serve_error(&["--model", "/elsewhere"]);
+    assert!(stderr.contains("cannot be used with"), "{stderr}");
+}
+
+#[test]
 fn api_key_is_required_when_set() {
     let server = ServerProcess::start(chat_model(), &["--api-key", "sesame"]);
     run_checks(&server, &["--api-key".into(), "sesame".into()], &["api_key"]);

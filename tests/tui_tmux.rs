@@ -174,8 +174,12 @@ fn ctrl_c_stops_a_reply_without_quitting_and_errors_stay_in_the_app() {
 
     chat.send_line("/clear");
     chat.wait_for_screen("the cleared conversation", |s| s.contains("Conversation cleared.") && !s.contains("second line"));
+    // Ctrl-C when idle asks first; a second one quits.
     chat.send_key("C-c");
-    wait_for(Duration::from_secs(20), "the chat to quit on Ctrl-C when idle", || chat.pane_dead().then_some(()));
+    chat.wait_for_screen("the question before quitting", |s| s.contains("again to quit"));
+    assert!(!chat.pane_dead(), "one Ctrl-C when idle quit at once");
+    chat.send_key("C-c");
+    wait_for(Duration::from_secs(20), "the chat to quit on a second Ctrl-C when idle", || chat.pane_dead().then_some(()));
     // The shell around the chat writes its exit status to a file once it has reaped it.
     let status = wait_for(Duration::from_secs(20), "the exit status", || {
         std::fs::read_to_string(&chat.status_file).ok().filter(|s| s.ends_with('\n')).map(|s| s.trim().to_string())
@@ -194,4 +198,52 @@ fn a_thinking_models_reasoning_is_folded_and_shown_on_request() {
     chat.send_line("/reasoning");
     let screen = chat.wait_for_screen("the reasoning", |s| s.contains("│ I will call get_weather."));
     assert!(screen.contains("▾ reasoning") && screen.contains(answer_start), "{screen}");
+}
+
+/// The number after "of" on the panel's `session` line (drafts over the session), if shown.
+fn session_drafted(screen: &str) -> Option<u64> {
+    screen.lines().find_map(|line| {
+        let rest = line.split("session").nth(1)?;
+        let count: String = rest.split(" of ").nth(1)?.chars().take_while(char::is_ascii_digit).collect();
+        count.parse().ok()
+    })
+}
+
+#[test]
+fn a_stopped_reply_keeps_its_figures_in_the_session_totals() {
+    let chat = ChatInTmux::start(100, 30, &["-n", "4000", "--spec", "ngram"]);
+    chat.send_line("talk for a long time");
+    let screen = chat.wait_for_screen("session figures while the reply runs", |s| session_drafted(s).is_some_and(|n| n > 20));
+    let during = session_drafted(&screen).expect("session drafts");
+    chat.send_key("C-c");
+    let screen = chat.wait_for_screen("the stopped reply", |s| s.contains("[stopped]") && s.contains("batch        0 running"));
+    let after = session_drafted(&screen).unwrap_or_else(|| panic!("the session totals lost the stopped reply:\n{screen}"));
+    assert!(after >= during, "session drafts fell from {during} to {after} when the reply stopped:\n{screen}");
+}
+
+#[test]
+fn a_pasted_message_keeps_its_line_breaks_and_esc_asks_before_quitting() {
+    let chat = ChatInTmux::start(100, 30, &["-n", "13"]);
+    // Pasted as a terminal pastes: line breaks as carriage returns, inside bracketed-paste marks.
+    chat.run(&["set-buffer", "-b", "pasted", "first pasted line\nsecond pasted line\nthird"]);
+    chat.run(&["paste-buffer", "-p", "-b", "pasted", "-t", "chat"]);
+    chat.wait_for_screen("the pasted text in the editor", |s| s.contains("second pasted line"));
+    chat.send_key("Enter");
+    let screen = chat.wait_for_screen("the reply", |s| s.contains("[token limit]"));
+    let rows: Vec<&str> = screen.lines().collect();
+    let first = rows.iter().position(|l| l.contains("first pasted line")).expect("the first line is shown");
+    assert!(!rows[first].contains("second"), "the pasted lines ran together:\n{screen}");
+    assert!(rows[first + 1].contains("second pasted line") && rows[first + 2].contains("third"), "the pasted lines lost their breaks:\n{screen}");
+    assert_eq!(count(&screen, "[token limit]"), 1, "the paste was sent as more than one message:\n{screen}");
+
+    // Esc asks before quitting; any other key carries on.
+    chat.send_key("Escape");
+    chat.wait_for_screen("the question before quitting", |s| s.contains("again to quit"));
+    chat.run(&["send-keys", "-t", "chat", "-l", "x"]);
+    chat.wait_for_screen("the question withdrawn", |s| !s.contains("again to quit"));
+    assert!(!chat.pane_dead(), "Esc quit at once");
+    chat.send_key("Escape");
+    chat.wait_for_screen("the question before quitting", |s| s.contains("again to quit"));
+    chat.send_key("Escape");
+    wait_for(Duration::from_secs(20), "the chat to quit on a second Esc", || chat.pane_dead().then_some(()));
 }

@@ -86,7 +86,7 @@ impl BatchLayout {
 }
 
 /// How to draw the token of one logits row: the request's sampling parameters and the output
-/// position the row predicts (the key of the position-keyed noise, see backend/sampling.rs).
+/// position the row predicts (the key of the position-keyed noise, see backend/sampling/).
 #[derive(Debug, Clone)]
 pub struct RowSampling {
     pub params: SamplingParams,
@@ -337,8 +337,9 @@ pub trait Backend: Send + Sync {
     }
 
     /// One token per row of `logits` (`[N, vocab]`), drawn by position-keyed sampling
-    /// ([`sample_at_position`]) with `rows[i]` for row `i`. A device backend draws on the device
-    /// so that only the tokens come back; this default copies the logits to the host.
+    /// ([`sample_at_position`]) with `rows[i]` for row `i`; a row without a finite logit gives
+    /// [`crate::backend::sampling::NO_FINITE_LOGIT`]. A device backend draws on the device so that
+    /// only the tokens come back; this default copies the logits to the host.
     fn sample_rows(&self, logits: &Self::Tensor, rows: &[RowSampling]) -> Vec<u32> {
         let (n, vocab) = self.shape(logits);
         assert_eq!(n, rows.len(), "sample_rows: {n} logits rows, {} sampling specs", rows.len());
@@ -355,12 +356,13 @@ pub trait Backend: Send + Sync {
     }
 
     /// While `Some(seed)`, `upload_matrix` ignores the bytes it is given and fills the matrix
-    /// with random bf16 values generated on the device (`--load-format dummy`: real-size
-    /// models without files). Only device backends can; the CPU has no bytes to skip.
+    /// with random bf16 values made by the backend (`--load-format dummy`: real-size models
+    /// without files). The CPU and CUDA backends make the same values from the same seed; a
+    /// backend that cannot make them says so.
     fn set_random_weights(&self, seed: Option<u64>) -> Result<(), BackendError> {
         match seed {
             None => Ok(()),
-            Some(_) => Err(BackendError::Invalid(format!("random weights are generated on the GPU; the {} backend cannot (use --device cuda)", self.name()))),
+            Some(_) => Err(BackendError::Invalid(format!("the {} backend cannot make random weights", self.name()))),
         }
     }
 

@@ -4,7 +4,10 @@
 //! is replaced by the next prompt until `--num-prompts` have run. Metrics follow vLLM's
 //! `bench serve`: TTFT, TPOT = (e2e - TTFT) / (output tokens - 1), ITL per streamed chunk.
 
-use super::{progress_bar, EngineArgs, SamplingArgs, SelectedBackend};
+use super::flags::{SamplingArgs, SelectedBackend};
+use super::{progress_bar, EngineArgs};
+use kestrel::backend::sampling::SamplingParams;
+use kestrel::model::generation_config::SamplingDefaults;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use kestrel::engine::metrics::{summarize, RequestTimeline, SecondsClock, SpecStats, Summary};
@@ -25,8 +28,10 @@ pub enum Dataset {
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
+    /// Prompts: HumanEval's (code the default model knows) or random token ids.
     #[arg(long, value_enum, default_value = "humaneval")]
     pub dataset: Dataset,
+    /// Requests per method and concurrency.
     #[arg(long, default_value_t = 32)]
     pub num_prompts: usize,
     /// Output tokens per request.
@@ -38,6 +43,7 @@ pub struct BenchArgs {
     /// Requests kept in flight; a list sweeps them.
     #[arg(long, value_delimiter = ',', default_value = "8")]
     pub concurrency: Vec<usize>,
+    /// Print one JSON object per method and concurrency.
     #[arg(long)]
     pub json: bool,
     /// Write PNG plots (per-position acceptance, throughput against concurrency) here.
@@ -105,8 +111,8 @@ fn ms(s: Summary) -> Summary {
 /// Every (concurrency, method) pair on one backend; the weights are uploaded once. A run that
 /// fails (a concurrency whose cache does not fit, say) ends the sweep: the results so far come
 /// back with the error.
-fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, prompts: &[Vec<u32>]) -> Result<(Vec<MethodResult>, Option<anyhow::Error>)> {
-    let methods = &args.engine.spec;
+fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, prompts: &[Vec<u32>], params: &SamplingParams) -> Result<(Vec<MethodResult>, Option<anyhow::Error>)> {
+    let methods = &args.engine.spec.spec;
     let most = args.concurrency.iter().copied().max().unwrap_or(1);
     let model = args.engine.load_model(&backend, files, most)?;
     let bar = progress_bar((methods.len() * args.concurrency.len() * prompts.len()) as u64, "bench");
@@ -120,7 +126,7 @@ fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, prompts
                 .engine
                 .engine_config(&backend, &model, files, c, m)
                 .and_then(|config| Engine::new(backend, model, config).context("cannot start the engine"))
-                .and_then(|mut engine| Ok((run_one(args, &mut engine, prompts, m, c, &bar)?, engine)))
+                .and_then(|mut engine| Ok((run_one(args, &mut engine, prompts, params, m, c, &bar)?, engine)))
                 .with_context(|| format!("{} at concurrency {c}", m.name()));
             match run {
                 Ok((result, engine)) => {
@@ -138,7 +144,16 @@ fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, prompts
     Ok((results, None))
 }
 
-fn run_one<B: Backend>(args: &BenchArgs, engine: &mut Engine<B>, prompts: &[Vec<u32>], method: SpecMethod, concurrency: usize, bar: &indicatif::ProgressBar) -> Result<MethodResult> {
+#[allow(clippy::too_many_arguments)]
+fn run_one<B: Backend>(
+    args: &BenchArgs,
+    engine: &mut Engine<B>,
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+    method: SpecMethod,
+    concurrency: usize,
+    bar: &indicatif::ProgressBar,
+) -> Result<MethodResult> {
     let clock = SecondsClock::start();
     let mut next = 0usize;
     let mut timelines: HashMap<u64, RequestTimeline> = HashMap::new();
@@ -147,7 +162,7 @@ fn run_one<B: Backend>(args: &BenchArgs, engine: &mut Engine<B>, prompts: &[Vec<
     let mut output_tokens = 0usize;
     while done.len() < prompts.len() {
         while next < prompts.len() && engine.num_running() + engine.num_waiting() < concurrency {
-            let req = Request::new(prompts[next].clone(), args.sampling.params(), args.max_tokens, Vec::new());
+            let req = Request::new(prompts[next].clone(), params.clone(), args.max_tokens, Vec::new());
             let id = engine.add_request(req).with_context(|| format!("prompt {next}"))?;
             timelines.insert(id, RequestTimeline::new(clock.now())?);
             next += 1;
@@ -168,6 +183,7 @@ fn run_one<B: Backend>(args: &BenchArgs, engine: &mut Engine<B>, prompts: &[Vec<
                     done.push(t);
                     bar.inc(1);
                 }
+                RequestEvent::Failed { error, .. } => bail!("generation failed: {error}"),
             }
         }
     }
@@ -197,10 +213,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!("--num-prompts, --max-tokens and every --concurrency must be at least 1");
     }
     let files = args.engine.open_model()?;
+    // A benchmark samples as its flags say: the model's recommendation would change the workload.
+    let params = args.sampling.params(&SamplingDefaults::default())?;
     let prompts = dataset_prompts(&args, &files.tokenizer, files.config.vocab_size)?;
-    let (mut results, failure) = match args.engine.select_backend()? {
-        SelectedBackend::Cpu(b) => run_all(&args, b, &files, &prompts)?,
-        SelectedBackend::Cuda(b) => run_all(&args, *b, &files, &prompts)?,
+    let (mut results, failure) = match args.engine.device.select_backend()? {
+        SelectedBackend::Cpu(b) => run_all(&args, b, &files, &prompts, &params)?,
+        SelectedBackend::Cuda(b) => run_all(&args, *b, &files, &prompts, &params)?,
     };
     if results.is_empty() {
         if let Some(e) = failure {

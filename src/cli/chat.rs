@@ -1,6 +1,7 @@
 //! `kestrel chat`: the terminal chat with a live speculation panel.
 
-use super::{EngineArgs, SamplingArgs};
+use super::flags::{GenerationConfigArgs, SamplingArgs};
+use super::EngineArgs;
 use anyhow::{bail, Result};
 use clap::Args;
 use kestrel::tui::{self, App, ChatOptions};
@@ -10,13 +11,15 @@ use std::sync::Arc;
 #[derive(Debug, Args)]
 pub struct ChatArgs {
     /// Most tokens per reply.
-    #[arg(short = 'n', long = "max-tokens", default_value_t = 512)]
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 512, value_name = "N")]
     pub max_tokens: usize,
     /// A system message put before the conversation.
-    #[arg(long)]
+    #[arg(long, value_name = "TEXT")]
     pub system: Option<String>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub generation: GenerationConfigArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
 }
@@ -28,14 +31,13 @@ pub fn run(args: ChatArgs) -> Result<()> {
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    let spec = args.engine.single_spec()?;
+    let spec = args.engine.spec.single()?;
     let files = Arc::new(args.engine.open_model()?);
     if !files.tokenizer.has_chat_template() {
         bail!("{} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); use `kestrel run` for plain completion", files.source);
     }
-    let params = args.sampling.params();
-    params.validate()?;
-    let model_name = args.engine.model.as_deref().and_then(|p| p.file_name()).map_or_else(|| kestrel::model::default_model::NAME.to_string(), |n| n.to_string_lossy().into_owned());
+    let params = args.sampling.params(&args.generation.defaults(&files))?;
+    let model_name = args.engine.model.display_name();
     eprintln!("loading {} ...", files.source);
     let worker = args.engine.spawn_worker(files.clone(), 1)?;
     let options = ChatOptions { model_name, max_tokens: args.max_tokens, sampling: params, spec, system_prompt: args.system };

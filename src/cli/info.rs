@@ -1,6 +1,6 @@
 //! `kestrel info`: what a model is, without running it.
 
-use super::EngineArgs;
+use super::flags::ModelArgs;
 use anyhow::Result;
 use clap::Args;
 use kestrel::model::config::LayerKind;
@@ -12,14 +12,15 @@ pub struct InfoArgs {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub engine: EngineArgs,
+    pub model: ModelArgs,
 }
 
 pub fn run(args: InfoArgs) -> Result<()> {
-    let files = args.engine.open_model()?;
+    let files = args.model.open()?;
     let c = &files.config;
     let mtp = mtp_tensor_names(&files.store);
     let layers: String = c.layer_kinds.iter().map(|k| if *k == LayerKind::FullAttention { 'F' } else { 'L' }).collect();
+    let sampling = &files.sampling_defaults;
     if args.json {
         let obj = serde_json::json!({
             "source": files.source,
@@ -28,11 +29,14 @@ pub fn run(args: InfoArgs) -> Result<()> {
             "layers": layers,
             "hidden_size": c.hidden_size,
             "vocab_size": c.vocab_size,
+            "max_position_embeddings": c.max_position_embeddings,
             "tensors": files.store.len(),
             "weight_bytes": files.store.total_bytes(),
             "mtp_tensors": mtp,
             "moe": c.moe.as_ref().map(|m| serde_json::json!({"experts": m.num_experts, "top_k": m.top_k})),
             "quantization": c.quantization.as_ref().map(|q| q.to_string()),
+            "eos_token_ids": c.eos_token_ids,
+            "sampling_defaults": sampling.to_json(),
         });
         println!("{}", serde_json::to_string_pretty(&obj)?);
         return Ok(());
@@ -50,11 +54,18 @@ pub fn run(args: InfoArgs) -> Result<()> {
         Some(m) => println!("mlp         MoE {} experts, top {}, width {}, shared {}", m.num_experts, m.top_k, m.expert_intermediate, m.shared_intermediate),
         None => println!("mlp         dense SwiGLU, width {}", c.intermediate_size),
     }
+    println!("context     {} tokens (max_position_embeddings)", c.max_position_embeddings);
     println!("weights     {} tensors, {:.1} MiB", files.store.len(), files.store.total_bytes() as f64 / (1 << 20) as f64);
     if let Some(q) = &c.quantization {
         println!("quantized   {q}");
     }
     println!("eos ids     {:?}", c.eos_token_ids);
+    if sampling.is_empty() {
+        println!("sampling    no recommendation (generation_config.json)");
+    } else {
+        let values: Vec<String> = sampling.describe().into_iter().map(|(name, value)| format!("{name} {value}")).collect();
+        println!("sampling    {} (generation_config.json; requests and flags override)", values.join(", "));
+    }
     println!("tokenizer   {} tokens, chat template {}", files.tokenizer.vocab_size(), if files.tokenizer.has_chat_template() { "yes" } else { "no" });
     println!("mtp         {} tensors", mtp.len());
     for name in mtp {

@@ -2,8 +2,11 @@
 //!
 //! The token stream is cut into consecutive windows of `--context` tokens; each window runs
 //! from an empty state and predicts its tokens 1..len (a last window shorter than 2 is dropped).
+//! A prediction that is not a finite number (NaN or infinite logits) ends the run with an error
+//! naming the token, rather than a perplexity of NaN.
 
-use super::{progress_bar, EngineArgs, SelectedBackend};
+use super::flags::{DeviceArgs, LongContextArgs, ModelArgs, SelectedBackend};
+use super::{load_model, progress_bar};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
@@ -15,18 +18,32 @@ pub struct PerplexityArgs {
     /// Text file to score.
     #[arg(long)]
     pub file: PathBuf,
-    /// Tokens per window.
-    #[arg(long, default_value_t = 256)]
+    /// Tokens per window (at most the model's max_position_embeddings, unless
+    /// --allow-long-context).
+    #[arg(long, default_value_t = 256, value_name = "TOKENS")]
     pub context: usize,
+    #[command(flatten)]
+    pub long_context: LongContextArgs,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub engine: EngineArgs,
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub device: DeviceArgs,
 }
 
-/// Mean NLL (nats) of each predicted token over the windows, and their count.
-pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, ids: &[u32], context: usize, progress: &indicatif::ProgressBar) -> (f64, usize) {
+/// The NLL of `target` under one logits row: log-sum-exp in f64 minus the target's logit.
+fn token_nll(l: &[f32], target: u32) -> f64 {
+    let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = m + l.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+    lse - l[target as usize] as f64
+}
+
+/// Mean NLL (nats) of each predicted token over the windows, and their count. Fails at the
+/// first token whose NLL is not a finite number. The rows of a window are scored on `threads`
+/// threads; the sum runs in token order whatever their number.
+pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, ids: &[u32], context: usize, threads: usize, progress: &indicatif::ProgressBar) -> Result<(f64, usize)> {
     let block_size = 16;
     let spec = model.cache_spec(context.div_ceil(block_size), block_size, 1, 0);
     let mut cache = backend.alloc_cache(&spec).expect("a single-window cache fits in memory");
@@ -34,7 +51,7 @@ pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, ids: &[u32], conte
     let (mut total, mut count) = (0.0f64, 0usize);
     let windows: Vec<&[u32]> = ids.chunks(context).filter(|w| w.len() >= 2).collect();
     progress.set_length(windows.len() as u64);
-    for w in windows {
+    for (window, w) in windows.into_iter().enumerate() {
         backend.reset_states(&mut cache, &[0]);
         let layout = BatchLayout {
             rows: vec![RowLayout { kind: RowKind::Prefill, token_start: 0, num_tokens: w.len(), start_position: 0, block_table: (0..spec.num_blocks as u32).collect(), state_slot: 0, snapshot_base: 0 }],
@@ -42,16 +59,37 @@ pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, ids: &[u32], conte
         let rows: Vec<u32> = (0..w.len() as u32 - 1).collect();
         let out = model.forward(backend, w, &layout, &rows, &mut cache);
         let logits = backend.to_host(&out.logits);
-        for (i, &target) in w[1..].iter().enumerate() {
-            let l = &logits[i * vocab..(i + 1) * vocab];
-            let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = m + l.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
-            total += lse - l[target as usize] as f64;
+        let targets = &w[1..];
+        let per_thread = targets.len().div_ceil(threads.max(1));
+        let nlls: Vec<f64> = std::thread::scope(|s| {
+            let parts: Vec<_> = targets
+                .chunks(per_thread)
+                .enumerate()
+                .map(|(p, part)| {
+                    let logits = &logits;
+                    s.spawn(move || part.iter().enumerate().map(|(j, &t)| token_nll(&logits[(p * per_thread + j) * vocab..][..vocab], t)).collect::<Vec<f64>>())
+                })
+                .collect();
+            parts.into_iter().flat_map(|h| h.join().expect("a scoring thread")).collect()
+        });
+        for (i, nll) in nlls.into_iter().enumerate() {
+            if !nll.is_finite() {
+                bail!(
+                    "the model's prediction of token {} (window {}, position {}) is not a finite number ({nll}): its logits hold NaN or infinite values, so its weights or configuration are broken",
+                    window * context + i + 1,
+                    window + 1,
+                    i + 1
+                );
+            }
+            total += nll;
             count += 1;
         }
         progress.inc(1);
     }
-    (if count > 0 { total / count as f64 } else { f64::NAN }, count)
+    if count == 0 {
+        bail!("no window holds 2 tokens to score");
+    }
+    Ok((total / count as f64, count))
 }
 
 pub fn run(args: PerplexityArgs) -> Result<()> {
@@ -59,25 +97,29 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
         bail!("--context must be at least 2");
     }
     let text = std::fs::read_to_string(&args.file).with_context(|| format!("cannot read {}", args.file.display()))?;
-    let files = args.engine.open_model()?;
+    args.device.check()?;
+    let files = args.model.open()?;
+    args.long_context.check("--context", args.context, &files)?;
     let ids = files.tokenizer.encode(&text, false)?;
     if ids.len() < 2 {
         bail!("{} holds fewer than 2 tokens", args.file.display());
     }
-    let score = |model_nll: &dyn Fn(&indicatif::ProgressBar) -> (f64, usize)| {
+    let score = |model_nll: &dyn Fn(&indicatif::ProgressBar) -> Result<(f64, usize)>| {
         let bar = progress_bar(0, "scoring");
         let r = model_nll(&bar);
         bar.finish_and_clear();
         r
     };
-    let (mean_nll, tokens) = match args.engine.select_backend()? {
+    // One window's forward at a time: its tokens are the activations.
+    let activations = files.config.activation_bytes(args.context, args.context);
+    let (mean_nll, tokens) = match args.device.select_backend()? {
         SelectedBackend::Cpu(b) => {
-            let model = args.engine.load_model(&b, &files, 1)?;
-            score(&|bar| window_nll(&model, &b, &ids, args.context, bar))
+            let model = load_model(&args.model, &args.device, &b, &files, activations)?;
+            score(&|bar| window_nll(&model, &b, &ids, args.context, b.threads(), bar))?
         }
         SelectedBackend::Cuda(b) => {
-            let model = args.engine.load_model(&*b, &files, 1)?;
-            score(&|bar| window_nll(&model, &*b, &ids, args.context, bar))
+            let model = load_model(&args.model, &args.device, &*b, &files, activations)?;
+            score(&|bar| window_nll(&model, &*b, &ids, args.context, args.device.cpu_threads(), bar))?
         }
     };
     let ppl = mean_nll.exp();

@@ -1,7 +1,8 @@
 //! `kestrel run`: one prompt, streamed to stdout (or one JSON object with `--json`); statistics
 //! go to stderr so that stdout carries exactly the generated text.
 
-use super::{with_engine, EngineArgs, SamplingArgs};
+use super::flags::{GenerationConfigArgs, SamplingArgs};
+use super::{with_engine, EngineArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kestrel::backend::Backend;
@@ -14,20 +15,29 @@ use kestrel::engine::logits::LogitsOptions;
 use kestrel::engine::request::{FinishReason, Request, RequestEvent, SpecMethod};
 use kestrel::engine::Engine;
 use kestrel::model::ModelFiles;
+use kestrel::tokenizer::stop_strings::StopStringMatcher;
 use kestrel::tokenizer::ChatMessage;
 use std::io::{ErrorKind, IsTerminal, Read, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
+/// At most this many `--stop` strings, as in the OpenAI API.
+const MAX_STOP_STRINGS: usize = 4;
+
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// The prompt (read from standard input when omitted).
+    /// The prompt (default: --file, else standard input).
+    #[arg(conflicts_with = "file")]
     pub prompt: Option<String>,
-    /// Maximum tokens to generate.
-    #[arg(short = 'n', long = "max-tokens", default_value_t = 128)]
-    pub max_tokens: usize,
-    #[command(flatten)]
-    pub sampling: SamplingArgs,
+    /// Read the prompt from this file.
+    #[arg(short = 'f', long, value_name = "FILE")]
+    pub file: Option<PathBuf>,
+    /// Most tokens to generate; -1: until the context is full.
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 128, allow_negative_numbers = true, value_name = "N")]
+    pub max_tokens: i64,
+    /// Stop before this text (it is not printed); up to 4 of them.
+    #[arg(long, value_name = "TEXT")]
+    pub stop: Vec<String>,
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     pub chat: bool,
@@ -56,6 +66,10 @@ pub struct RunArgs {
     /// Divide the positive logits of tokens of the prompt or output by this (1 is off).
     #[arg(long, alias = "repetition-penalty", default_value_t = 1.0)]
     pub repeat_penalty: f32,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub generation: GenerationConfigArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
 }
@@ -87,10 +101,11 @@ impl TextOut {
     }
 }
 
-fn read_prompt(argument: Option<String>) -> Result<String> {
-    let prompt = match argument {
-        Some(p) => p,
-        None => {
+fn read_prompt(argument: Option<String>, file: Option<&PathBuf>) -> Result<String> {
+    let prompt = match (argument, file) {
+        (Some(p), _) => p,
+        (None, Some(path)) => std::fs::read_to_string(path).with_context(|| format!("cannot read the prompt from {}", path.display()))?,
+        (None, None) => {
             let stdin = std::io::stdin();
             if stdin.is_terminal() {
                 eprintln!("reading the prompt from standard input; end it with Ctrl-D");
@@ -101,30 +116,27 @@ fn read_prompt(argument: Option<String>) -> Result<String> {
         }
     };
     if prompt.trim().is_empty() {
-        bail!("empty prompt: pass it as an argument or on standard input");
+        bail!("empty prompt: pass it as an argument, with --file, or on standard input");
     }
     Ok(prompt)
 }
 
-/// How the output is shown.
-struct Output {
-    json: bool,
-    /// A thinking model's chat reply: split off the reasoning (`Some(opened_in_prompt)`).
-    reasoning: Option<bool>,
-    show_reasoning: bool,
-}
-
 pub fn run(args: RunArgs) -> Result<()> {
-    let prompt = read_prompt(args.prompt.clone())?;
-    let params = args.sampling.params();
-    params.validate()?;
+    if args.max_tokens == 0 || args.max_tokens < -1 {
+        bail!("max_tokens must be at least 1 (or -1 for as many as the context holds), got {}", args.max_tokens);
+    }
+    if args.stop.len() > MAX_STOP_STRINGS {
+        bail!("at most {MAX_STOP_STRINGS} --stop strings are allowed, got {}", args.stop.len());
+    }
     if args.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
         bail!("--logprobs takes at most {MAX_TOP_LOGPROBS} alternatives");
     }
     let penalties = Penalties { presence: args.presence_penalty, frequency: args.frequency_penalty, repetition: args.repeat_penalty };
     penalties.validate().map_err(anyhow::Error::msg)?;
     let grammar = grammar_spec(&args)?;
+    let prompt = read_prompt(args.prompt.clone(), args.file.as_ref())?;
     let files = args.engine.open_model()?;
+    let params = args.sampling.params(&args.generation.defaults(&files))?;
     let text = if args.chat {
         let messages = [ChatMessage::user(prompt)];
         files.tokenizer.apply_chat_template(&messages, true, None).context("cannot apply the chat template (--chat)")?
@@ -134,6 +146,11 @@ pub fn run(args: RunArgs) -> Result<()> {
     let format = ChatFormat::of(&files.tokenizer, false);
     let opened = args.chat && format.thinking && prompt_opens_reasoning(&text);
     let prompt_ids = files.tokenizer.encode(&text, false).context("cannot tokenize the prompt")?;
+    let max_tokens = match usize::try_from(args.max_tokens) {
+        Ok(n) => n,
+        // -1: whatever the context leaves (the engine refuses a prompt that leaves nothing).
+        Err(_) => args.engine.context.max_model_len(&files)?.saturating_sub(prompt_ids.len()).max(1),
+    };
     // A chat turn ends at the template's end-of-turn token as well as at end-of-sequence.
     let stop_token_ids = if args.chat { files.chat_stop_token_ids() } else { files.config.eos_token_ids.clone() };
     let grammar = match grammar {
@@ -149,9 +166,9 @@ pub fn run(args: RunArgs) -> Result<()> {
         }
     };
     let logits = LogitsOptions { penalties, logit_bias: Vec::new(), logprobs: args.logprobs, grammar };
-    let request = Request { logits, ..Request::new(prompt_ids, params, args.max_tokens, stop_token_ids) };
-    let output = Output { json: args.json, reasoning: (args.chat && format.thinking).then_some(opened), show_reasoning: args.show_reasoning };
-    with_engine!(args.engine, &files, 1, |engine| generate(engine, request, &files, &output))
+    let request = Request { logits, ..Request::new(prompt_ids, params, max_tokens, stop_token_ids) };
+    let output = Output { json: args.json, stops: args.stop, reasoning: (args.chat && format.thinking).then_some(opened), show_reasoning: args.show_reasoning };
+    with_engine!(args.engine, &files, 1, |engine| generate(engine, request, &files, output))
 }
 
 /// The grammar of `--json-schema` or `--grammar`, with the flag it came from.
@@ -168,43 +185,79 @@ fn grammar_spec(args: &RunArgs) -> Result<Option<(GrammarSpec, &'static str)>> {
     Ok(None)
 }
 
-/// Prints a chat reply's pieces: the answer, and the reasoning only when asked (dimmed on a
-/// terminal, a blank line before the answer).
-fn print_parts(out: &mut TextOut, parts: Vec<ReasoningPart>, show_reasoning: bool, reasoning_shown: &mut bool) -> Result<()> {
-    let terminal = std::io::stdout().is_terminal();
-    for part in parts {
-        match part {
-            ReasoningPart::Reasoning(text) if show_reasoning => {
-                *reasoning_shown = true;
-                out.write(&if terminal { format!("\x1b[2m{text}\x1b[0m") } else { text })?;
-            }
-            ReasoningPart::Reasoning(_) => {}
-            ReasoningPart::Content(text) => {
-                if std::mem::take(reasoning_shown) {
-                    out.write("\n\n")?;
+/// How the result is written.
+struct Output {
+    json: bool,
+    stops: Vec<String>,
+    /// A thinking model's chat reply: split off the reasoning (`Some(opened_in_prompt)`).
+    reasoning: Option<bool>,
+    show_reasoning: bool,
+}
+
+/// A chat reply's text, split: the reasoning and the answer.
+struct SplitText {
+    splitter: Option<ReasoningSplitter>,
+    reasoning: String,
+    answer: String,
+    /// Reasoning was printed: a blank line goes before the answer.
+    reasoning_printed: bool,
+}
+
+impl SplitText {
+    /// Adds text; returns what to print (the answer, and the reasoning when shown).
+    fn push(&mut self, text: &str, show_reasoning: bool, finish: bool) -> String {
+        let Some(splitter) = self.splitter.as_mut() else {
+            self.answer.push_str(text);
+            return text.to_string();
+        };
+        let mut parts = splitter.push(text);
+        if finish {
+            parts.extend(splitter.finish());
+        }
+        let terminal = std::io::stdout().is_terminal();
+        let mut printed = String::new();
+        for part in parts {
+            match part {
+                ReasoningPart::Reasoning(t) => {
+                    self.reasoning.push_str(&t);
+                    if show_reasoning {
+                        self.reasoning_printed = true;
+                        printed.push_str(&if terminal { format!("\x1b[2m{t}\x1b[0m") } else { t });
+                    }
                 }
-                out.write(&text)?;
+                ReasoningPart::Content(t) => {
+                    if std::mem::take(&mut self.reasoning_printed) {
+                        printed.push_str("\n\n");
+                    }
+                    self.answer.push_str(&t);
+                    printed.push_str(&t);
+                }
             }
         }
+        printed
     }
-    Ok(())
 }
 
 /// Runs the request to the end on `engine`, streaming text (or printing one JSON object).
-fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFiles, output_kind: &Output) -> Result<()> {
-    let json = output_kind.json;
-    let mut splitter = output_kind.reasoning.map(ReasoningSplitter::new);
-    let mut reasoning_shown = false;
+fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFiles, output: Output) -> Result<()> {
+    let json = output.json;
     let start = Instant::now();
     let request_logprobs = request.logits.logprobs.is_some();
+    let mut split = SplitText { splitter: output.reasoning.map(ReasoningSplitter::new), reasoning: String::new(), answer: String::new(), reasoning_printed: false };
     let id = engine.add_request(request)?;
     let mut decoder = files.tokenizer.stream_decoder(true);
+    let mut stops = StopStringMatcher::new(output.stops);
     let mut out = TextOut { stdout: std::io::stdout().lock(), closed: false, ends_with_newline: false };
+    let mut text = String::new();
+    // Tokens that made the output: those after a stop string do not.
+    let mut used = 0usize;
+    let mut stopped_by_string = false;
     let (mut first_token_at, mut finished) = (None, None);
     while engine.has_unfinished() {
-        if out.closed && !json {
-            // Nobody reads the rest: stop generating it.
+        if (out.closed && !json) || stopped_by_string {
+            // Nobody reads the rest, or it would be cut: stop generating it.
             if let Ok(RequestEvent::Finished { reason, output, .. }) = engine.abort(id) {
+                let reason = if stopped_by_string { FinishReason::Stop } else { reason };
                 finished = Some((reason, output));
             }
             break;
@@ -214,67 +267,71 @@ fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFi
                 RequestEvent::Tokens { tokens, .. } => {
                     first_token_at.get_or_insert_with(Instant::now);
                     for t in tokens {
+                        if stopped_by_string {
+                            break;
+                        }
+                        used += 1;
                         if let Some(delta) = decoder.push(t)? {
-                            if json {
-                                continue;
-                            }
-                            match splitter.as_mut() {
-                                Some(splitter) => print_parts(&mut out, splitter.push(&delta), output_kind.show_reasoning, &mut reasoning_shown)?,
-                                None => out.write(&delta)?,
+                            let scan = stops.push(&delta);
+                            stopped_by_string = scan.stopped;
+                            text.push_str(&scan.text);
+                            let printed = split.push(&scan.text, output.show_reasoning, false);
+                            if !json {
+                                out.write(&printed)?;
                             }
                         }
                     }
                 }
                 RequestEvent::Finished { reason, output, .. } => finished = Some((reason, output)),
+                RequestEvent::Failed { error, .. } => {
+                    if !json && !out.ends_with_newline && !text.is_empty() {
+                        out.write("\n")?;
+                    }
+                    bail!("generation failed: {error}");
+                }
             }
         }
     }
-    if !json {
+    let mut tail = String::new();
+    if !stopped_by_string {
         let rest = decoder.flush()?.unwrap_or_default();
-        match splitter.as_mut() {
-            Some(splitter) => {
-                let mut parts = splitter.push(&rest);
-                parts.extend(splitter.finish());
-                print_parts(&mut out, parts, output_kind.show_reasoning, &mut reasoning_shown)?;
-            }
-            None => out.write(&rest)?,
-        }
+        let scan = stops.push(&rest);
+        tail = if scan.stopped { scan.text } else { scan.text + &stops.finish() };
+        stopped_by_string = scan.stopped;
+        text.push_str(&tail);
+    }
+    let printed = split.push(&tail, output.show_reasoning, true);
+    if !json {
+        out.write(&printed)?;
     }
     let end = Instant::now();
-    let (reason, output) = finished.context("the request did not finish")?;
+    let (reason, summary) = finished.context("the request did not finish")?;
+    let reason = if stopped_by_string { FinishReason::Stop } else { reason };
+    let generated = &summary.generated[..used.min(summary.generated.len())];
     let ttft_ms = first_token_at.map(|t| (t - start).as_secs_f64() * 1e3).unwrap_or(0.0);
-    let n = output.generated.len();
+    let n = generated.len();
     let decode_s = first_token_at.map(|t| (end - t).as_secs_f64()).unwrap_or(0.0);
     let decode_tps = if n > 1 && decode_s > 0.0 { (n - 1) as f64 / decode_s } else { 0.0 };
-    let k = engine.reported_k(output.method);
-    let spec = output.spec.to_json(output.method.name(), k);
+    let k = engine.reported_k(summary.method);
+    let spec = summary.spec.to_json(summary.method.name(), k);
     if json {
-        let text = files.tokenizer.decode(&output.generated, true)?;
         let mut obj = serde_json::json!({
             "text": text,
-            "token_ids": output.generated,
+            "token_ids": generated,
             "finish_reason": reason.as_str(),
-            "usage": {"prompt_tokens": output.prompt_tokens, "completion_tokens": n},
+            "usage": {"prompt_tokens": summary.prompt_tokens, "completion_tokens": n},
             "timing": {"ttft_ms": ttft_ms, "decode_tokens_per_s": decode_tps},
             "spec": spec,
         });
-        if let Some(opened) = output_kind.reasoning {
-            let mut splitter = ReasoningSplitter::new(opened);
-            let mut parts = splitter.push(&text);
-            parts.extend(splitter.finish());
-            let side = |reasoning: bool| -> String {
-                parts.iter().filter_map(|p| match (p, reasoning) {
-                    (ReasoningPart::Reasoning(t), true) | (ReasoningPart::Content(t), false) => Some(t.as_str()),
-                    _ => None,
-                }).collect()
-            };
-            obj["reasoning"] = serde_json::Value::String(side(true));
-            obj["content"] = serde_json::Value::String(side(false));
+        if output.reasoning.is_some() {
+            obj["reasoning"] = serde_json::Value::String(split.reasoning);
+            obj["content"] = serde_json::Value::String(split.answer);
         }
         if request_logprobs {
-            let entries: Vec<serde_json::Value> = output
+            let entries: Vec<serde_json::Value> = summary
                 .logprobs
                 .iter()
+                .take(n)
                 .map(|entry| {
                     let top: Vec<serde_json::Value> = entry.top.iter().map(|&(token, logprob)| serde_json::json!({"token_id": token, "logprob": logprob})).collect();
                     serde_json::json!({"token_id": entry.token, "logprob": entry.logprob, "top_logprobs": top})
@@ -292,18 +349,19 @@ fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFi
     let why = match reason {
         FinishReason::Length => " (max tokens)",
         FinishReason::Abort => " (output closed)",
+        FinishReason::Stop if stopped_by_string => " (stop string)",
         FinishReason::Stop => "",
     };
-    let spec_summary = if output.method == SpecMethod::None {
+    let spec_summary = if summary.method == SpecMethod::None {
         "no speculation".to_string()
     } else {
         format!(
             "{} k={k}: acceptance {:.1}%, mean acceptance length {:.2}",
-            output.method.name(),
-            100.0 * output.spec.acceptance_rate(),
-            output.spec.mean_acceptance_length()
+            summary.method.name(),
+            100.0 * summary.spec.acceptance_rate(),
+            summary.spec.mean_acceptance_length()
         )
     };
-    eprintln!("[{} prompt + {n} generated tokens{why}; TTFT {ttft_ms:.0} ms; {decode_tps:.1} tokens/s; {spec_summary}]", output.prompt_tokens);
+    eprintln!("[{} prompt + {n} generated tokens{why}; TTFT {ttft_ms:.0} ms; {decode_tps:.1} tokens/s; {spec_summary}]", summary.prompt_tokens);
     Ok(())
 }

@@ -1,19 +1,27 @@
 //! `kestrel serve`: the local OpenAI-compatible server.
+//!
+//! Everything that can be refused without the model (the flags, the listening address) is
+//! checked before the model loads, so a busy port or an empty API key fails in a second rather
+//! than after minutes of loading weights.
 
+use super::flags::{ConcurrencyArgs, GenerationConfigArgs};
 use super::EngineArgs;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use kestrel::server::error::BodyLimit;
 use kestrel::server::{self, ServerState, DEFAULT_BODY_LIMIT};
-use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// Address to listen on. Only loopback is reachable by default; anything else exposes the
-    /// model to the network (set --api-key then).
+    /// The model to serve (the same as --model).
+    #[arg(value_name = "MODEL", conflicts_with = "model")]
+    pub model_path: Option<PathBuf>,
+    /// Host name or address to listen on. Only loopback is reachable by default; anything else
+    /// exposes the model to the network (set --api-key then).
     #[arg(long, default_value = "127.0.0.1")]
-    pub host: IpAddr,
+    pub host: String,
     /// Port to listen on (0 picks a free one; the address is printed on stderr).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
@@ -23,29 +31,56 @@ pub struct ServeArgs {
     /// The model id clients name in requests (default: the model directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// Most requests decoded together in one batch; more wait in the queue.
-    #[arg(long, default_value_t = 16)]
-    pub max_num_seqs: usize,
     /// Largest accepted request body, in bytes.
     #[arg(long, default_value_t = DEFAULT_BODY_LIMIT)]
     pub max_request_bytes: usize,
+    /// Origins browsers may call the API from (CORS), comma-separated, or `*` for any; none by
+    /// default.
+    #[arg(long, value_delimiter = ',', value_name = "ORIGINS")]
+    pub allowed_origins: Vec<String>,
+    #[command(flatten)]
+    pub concurrency: ConcurrencyArgs,
+    #[command(flatten)]
+    pub generation: GenerationConfigArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
 }
 
-pub fn run(args: ServeArgs) -> Result<()> {
+impl ServeArgs {
+    /// Refuses flag values that cannot work, before anything is loaded.
+    fn check(&self) -> Result<()> {
+        if self.api_key.as_deref().is_some_and(|key| key.trim().is_empty()) {
+            bail!("--api-key is empty: give a key, or leave the flag out to serve without one");
+        }
+        if self.max_request_bytes == 0 {
+            bail!("--max-request-bytes must be at least 1");
+        }
+        server::cors::layer(&self.allowed_origins).context("--allowed-origins")?;
+        self.concurrency.check()?;
+        self.engine.check()
+    }
+}
+
+pub fn run(mut args: ServeArgs) -> Result<()> {
+    if let Some(path) = args.model_path.take() {
+        args.engine.model.model = Some(path);
+    }
+    args.check()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("kestrel-http").build().context("cannot start the async runtime")?;
+    let listener = runtime.block_on(bind(&args.host, args.port))?;
+    let bound = listener.local_addr().context("cannot read the bound address")?;
+
     let files = Arc::new(args.engine.open_model()?);
-    let model_name = args.served_model_name.clone().unwrap_or_else(|| default_model_name(&args.engine));
-    let worker = args.engine.spawn_worker(files.clone(), args.max_num_seqs.max(1))?;
+    let model_name = args.served_model_name.clone().unwrap_or_else(|| args.engine.model.display_name());
+    let sampling_defaults = args.generation.defaults(&files);
+    let worker = args.engine.spawn_worker(files.clone(), args.concurrency.max_num_seqs)?;
 
     let mut state = ServerState::new(worker.handle(), files, &model_name, args.api_key.as_deref());
     state.body_limit = BodyLimit(args.max_request_bytes);
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("kestrel-http").build().context("cannot start the async runtime")?;
+    state.sampling_defaults = sampling_defaults;
+    state.allowed_origins = args.allowed_origins.clone();
     runtime.block_on(async {
-        let address = SocketAddr::new(args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(address).await.with_context(|| format!("cannot listen on {address}"))?;
-        let bound = listener.local_addr().context("cannot read the bound address")?;
-        if !args.host.is_loopback() && args.api_key.is_none() {
+        if !bound.ip().is_loopback() && args.api_key.is_none() {
             eprintln!("warning: listening on {bound} without --api-key: anyone who can reach this address can use the model");
         }
         // Tests and scripts read this line to learn the port.
@@ -66,9 +101,24 @@ pub fn run(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// The model id: the directory name of `--model`, or the embedded model's name.
-fn default_model_name(engine: &EngineArgs) -> String {
-    engine.model.as_deref().and_then(|path| path.file_name()).map(|name| name.to_string_lossy().into_owned()).unwrap_or_else(|| kestrel::model::default_model::NAME.to_string())
+/// Listens on the first address `host` resolves to that accepts the port (`localhost` is
+/// loopback, as anywhere else).
+async fn bind(host: &str, port: u16) -> Result<tokio::net::TcpListener> {
+    let addresses: Vec<_> = tokio::net::lookup_host((host, port)).await.with_context(|| format!("--host {host}: cannot resolve the name to an address"))?.collect();
+    let mut last_error = None;
+    for address in &addresses {
+        match tokio::net::TcpListener::bind(address).await {
+            Ok(listener) => return Ok(listener),
+            Err(err) => last_error = Some((address, err)),
+        }
+    }
+    match last_error {
+        Some((address, err)) if err.kind() == std::io::ErrorKind::AddrInUse => {
+            bail!("cannot listen on {address}: the port is in use (another server?); pick another with --port, or 0 for any free one")
+        }
+        Some((address, err)) => Err(err).with_context(|| format!("cannot listen on {address}")),
+        None => bail!("--host {host} resolves to no address"),
+    }
 }
 
 /// Resolves on Ctrl-C or SIGTERM.

@@ -3,12 +3,13 @@
 use super::cache::{BlockAllocator, SlotAllocator};
 use super::logits::grammar::TokenMask;
 use super::metrics::SpecStats;
-use super::request::{FinishReason, Request, RequestEvent, RequestId, SeqStatus, Sequence, SequenceSummary, SpecMethod};
+use super::request::{FinishReason, Request, RequestEvent, RequestFailure, RequestId, SeqStatus, Sequence, SequenceSummary, SpecMethod};
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::spec::mtp::{propose_mtp, MtpCatchUp};
 use super::spec::ngram::{propose_ngram, NgramConfig};
 use super::plan::StepPlan;
 use super::spec::verify::accept_drafts;
+use crate::backend::sampling::NO_FINITE_LOGIT;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
 use crate::backend::{delta_state_in_place, Backend, BackendError, GraphInputs, GraphKey, RowKind, RowSampling, StateCommit, StepLimits};
 use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
@@ -224,11 +225,13 @@ impl<B: Backend> Engine<B> {
         self.seqs.iter().find(|s| s.id == id).map(|s| &s.spec)
     }
 
-    /// Cancels a request and frees its cache.
+    /// Cancels a request and frees its cache. Its speculation counters stay in the engine's
+    /// totals: the drafts it verified were real work.
     pub fn abort(&mut self, id: RequestId) -> Result<RequestEvent, EngineError> {
         let idx = self.seqs.iter().position(|s| s.id == id).ok_or(EngineError::UnknownRequest(id))?;
         let mut seq = self.seqs.remove(idx);
         self.scheduler.release(&mut seq);
+        self.stats.spec.merge(&seq.spec);
         Ok(finished_event(seq, FinishReason::Abort))
     }
 
@@ -252,7 +255,7 @@ impl<B: Backend> Engine<B> {
         self.stats.steps += 1;
         self.stats.forward_tokens += plan.num_tokens() as u64;
 
-        let mut finished: Vec<(RequestId, FinishReason)> = Vec::new();
+        let mut finished: Vec<(RequestId, Result<FinishReason, RequestFailure>)> = Vec::new();
         let mut commits: Vec<StateCommit> = Vec::new();
         let mut mtp_items: Vec<(RequestId, MtpCatchUp)> = Vec::new();
         for (row, layout) in plan.rows.iter().zip(&plan.layout.rows) {
@@ -305,14 +308,18 @@ impl<B: Backend> Engine<B> {
             let mut reason = None;
             let mut new_tokens = Vec::new();
             for t in emitted {
+                if t == NO_FINITE_LOGIT {
+                    reason = Some(Err(RequestFailure::NonFiniteLogits { position: seq.num_generated() }));
+                    break;
+                }
                 if seq.stop_token_ids.contains(&t) {
-                    reason = Some(FinishReason::Stop);
+                    reason = Some(Ok(FinishReason::Stop));
                     break;
                 }
                 seq.tokens.push(t);
                 new_tokens.push(t);
                 if seq.num_generated() >= seq.max_tokens {
-                    reason = Some(FinishReason::Length);
+                    reason = Some(Ok(FinishReason::Length));
                     break;
                 }
             }
@@ -343,12 +350,15 @@ impl<B: Backend> Engine<B> {
         }
 
         self.backend.commit_states(&mut self.cache, &commits);
-        for (id, reason) in finished {
+        for (id, ending) in finished {
             if let Some(idx) = self.seqs.iter().position(|s| s.id == id) {
                 let mut seq = self.seqs.remove(idx);
                 self.scheduler.release(&mut seq);
                 self.stats.spec.merge(&seq.spec);
-                events.push(finished_event(seq, reason));
+                events.push(match ending {
+                    Ok(reason) => finished_event(seq, reason),
+                    Err(error) => RequestEvent::Failed { id, error, output: summary(seq) },
+                });
             }
         }
         self.propose(&out.hidden, mtp_items);
@@ -497,11 +507,11 @@ impl<B: Backend> Engine<B> {
 }
 
 fn finished_event(seq: Sequence, reason: FinishReason) -> RequestEvent {
-    RequestEvent::Finished {
-        id: seq.id,
-        reason,
-        output: SequenceSummary { prompt_tokens: seq.prompt_len, generated: seq.tokens[seq.prompt_len..].to_vec(), logprobs: seq.logprobs, spec: seq.spec, method: seq.method },
-    }
+    RequestEvent::Finished { id: seq.id, reason, output: summary(seq) }
+}
+
+fn summary(seq: Sequence) -> SequenceSummary {
+    SequenceSummary { prompt_tokens: seq.prompt_len, generated: seq.tokens[seq.prompt_len..].to_vec(), logprobs: seq.logprobs, spec: seq.spec, method: seq.method }
 }
 
 /// How one logits row is drawn: by `sampling`, on the backend unless `on_host`.

@@ -79,12 +79,21 @@ impl FinishReason {
     }
 }
 
+/// Why a request stopped before its generation could finish. The other requests go on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestFailure {
+    #[error("the model produced no finite logit for generated token {position} (only NaN or infinite values): its weights or configuration are broken")]
+    NonFiniteLogits { position: usize },
+}
+
 /// What a step produced for one request.
 #[derive(Debug, Clone)]
 pub enum RequestEvent {
     /// Newly generated tokens, in order, with their log probabilities when the request asked.
     Tokens { id: RequestId, tokens: Vec<u32>, logprobs: Vec<TokenLogprob> },
     Finished { id: RequestId, reason: FinishReason, output: SequenceSummary },
+    /// The request ended with an error; `output` holds what it generated before.
+    Failed { id: RequestId, error: RequestFailure, output: SequenceSummary },
 }
 
 /// Final accounting of a finished request.

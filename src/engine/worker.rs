@@ -12,7 +12,7 @@
 use crate::backend::Backend;
 use crate::engine::logits::logprobs::TokenLogprob;
 use crate::engine::metrics::SpecStats;
-use crate::engine::request::{FinishReason, Request, RequestEvent, RequestId, SequenceSummary, SpecMethod};
+use crate::engine::request::{FinishReason, Request, RequestEvent, RequestFailure, RequestId, SequenceSummary, SpecMethod};
 use crate::engine::{Engine, EngineError};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,7 +38,7 @@ pub enum WorkerError {
 }
 
 /// What a front end hears about one request, in order: `Accepted` or `Rejected` first, then any
-/// number of `Tokens`, then `Finished`.
+/// number of `Tokens`, then `Finished` or `Failed`.
 #[derive(Debug)]
 pub enum GenerationEvent {
     Accepted,
@@ -48,6 +48,8 @@ pub enum GenerationEvent {
     /// the request's speculation counters so far.
     Tokens { tokens: Vec<u32>, logprobs: Vec<TokenLogprob>, spec: SpecStats },
     Finished { reason: FinishReason, summary: SequenceSummary },
+    /// The request ended with an error after it started (the others go on).
+    Failed { error: RequestFailure, summary: SequenceSummary },
 }
 
 /// Fixed facts about the engine, read once when it starts.
@@ -86,6 +88,8 @@ pub struct EngineSnapshot {
     pub requests_finished: u64,
     /// Finished because they were cancelled (client gone, Ctrl-C, ...).
     pub requests_cancelled: u64,
+    /// Ended with an error (a model that produced no finite logits, ...).
+    pub requests_failed: u64,
 }
 
 enum Command {
@@ -159,13 +163,13 @@ impl Generation {
         }
     }
 
-    /// True once `Finished` or `Rejected` was received.
+    /// True once `Finished`, `Failed` or `Rejected` was received.
     pub fn is_done(&self) -> bool {
         self.done
     }
 
     fn note(&mut self, event: &Option<GenerationEvent>) {
-        if matches!(event, None | Some(GenerationEvent::Finished { .. }) | Some(GenerationEvent::Rejected(_))) {
+        if matches!(event, None | Some(GenerationEvent::Finished { .. }) | Some(GenerationEvent::Failed { .. }) | Some(GenerationEvent::Rejected(_))) {
             self.done = true;
         }
     }
@@ -397,6 +401,13 @@ impl<B: Backend> WorkerLoop<B> {
                     }
                     if let Some(live) = self.forget(id) {
                         let _ = live.events.send(GenerationEvent::Finished { reason, summary: output });
+                    }
+                }
+                RequestEvent::Failed { id, error, output } => {
+                    self.counters.requests_finished += 1;
+                    self.counters.requests_failed += 1;
+                    if let Some(live) = self.forget(id) {
+                        let _ = live.events.send(GenerationEvent::Failed { error, summary: output });
                     }
                 }
             }

@@ -21,6 +21,8 @@ pub enum ConfigError {
     UnknownArchitecture { path: PathBuf, model_type: String },
     #[error("{path}: missing or invalid field `{field}`")]
     Field { path: PathBuf, field: String },
+    #[error("{path}: `{field}` {reason}")]
+    Invalid { path: PathBuf, field: String, reason: String },
     #[error("{path}: inconsistent configuration: {reason}")]
     Inconsistent { path: PathBuf, reason: String },
     #[error("{path}: quantization_config: {reason}")]
@@ -140,6 +142,27 @@ fn field(path: &Path, name: &str) -> ConfigError {
     ConfigError::Field { path: path.into(), field: name.to_string() }
 }
 
+fn invalid(path: &Path, name: &str, reason: String) -> ConfigError {
+    ConfigError::Invalid { path: path.into(), field: name.to_string(), reason }
+}
+
+/// Refuses a size of 0 (a model without layers, heads or vocabulary cannot run).
+fn at_least_one(path: &Path, name: &str, value: usize) -> Result<usize, ConfigError> {
+    if value == 0 {
+        return Err(invalid(path, name, "must be at least 1, got 0".into()));
+    }
+    Ok(value)
+}
+
+/// Refuses a value that cannot be right for a positive constant (a norm epsilon, a rotary base):
+/// 0, negative or NaN would make every logit NaN or infinite.
+fn positive(path: &Path, name: &str, value: f64) -> Result<f64, ConfigError> {
+    if !(value > 0.0 && value.is_finite()) {
+        return Err(invalid(path, name, format!("must be a positive number, got {value}")));
+    }
+    Ok(value)
+}
+
 struct Fields<'a> {
     text: &'a Value,
     root: &'a Value,
@@ -184,15 +207,17 @@ impl Fields<'_> {
 
 fn parse_text_config(family: ModelFamily, model_type: &str, text: &Value, root: &Value, path: &Path) -> Result<ModelConfig, ConfigError> {
     let f = Fields { text, root, path };
-    let hidden_size = f.usize_req("hidden_size")?;
-    let num_layers = f.usize_req("num_hidden_layers")?;
-    let num_heads = f.usize_req("num_attention_heads")?;
+    let vocab_size = at_least_one(path, "vocab_size", f.usize_req("vocab_size")?)?;
+    let hidden_size = at_least_one(path, "hidden_size", f.usize_req("hidden_size")?)?;
+    let num_layers = at_least_one(path, "num_hidden_layers", f.usize_req("num_hidden_layers")?)?;
+    let num_heads = at_least_one(path, "num_attention_heads", f.usize_req("num_attention_heads")?)?;
     let num_kv_heads = f.usize_or("num_key_value_heads", num_heads)?;
-    let head_dim = f.usize_or("head_dim", hidden_size / num_heads.max(1))?;
+    let head_dim = at_least_one(path, "head_dim", f.usize_or("head_dim", hidden_size / num_heads)?)?;
 
     // rope: `rope_parameters` (transformers v5) or flat `rope_theta` / `partial_rotary_factor`.
     let rope = f.get("rope_parameters").or_else(|| f.get("rope_scaling"));
     let rope_theta = rope.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).map(Ok).unwrap_or_else(|| f.f64_or("rope_theta", 10_000_000.0))?;
+    let rope_theta = positive(path, "rope_theta", rope_theta)?;
     let partial = rope
         .and_then(|r| r.get("partial_rotary_factor"))
         .and_then(Value::as_f64)
@@ -222,21 +247,23 @@ fn parse_text_config(family: ModelFamily, model_type: &str, text: &Value, root: 
         return Err(ConfigError::Inconsistent { path: path.into(), reason: format!("layer_types has {} entries but num_hidden_layers is {num_layers}", layer_kinds.len()) });
     }
 
+    let size = |name: &str| -> Result<usize, ConfigError> { at_least_one(path, name, f.usize_req(name)?) };
     let linear = LinearAttnShape {
-        num_key_heads: f.usize_req("linear_num_key_heads")?,
-        num_value_heads: f.usize_req("linear_num_value_heads")?,
-        key_head_dim: f.usize_req("linear_key_head_dim")?,
-        value_head_dim: f.usize_req("linear_value_head_dim")?,
-        conv_kernel: f.usize_or("linear_conv_kernel_dim", 4)?,
+        num_key_heads: size("linear_num_key_heads")?,
+        num_value_heads: size("linear_num_value_heads")?,
+        key_head_dim: size("linear_key_head_dim")?,
+        value_head_dim: size("linear_value_head_dim")?,
+        conv_kernel: at_least_one(path, "linear_conv_kernel_dim", f.usize_or("linear_conv_kernel_dim", 4)?)?,
     };
-    if linear.num_key_heads == 0 || !linear.num_value_heads.is_multiple_of(linear.num_key_heads) {
-        return Err(ConfigError::Inconsistent { path: path.into(), reason: "linear_num_value_heads must be a multiple of linear_num_key_heads".into() });
-    }
-    if linear.conv_kernel < 1 {
-        return Err(field(path, "linear_conv_kernel_dim"));
+    if !linear.num_value_heads.is_multiple_of(linear.num_key_heads) {
+        return Err(invalid(
+            path,
+            "linear_num_value_heads",
+            format!("({}) must be a multiple of linear_num_key_heads ({})", linear.num_value_heads, linear.num_key_heads),
+        ));
     }
     if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-        return Err(ConfigError::Inconsistent { path: path.into(), reason: "num_attention_heads must be a multiple of num_key_value_heads".into() });
+        return Err(invalid(path, "num_key_value_heads", format!("({num_kv_heads}) must divide num_attention_heads ({num_heads})")));
     }
 
     let intermediate_size = f.usize_or("intermediate_size", 0)?;
@@ -274,10 +301,15 @@ fn parse_text_config(family: ModelFamily, model_type: &str, text: &Value, root: 
     let tie = text.get("tie_word_embeddings").or_else(|| root.get("tie_word_embeddings")).and_then(Value::as_bool).unwrap_or(false);
     let mtp_layers = f.usize_or("mtp_num_hidden_layers", f.usize_or("num_nextn_predict_layers", 0)?)?;
 
+    let eos_token_ids = f.token_ids("eos_token_id");
+    if let Some(&id) = eos_token_ids.iter().find(|&&id| id as usize >= vocab_size) {
+        return Err(invalid(path, "eos_token_id", format!("{id} is outside the vocabulary of {vocab_size} tokens")));
+    }
+
     Ok(ModelConfig {
         family,
         model_type: model_type.to_string(),
-        vocab_size: f.usize_req("vocab_size")?,
+        vocab_size,
         hidden_size,
         intermediate_size,
         layer_kinds,
@@ -287,13 +319,13 @@ fn parse_text_config(family: ModelFamily, model_type: &str, text: &Value, root: 
         head_dim,
         rotary_dim,
         rope_theta,
-        rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)? as f32,
+        rms_norm_eps: positive(path, "rms_norm_eps", f.f64_or("rms_norm_eps", 1e-6)?)? as f32,
         linear,
         moe,
         tie_word_embeddings: tie,
-        max_position_embeddings: f.usize_or("max_position_embeddings", 32768)?,
+        max_position_embeddings: at_least_one(path, "max_position_embeddings", f.usize_or("max_position_embeddings", 32768)?)?,
         mtp_layers,
-        eos_token_ids: f.token_ids("eos_token_id"),
+        eos_token_ids,
         bos_token_id: f.token_ids("bos_token_id").first().copied(),
         quantization: QuantizationConfig::from_json(root.get("quantization_config")).map_err(|reason| ConfigError::Quantization { path: path.into(), reason })?,
     })
@@ -337,9 +369,25 @@ mod tests {
     }
 
     #[test]
-    fn rejects_value_heads_not_multiple_of_key_heads() {
-        let text = DENSE.replace("\"linear_num_value_heads\":6", "\"linear_num_value_heads\":5");
-        assert!(matches!(ModelConfig::from_json_str(&text, Path::new("c")), Err(ConfigError::Inconsistent { .. })));
+    fn values_that_cannot_be_right_are_refused_naming_the_field() {
+        for (from, to, field) in [
+            ("\"linear_num_value_heads\":6", "\"linear_num_value_heads\":5", "linear_num_value_heads"),
+            ("\"num_hidden_layers\":6", "\"num_hidden_layers\":0", "num_hidden_layers"),
+            ("\"eos_token_id\":2", "\"eos_token_id\":[2, 512]", "eos_token_id"),
+            ("\"eos_token_id\":2", "\"eos_token_id\":2,\"rms_norm_eps\":-1", "rms_norm_eps"),
+            ("\"eos_token_id\":2", "\"eos_token_id\":2,\"rms_norm_eps\":0", "rms_norm_eps"),
+            ("\"rope_theta\":10000000", "\"rope_theta\":0", "rope_theta"),
+            ("\"rope_theta\":10000000", "\"rope_theta\":-5", "rope_theta"),
+            ("\"num_key_value_heads\":2", "\"num_key_value_heads\":3", "num_key_value_heads"),
+            ("\"num_attention_heads\":4", "\"num_attention_heads\":0", "num_attention_heads"),
+            ("\"vocab_size\":512", "\"vocab_size\":0", "vocab_size"),
+            ("\"linear_key_head_dim\":16", "\"linear_key_head_dim\":0", "linear_key_head_dim"),
+        ] {
+            assert!(DENSE.contains(from), "{from}");
+            let err = ModelConfig::from_json_str(&DENSE.replace(from, to), Path::new("m/config.json")).expect_err(to);
+            let message = err.to_string();
+            assert!(message.contains(&format!("`{field}`")) && message.contains("m/config.json"), "{to}: {message}");
+        }
     }
 
     #[test]

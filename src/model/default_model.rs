@@ -24,7 +24,7 @@ pub fn open() -> Result<ModelFiles, ModelError> {
     let source = format!("{NAME} (embedded)");
     let mut config = ModelConfig::from_json_str(CONFIG, Path::new("kestrel-coder/config.json"))?;
     let store = safetensors::from_buffers(vec![(PathBuf::from("kestrel-coder/model.safetensors"), SharedBytes::from_static(WEIGHTS))], source.clone())?;
-    let tokenizer = Tokenizer::from_bytes(TOKENIZER, Some(TOKENIZER_CONFIG))?;
-    merge_eos(&mut config, &tokenizer);
-    Ok(ModelFiles { source, config, store, tokenizer })
+    let tokenizer = Tokenizer::from_bytes(TOKENIZER, Some(TOKENIZER_CONFIG))?.with_model_vocab_size(config.vocab_size);
+    merge_eos(&mut config, &tokenizer.eos_token_ids());
+    Ok(ModelFiles { source, config, store, tokenizer, sampling_defaults: Default::default() })
 }

@@ -4,11 +4,13 @@ pub mod arch;
 pub mod config;
 pub mod default_model;
 pub mod dummy;
+pub mod generation_config;
 pub mod gguf;
 pub mod weights;
 
 use crate::tokenizer::{Tokenizer, TokenizerError};
 use config::{ConfigError, ModelConfig};
+use generation_config::{GenerationConfig, GenerationConfigError, SamplingDefaults};
 use std::path::{Path, PathBuf};
 use weights::{WeightError, WeightStore};
 
@@ -18,10 +20,14 @@ pub enum ModelError {
     NotFound(PathBuf),
     #[error("{0} is not a model directory (expected config.json inside)")]
     NotADirectory(PathBuf),
+    #[error("{} is one file of a model directory: pass the directory itself ({}), or a GGUF file", file.display(), dir.display())]
+    FileOfADirectory { file: PathBuf, dir: PathBuf },
     #[error(transparent)]
     Gguf(#[from] gguf::GgufModelError),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[error(transparent)]
+    GenerationConfig(#[from] GenerationConfigError),
     #[error(transparent)]
     Weights(#[from] WeightError),
     #[error(transparent)]
@@ -35,6 +41,9 @@ pub struct ModelFiles {
     pub config: ModelConfig,
     pub store: WeightStore,
     pub tokenizer: Tokenizer,
+    /// The sampling the model's makers recommend (generation_config.json), for requests that
+    /// leave it unset.
+    pub sampling_defaults: SamplingDefaults,
 }
 
 impl ModelFiles {
@@ -43,6 +52,10 @@ impl ModelFiles {
     pub fn open(path: Option<&Path>) -> Result<Self, ModelError> {
         match path {
             None => default_model::open(),
+            Some(p) if p.is_file() && is_file_of_a_directory(p) => {
+                let dir = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+                Err(ModelError::FileOfADirectory { file: p.to_path_buf(), dir: dir.to_path_buf() })
+            }
             Some(p) if p.is_file() => Self::open_gguf(p),
             Some(p) => Self::open_dir(p),
         }
@@ -54,9 +67,9 @@ impl ModelFiles {
             return Err(ModelError::NotFound(path.to_path_buf()));
         }
         let gguf::GgufModel { mut config, store, vocab } = gguf::open(path)?;
-        let tokenizer = Tokenizer::from_bpe_vocab(&vocab, path)?;
-        merge_eos(&mut config, &tokenizer);
-        Ok(ModelFiles { source: path.display().to_string(), config, store, tokenizer })
+        let tokenizer = Tokenizer::from_bpe_vocab(&vocab, path)?.with_model_vocab_size(config.vocab_size);
+        merge_eos(&mut config, &tokenizer.eos_token_ids());
+        Ok(ModelFiles { source: path.display().to_string(), config, store, tokenizer, sampling_defaults: SamplingDefaults::default() })
     }
 
     /// The tokens that end an assistant turn: the model's end-of-sequence tokens, and ChatML's
@@ -81,10 +94,12 @@ impl ModelFiles {
             return Err(ModelError::NotADirectory(dir.to_path_buf()));
         }
         let mut config = ModelConfig::from_file(&config_path)?;
+        let generation = GenerationConfig::from_dir(dir, config.vocab_size)?;
         let store = weights::safetensors::open_dir(dir)?;
-        let tokenizer = Tokenizer::from_dir(dir)?;
-        merge_eos(&mut config, &tokenizer);
-        Ok(ModelFiles { source: dir.display().to_string(), config, store, tokenizer })
+        let tokenizer = Tokenizer::from_dir(dir)?.with_model_vocab_size(config.vocab_size);
+        merge_eos(&mut config, &tokenizer.eos_token_ids());
+        merge_eos(&mut config, &generation.eos_token_ids);
+        Ok(ModelFiles { source: dir.display().to_string(), config, store, tokenizer, sampling_defaults: generation.sampling })
     }
 }
 
@@ -99,13 +114,22 @@ pub fn open_tokenizer(path: Option<&Path>) -> Result<Tokenizer, ModelError> {
     }
 }
 
-/// Stop tokens are the union of config.json's and the tokenizer config's.
-pub(crate) fn merge_eos(config: &mut ModelConfig, tokenizer: &Tokenizer) {
-    for id in tokenizer.eos_token_ids() {
+/// Stop tokens are the union of config.json's, the tokenizer config's and generation_config.json's.
+pub(crate) fn merge_eos(config: &mut ModelConfig, ids: &[u32]) {
+    for &id in ids {
         if !config.eos_token_ids.contains(&id) {
             config.eos_token_ids.push(id);
         }
     }
+}
+
+/// A file that belongs inside a Hugging Face model directory (weights, configs, tokenizer),
+/// given where the directory was meant.
+fn is_file_of_a_directory(path: &Path) -> bool {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    name.ends_with(".safetensors")
+        || name.ends_with(".safetensors.index.json")
+        || ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"].contains(&name)
 }
 
 /// Quick check that a store holds what the config promises (used by `info`).

@@ -75,7 +75,7 @@ pub async fn chat_completions(State(state): State<ServerState>, ApiJson(body): A
     state.check_model(&body.fields.model)?;
     body.check_unsupported()?;
     let choices = body.fields.choices()?;
-    let params = body.fields.sampling(rand::random())?;
+    let params = body.fields.sampling(rand::random(), &state.sampling_defaults)?;
     let stops = body.fields.stop_strings()?;
     let spec = body.fields.spec_method()?;
     let tool_choice = body.tool_choice()?;

@@ -49,7 +49,7 @@ pub async fn completions(State(state): State<ServerState>, ApiJson(body): ApiJso
     state.check_model(&body.fields.model)?;
     body.check_unsupported()?;
     let choices = body.fields.choices()?;
-    let params = body.fields.sampling(rand::random())?;
+    let params = body.fields.sampling(rand::random(), &state.sampling_defaults)?;
     let stops = body.fields.stop_strings()?;
     let spec = body.fields.spec_method()?;
     let logprobs = body.logprobs_top()?;

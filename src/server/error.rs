@@ -54,6 +54,14 @@ impl ApiError {
         ApiError { status: StatusCode::NOT_FOUND, code: Some("not_found"), ..Self::invalid_request(format!("no route for {path}")) }
     }
 
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        ApiError {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            code: Some("method_not_allowed"),
+            ..Self::invalid_request(format!("{path} does not take {method} requests"))
+        }
+    }
+
     pub fn payload_too_large(limit: usize) -> Self {
         ApiError {
             status: StatusCode::PAYLOAD_TOO_LARGE,
@@ -65,6 +73,11 @@ impl ApiError {
     /// The engine is gone (shut down or crashed): retrying later on a restarted server may work.
     pub fn engine_unavailable() -> Self {
         ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: "the inference engine is not running".into(), kind: "server_error", param: None, code: None }
+    }
+
+    /// A generation that ended with an error after the request was accepted.
+    pub fn generation_failed(message: impl Into<String>) -> Self {
+        ApiError { code: Some("generation_failed"), ..Self::internal(message) }
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
@@ -88,15 +101,46 @@ impl IntoResponse for ApiError {
 #[derive(Debug, Clone, Copy)]
 pub struct BodyLimit(pub usize);
 
+/// A request body type whose type errors are reported with the field at fault (`param`), as
+/// OpenAI does.
+pub trait RequestBody: serde::de::DeserializeOwned {
+    /// The field of `body` at fault when deserializing `Self` fails where the error's own path
+    /// cannot tell (inside `#[serde(flatten)]`ed fields, which serde reads from a buffer).
+    fn locate_error(body: &serde_json::Value) -> Option<String>;
+}
+
+/// Deserializes `body`, naming the field of any type error: `temperature`, `messages[0].content`.
+pub fn deserialize_named<T: RequestBody>(body: serde_json::Value) -> Result<T, ApiError> {
+    match serde_path_to_error::deserialize::<_, T>(&body) {
+        Ok(value) => Ok(value),
+        Err(err) => {
+            let path = err.path().to_string();
+            let message = err.into_inner().to_string();
+            let param = if path != "." { Some(path) } else { T::locate_error(&body).or_else(|| missing_field(&message)) };
+            let what = match &param {
+                Some(field) => format!("invalid request body: `{field}`: {message}"),
+                None => format!("invalid request body: {message}"),
+            };
+            Err(ApiError { param, code: Some("invalid_type"), ..ApiError::invalid_request(what) })
+        }
+    }
+}
+
+/// The field serde names in "missing field `model`".
+fn missing_field(message: &str) -> Option<String> {
+    let rest = message.strip_prefix("missing field `")?;
+    rest.split_once('`').map(|(field, _)| field.to_string())
+}
+
 /// A JSON body whose every failure is an [`ApiError`]: 413 past the body limit, 400 otherwise
-/// (malformed JSON, wrong field types). Unlike `axum::Json`, a missing `Content-Type` is accepted,
-/// as `curl -d` users forget it.
+/// (malformed JSON; wrong field types, naming the field). Unlike `axum::Json`, a missing
+/// `Content-Type` is accepted, as `curl -d` users forget it.
 pub struct ApiJson<T>(pub T);
 
 impl<S, T> FromRequest<S> for ApiJson<T>
 where
     S: Send + Sync,
-    T: serde::de::DeserializeOwned,
+    T: RequestBody,
     BodyLimit: axum::extract::FromRef<S>,
 {
     type Rejection = ApiError;
@@ -110,9 +154,7 @@ where
                 ApiError::invalid_request(format!("cannot read the request body: {rejection}"))
             }
         })?;
-        serde_json::from_slice(&bytes).map(ApiJson).map_err(|err| {
-            let what = if err.is_data() { "invalid request body" } else { "malformed JSON in the request body" };
-            ApiError::invalid_request(format!("{what}: {err}"))
-        })
+        let body: serde_json::Value = serde_json::from_slice(&bytes).map_err(|err| ApiError::invalid_request(format!("malformed JSON in the request body: {err}")))?;
+        deserialize_named(body).map(ApiJson)
     }
 }

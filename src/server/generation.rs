@@ -100,6 +100,8 @@ pub async fn drive(
                 }
             }
             Some(GenerationEvent::Finished { reason, .. }) => break reason,
+            // The request alone failed: an error for this client, the server goes on.
+            Some(GenerationEvent::Failed { error, .. }) => return Err(ApiError::generation_failed(error.to_string())),
             Some(GenerationEvent::Accepted) | Some(GenerationEvent::Rejected(_)) => {}
             None => return Err(ApiError::engine_unavailable()),
         }

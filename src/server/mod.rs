@@ -8,6 +8,7 @@
 
 mod chat;
 mod completions;
+pub mod cors;
 pub mod error;
 mod generation;
 pub mod generation_options;
@@ -16,10 +17,10 @@ mod output_text;
 pub mod protocol;
 mod routes;
 mod tokenize;
-pub mod stop_strings;
 
 use crate::engine::logits::grammar::{Grammar, GrammarCompiler, GrammarSpec};
 use crate::engine::worker::EngineHandle;
+use crate::model::generation_config::SamplingDefaults;
 use crate::model::ModelFiles;
 use error::{ApiError, BodyLimit};
 use std::future::Future;
@@ -43,6 +44,11 @@ pub struct ServerState {
     pub started_at: u64,
     /// Built on the first request with a grammar (the token table takes a moment).
     grammars: Arc<OnceLock<Result<Arc<GrammarCompiler>, String>>>,
+    /// What requests that leave temperature, top_p, top_k or min_p unset get (the model's
+    /// generation_config.json, unless the server ignores it).
+    pub sampling_defaults: SamplingDefaults,
+    /// Origins browsers may call from (CORS); `*` for any, empty for none.
+    pub allowed_origins: Vec<String>,
 }
 
 impl axum::extract::FromRef<ServerState> for BodyLimit {
@@ -53,6 +59,7 @@ impl axum::extract::FromRef<ServerState> for BodyLimit {
 
 impl ServerState {
     pub fn new(engine: EngineHandle, files: Arc<ModelFiles>, model_name: &str, api_key: Option<&str>) -> Self {
+        let sampling_defaults = files.sampling_defaults.clone();
         ServerState {
             engine,
             files,
@@ -61,6 +68,8 @@ impl ServerState {
             body_limit: BodyLimit(DEFAULT_BODY_LIMIT),
             started_at: generation::unix_seconds(),
             grammars: Arc::new(OnceLock::new()),
+            sampling_defaults,
+            allowed_origins: Vec::new(),
         }
     }
 
@@ -108,7 +117,7 @@ impl ServerState {
     }
 }
 
-/// The application: every route, the API-key check and the body limit.
+/// The application: every route, the API-key check, the body limit and CORS.
 pub fn router(state: ServerState) -> axum::Router {
     routes::router(state)
 }

@@ -3,8 +3,8 @@
 //! of the answer. The same path serves streamed and whole responses, so both always say the
 //! same thing.
 
-use super::stop_strings::StopStringMatcher;
 use crate::chat_format::{OutputPiece, ReasoningPart, ReasoningSplitter, ToolCallParser, ToolSchemas};
+use crate::tokenizer::stop_strings::StopStringMatcher;
 use crate::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 
 /// How the text of a chat answer is read.

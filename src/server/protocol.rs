@@ -5,18 +5,24 @@
 //! get an answer that silently differs from what it requested. What penalties, logit bias,
 //! grammars and log probabilities turn into is in [`super::generation_options`].
 
-use super::error::ApiError;
+use super::error::{ApiError, RequestBody};
+use crate::backend::sampling::{seed_from_signed, top_k_from_signed, SamplingParams};
 use crate::engine::request::SpecMethod;
-use crate::backend::sampling::SamplingParams;
+use crate::model::generation_config::SamplingDefaults;
 use crate::tokenizer::ChatMessage;
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer};
 use serde_json::Value;
+
+/// `null` reads as the type's default, as OpenAI's API takes it (`"stream": null` is false).
+fn null_as_default<'de, D: Deserializer<'de>, T: Default + Deserialize<'de>>(deserializer: D) -> Result<T, D::Error> {
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
 
 /// Fields shared by `/v1/completions` and `/v1/chat/completions`.
 #[derive(Debug, Deserialize)]
 pub struct GenerationFields {
     pub model: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub max_tokens: Option<i64>,
@@ -24,6 +30,9 @@ pub struct GenerationFields {
     pub top_p: Option<f32>,
     /// Not in the OpenAI API, but accepted by most local servers; 0 or -1 turns it off.
     pub top_k: Option<i64>,
+    /// Not in the OpenAI API either (vLLM and llama.cpp take it); 0 turns it off.
+    pub min_p: Option<f32>,
+    /// -1 asks for a random seed, as in llama.cpp.
     pub seed: Option<i64>,
     pub n: Option<i64>,
     pub stop: Option<StopField>,
@@ -109,6 +118,25 @@ pub struct CompletionRequest {
     pub fields: GenerationFields,
 }
 
+/// Where a type error lies among the shared fields, which the request types flatten in.
+fn locate_in_generation_fields(body: &Value) -> Option<String> {
+    let err = serde_path_to_error::deserialize::<_, GenerationFields>(body).err()?;
+    let path = err.path().to_string();
+    (path != ".").then_some(path)
+}
+
+impl RequestBody for ChatCompletionRequest {
+    fn locate_error(body: &Value) -> Option<String> {
+        locate_in_generation_fields(body)
+    }
+}
+
+impl RequestBody for CompletionRequest {
+    fn locate_error(body: &Value) -> Option<String> {
+        locate_in_generation_fields(body)
+    }
+}
+
 /// A completion prompt: text or token ids, alone or in a list of one.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -139,26 +167,26 @@ impl PromptField {
 }
 
 impl GenerationFields {
-    /// Refuses what the engine cannot do and returns the sampling parameters.
-    /// `default_seed` is used when the request names none, so unseeded requests differ.
-    pub fn sampling(&self, default_seed: u64) -> Result<SamplingParams, ApiError> {
-        // OpenAI's default temperature is 1.
-        let temperature = self.temperature.unwrap_or(1.0);
-        if !temperature.is_finite() || !(0.0..=2.0).contains(&temperature) {
-            return Err(ApiError::invalid_param("temperature", format!("temperature must be between 0 and 2, got {temperature}")));
-        }
-        let top_p = self.top_p.unwrap_or(1.0);
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::invalid_param("top_p", format!("top_p must be in (0, 1], got {top_p}")));
-        }
+    /// Refuses what the engine cannot do and returns the sampling parameters: the request's,
+    /// else the model's recommendation in `defaults`, else OpenAI's (temperature 1, no filter).
+    /// `default_seed` is used when the request names none (or -1), so unseeded requests differ.
+    pub fn sampling(&self, default_seed: u64, defaults: &SamplingDefaults) -> Result<SamplingParams, ApiError> {
+        let refused = |err: crate::backend::sampling::SamplingError| ApiError::invalid_param(err.field(), err.to_string());
         let top_k = match self.top_k {
-            None | Some(-1) | Some(0) => 0,
-            Some(k) if k > 0 => k as usize,
-            Some(k) => return Err(ApiError::invalid_param("top_k", format!("top_k must be positive, or -1 or 0 for no limit; got {k}"))),
+            Some(k) => top_k_from_signed(k).map_err(refused)?,
+            None => defaults.top_k.unwrap_or(0),
         };
-        // Any 64-bit integer is a valid seed; negative ones are reinterpreted, not refused.
-        let seed = self.seed.map(|s| s as u64).unwrap_or(default_seed);
-        Ok(SamplingParams { temperature, top_k, top_p, seed })
+        let params = SamplingParams {
+            // OpenAI's default temperature is 1.
+            temperature: self.temperature.or(defaults.temperature).unwrap_or(1.0),
+            top_p: self.top_p.or(defaults.top_p).unwrap_or(1.0),
+            top_k,
+            min_p: self.min_p.or(defaults.min_p).unwrap_or(0.0),
+            // Any other 64-bit integer is a valid seed; negative ones are reinterpreted, not refused.
+            seed: self.seed.and_then(seed_from_signed).unwrap_or(default_seed),
+        };
+        params.validate().map_err(refused)?;
+        Ok(params)
     }
 
     pub fn stop_strings(&self) -> Result<Vec<String>, ApiError> {
@@ -196,7 +224,32 @@ impl ChatCompletionRequest {
         if self.messages.is_empty() {
             return Err(ApiError::invalid_param("messages", "messages must not be empty"));
         }
-        Ok(())
+        self.check_tools()
+    }
+
+    /// `tools` must be function definitions with a name, and `tool_choice` one of OpenAI's forms
+    /// naming a listed function: a malformed one is refused, not taken as no tools.
+    fn check_tools(&self) -> Result<(), ApiError> {
+        let names = match &self.tools {
+            None => Vec::new(),
+            Some(tools) => tools.iter().enumerate().map(|(i, tool)| tool_name(i, tool)).collect::<Result<Vec<&str>, ApiError>>()?,
+        };
+        let choice = "tool_choice";
+        match &self.tool_choice {
+            None | Some(Value::Null) => Ok(()),
+            Some(Value::String(mode)) if mode == "none" || mode == "auto" => Ok(()),
+            Some(Value::String(mode)) if mode == "required" && names.is_empty() => Err(ApiError::invalid_param(choice, "tool_choice `required` needs `tools`")),
+            Some(Value::String(mode)) if mode == "required" => Ok(()),
+            Some(Value::Object(named)) => {
+                let name = named.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+                match (named.get("type").and_then(Value::as_str), name) {
+                    (Some("function"), Some(name)) if names.contains(&name) => Ok(()),
+                    (Some("function"), Some(name)) => Err(ApiError::invalid_param(choice, format!("tool_choice names the function `{name}`, which is not in `tools`"))),
+                    _ => Err(ApiError::invalid_param(choice, "a tool_choice object must be {\"type\": \"function\", \"function\": {\"name\": ...}}")),
+                }
+            }
+            Some(other) => Err(ApiError::invalid_param(choice, format!("tool_choice must be \"none\", \"auto\", \"required\" or a function to call, got {other}"))),
+        }
     }
 
     /// The tools to show the model, unless `tool_choice` is `"none"`.
@@ -214,6 +267,25 @@ impl ChatCompletionRequest {
     }
 }
 
+/// The name of `tools[index]`, which must be `{"type": "function", "function": {"name", ...}}`.
+fn tool_name(index: usize, tool: &Value) -> Result<&str, ApiError> {
+    let param = format!("tools[{index}]");
+    if tool.get("type").and_then(Value::as_str) != Some("function") {
+        return Err(ApiError::invalid_param(&param, "a tool must have \"type\": \"function\""));
+    }
+    let Some(function) = tool.get("function").filter(|f| f.is_object()) else {
+        return Err(ApiError::invalid_param(&format!("{param}.function"), "a tool needs a `function` object"));
+    };
+    let name = function.get("name").and_then(Value::as_str).filter(|name| !name.is_empty());
+    let Some(name) = name else {
+        return Err(ApiError::invalid_param(&format!("{param}.function.name"), "a function needs a name"));
+    };
+    if function.get("parameters").is_some_and(|p| !p.is_null() && !p.is_object()) {
+        return Err(ApiError::invalid_param(&format!("{param}.function.parameters"), "a function's parameters must be a JSON Schema object"));
+    }
+    Ok(name)
+}
+
 impl RequestMessage {
     pub fn to_chat_message(&self, index: usize) -> Result<ChatMessage, ApiError> {
         let param = format!("messages[{index}]");
@@ -223,8 +295,11 @@ impl RequestMessage {
             "developer" => "system".to_string(),
             other => return Err(ApiError::invalid_param(&param, format!("unknown role `{other}` (expected system, user, assistant or tool)"))),
         };
+        let has_tool_calls = self.tool_calls.as_ref().is_some_and(|calls| !calls.is_null());
         let content = match &self.content {
-            None => String::new(),
+            // Only an assistant turn that calls tools may come without text.
+            None if role == "assistant" && has_tool_calls => String::new(),
+            None => return Err(ApiError::invalid_param(&format!("{param}.content"), format!("a {} message needs `content`", self.role))),
             Some(MessageContent::Text(text)) => text.clone(),
             Some(MessageContent::Parts(parts)) => {
                 let mut text = String::new();
@@ -276,10 +351,54 @@ mod tests {
         serde_json::from_value(json).expect("valid fields")
     }
 
+    fn no_defaults() -> SamplingDefaults {
+        SamplingDefaults::default()
+    }
+
     #[test]
     fn defaults_follow_openai() {
-        let params = fields(serde_json::json!({"model": "m"})).sampling(7).expect("valid");
-        assert_eq!(params, SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 });
+        let params = fields(serde_json::json!({"model": "m"})).sampling(7, &no_defaults()).expect("valid");
+        assert_eq!(params, SamplingParams { temperature: 1.0, seed: 7, ..SamplingParams::greedy() });
+        // -1 asks for a random seed: the server's.
+        let params = fields(serde_json::json!({"model": "m", "seed": -1, "min_p": 0.1})).sampling(9, &no_defaults()).expect("valid");
+        assert_eq!((params.seed, params.min_p), (9, 0.1));
+    }
+
+    #[test]
+    fn the_models_recommendation_fills_what_the_request_leaves_unset() {
+        let defaults = SamplingDefaults { temperature: Some(0.6), top_p: Some(0.95), top_k: Some(20), min_p: Some(0.05) };
+        let params = fields(serde_json::json!({"model": "m"})).sampling(1, &defaults).expect("valid");
+        assert_eq!(params, SamplingParams { temperature: 0.6, top_p: 0.95, top_k: 20, min_p: 0.05, seed: 1 });
+        let params = fields(serde_json::json!({"model": "m", "temperature": 0, "top_k": -1, "top_p": 1, "min_p": 0})).sampling(1, &defaults).expect("valid");
+        assert_eq!(params, SamplingParams { seed: 1, ..SamplingParams::greedy() });
+    }
+
+    #[test]
+    fn type_errors_name_the_field() {
+        use crate::server::error::deserialize_named;
+        let message = serde_json::json!([{"role": "user", "content": "hi"}]);
+        for (body, param) in [
+            (serde_json::json!({"model": "m", "messages": message, "temperature": "hot"}), "temperature"),
+            (serde_json::json!({"model": "m", "messages": message, "max_tokens": "many"}), "max_tokens"),
+            (serde_json::json!({"model": "m", "messages": message, "stream": "yes"}), "stream"),
+            (serde_json::json!({"model": 5, "messages": message}), "model"),
+            (serde_json::json!({"messages": message}), "model"),
+            (serde_json::json!({"model": "m", "messages": "hi"}), "messages"),
+            (serde_json::json!({"model": "m", "messages": [{"role": "user", "content": 5}]}), "messages[0].content"),
+            (serde_json::json!({"model": "m", "messages": message, "tools": {"a": 1}}), "tools"),
+        ] {
+            let err = deserialize_named::<ChatCompletionRequest>(body.clone()).err().unwrap_or_else(|| panic!("{body} parsed"));
+            assert_eq!(err.param.as_deref(), Some(param), "{body}: {}", err.message);
+            assert!(err.message.contains(param), "{}", err.message);
+        }
+        let err = deserialize_named::<CompletionRequest>(serde_json::json!({"model": "m", "prompt": "x", "top_p": [1]})).expect_err("refused");
+        assert_eq!(err.param.as_deref(), Some("top_p"));
+    }
+
+    #[test]
+    fn stream_null_is_false() {
+        assert!(!fields(serde_json::json!({"model": "m", "stream": null})).stream);
+        assert!(fields(serde_json::json!({"model": "m", "stream": true})).stream);
     }
 
     #[test]
@@ -288,8 +407,9 @@ mod tests {
             (serde_json::json!({"model": "m", "temperature": 3.0}), "temperature"),
             (serde_json::json!({"model": "m", "top_p": 0.0}), "top_p"),
             (serde_json::json!({"model": "m", "top_k": -5}), "top_k"),
+            (serde_json::json!({"model": "m", "min_p": 1.5}), "min_p"),
         ] {
-            let err = fields(body).sampling(0).expect_err("refused");
+            let err = fields(body).sampling(0, &no_defaults()).expect_err("refused");
             assert_eq!(err.param.as_deref(), Some(param));
         }
     }
@@ -318,5 +438,47 @@ mod tests {
         assert_eq!(messages[0].content, "ab");
         assert_eq!(messages[1].content, "");
         assert_eq!(messages[1].tool_calls, Some(serde_json::json!([{"type": "function", "function": {"name": "f", "arguments": {}}}])), "arguments reach the template as an object");
+    }
+
+    fn chat(body: serde_json::Value) -> ChatCompletionRequest {
+        serde_json::from_value(body).expect("parses")
+    }
+
+    #[test]
+    fn a_message_without_content_is_refused_unless_it_calls_tools() {
+        for message in [serde_json::json!({"role": "user"}), serde_json::json!({"role": "user", "content": null}), serde_json::json!({"role": "assistant"})] {
+            let request = chat(serde_json::json!({"model": "m", "messages": [{"role": "system", "content": "s"}, message]}));
+            let err = request.chat_messages().expect_err("no content");
+            assert_eq!(err.param.as_deref(), Some("messages[1].content"), "{}", err.message);
+        }
+    }
+
+    #[test]
+    fn malformed_tools_and_tool_choice_are_refused() {
+        let tool = serde_json::json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}});
+        let message = serde_json::json!([{"role": "user", "content": "hi"}]);
+        let ok = |extra: serde_json::Value| {
+            let mut body = serde_json::json!({"model": "m", "messages": message, "tools": [tool]});
+            body.as_object_mut().expect("object").extend(extra.as_object().expect("object").clone());
+            chat(body).check_unsupported()
+        };
+        for choice in ["none", "auto", "required"] {
+            assert!(ok(serde_json::json!({"tool_choice": choice})).is_ok(), "{choice}");
+        }
+        assert!(ok(serde_json::json!({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}})).is_ok());
+        for (extra, param) in [
+            (serde_json::json!({"tool_choice": "sometimes"}), "tool_choice"),
+            (serde_json::json!({"tool_choice": 5}), "tool_choice"),
+            (serde_json::json!({"tool_choice": {"type": "function", "function": {"name": "other"}}}), "tool_choice"),
+            (serde_json::json!({"tool_choice": {"type": "function"}}), "tool_choice"),
+            (serde_json::json!({"tools": [{"type": "function"}]}), "tools[0].function"),
+            (serde_json::json!({"tools": [{"function": {"name": "f"}}]}), "tools[0]"),
+            (serde_json::json!({"tools": [{"type": "function", "function": {"description": "no name"}}]}), "tools[0].function.name"),
+            (serde_json::json!({"tools": [tool, {"type": "function", "function": {"name": "f", "parameters": "x"}}]}), "tools[1].function.parameters"),
+            (serde_json::json!({"tools": [], "tool_choice": "required"}), "tool_choice"),
+        ] {
+            let err = ok(extra.clone()).expect_err("malformed");
+            assert_eq!(err.param.as_deref(), Some(param), "{extra}: {}", err.message);
+        }
     }
 }

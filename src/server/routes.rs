@@ -13,6 +13,11 @@ use serde_json::json;
 use std::fmt::Write as _;
 
 pub fn router(state: ServerState) -> Router {
+    // The origins were checked when the server started (`kestrel serve` refuses bad ones).
+    let cors = super::cors::layer(&state.allowed_origins).unwrap_or_else(|err| {
+        eprintln!("kestrel serve: CORS is off: {err}");
+        None
+    });
     let protected = Router::new()
         .route("/v1/models", get(list_models))
         .route("/v1/models/{model}", get(get_model))
@@ -22,12 +27,18 @@ pub fn router(state: ServerState) -> Router {
         .route("/detokenize", post(tokenize::detokenize))
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
-    Router::new()
+    let app = Router::new()
         .merge(protected)
         .route("/health", get(health))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(state.body_limit.0))
-        .with_state(state)
+        .with_state(state);
+    // Outermost, so that a browser's preflight is answered before the API-key check.
+    match cors {
+        Some(cors) => app.layer(cors),
+        None => app,
+    }
 }
 
 async fn require_api_key(State(state): State<ServerState>, request: Request, next: Next) -> Response {
@@ -49,6 +60,10 @@ fn equal_in_constant_time(a: &[u8], b: &[u8]) -> bool {
 
 async fn not_found(uri: Uri) -> ApiError {
     ApiError::not_found(uri.path())
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: Uri) -> ApiError {
+    ApiError::method_not_allowed(method.as_str(), uri.path())
 }
 
 async fn health(State(state): State<ServerState>) -> Response {
@@ -106,6 +121,7 @@ async fn metrics(State(state): State<ServerState>) -> Result<Response, ApiError>
         ("kestrel_requests_rejected_total", "Requests the engine refused.", snapshot.requests_rejected),
         ("kestrel_requests_finished_total", "Requests finished, cancelled ones included.", snapshot.requests_finished),
         ("kestrel_requests_cancelled_total", "Requests cancelled (client gone or stop string).", snapshot.requests_cancelled),
+        ("kestrel_requests_failed_total", "Requests ended by an error after they started.", snapshot.requests_failed),
     ];
     for (name, help, value) in counters {
         // Writing into a String cannot fail.

@@ -1,7 +1,7 @@
 //! `POST /tokenize` and `POST /detokenize`, as vLLM serves them: a prompt (or a conversation,
 //! through the chat template) to token ids, and ids back to text.
 
-use super::error::{ApiError, ApiJson};
+use super::error::{ApiError, ApiJson, RequestBody};
 use super::protocol::RequestMessage;
 use super::ServerState;
 use axum::extract::State;
@@ -30,6 +30,18 @@ pub struct TokenizeRequest {
 pub struct DetokenizeRequest {
     pub model: Option<String>,
     pub tokens: Vec<u32>,
+}
+
+impl RequestBody for TokenizeRequest {
+    fn locate_error(_body: &Value) -> Option<String> {
+        None
+    }
+}
+
+impl RequestBody for DetokenizeRequest {
+    fn locate_error(_body: &Value) -> Option<String> {
+        None
+    }
 }
 
 pub async fn tokenize(State(state): State<ServerState>, ApiJson(body): ApiJson<TokenizeRequest>) -> Result<Json<Value>, ApiError> {

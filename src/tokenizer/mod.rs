@@ -10,6 +10,7 @@ pub mod bpe_vocab;
 mod chat_template;
 mod config;
 mod python_json;
+pub mod stop_strings;
 mod stream;
 mod token_bytes;
 mod strftime;
@@ -113,8 +114,9 @@ pub struct Tokenizer {
     vocab_size: usize,
     eos_token_ids: Vec<u32>,
     chat_template: Option<ChatTemplate>,
-    /// Decode ids the vocabulary lacks as nothing instead of refusing them.
-    skip_unknown_ids: bool,
+    /// Ids below this that the vocabulary lacks decode as nothing: the rows a model's embedding
+    /// has beyond its tokenizer (a padded vocabulary, llama.cpp's `[PAD…]` entries).
+    model_vocab_size: usize,
 }
 
 impl Tokenizer {
@@ -209,6 +211,13 @@ impl Tokenizer {
                 message: err.to_string(),
             }
         })?;
+        // A tokenizer.json may carry the truncation or padding its writer trained with (auto-round
+        // leaves `max_length: 256`). A prompt is never cut or padded: one past the context is an
+        // error for the engine to report, as in vLLM and llama.cpp.
+        inner
+            .with_truncation(None)
+            .map_err(|err| TokenizerError::InvalidTokenizerJson { file: json_origin.to_path_buf(), message: err.to_string() })?;
+        inner.with_padding(None);
         add_declared_tokens(&mut inner, &config, config_origin)?;
 
         let mut eos_token_ids = Vec::new();
@@ -241,7 +250,7 @@ impl Tokenizer {
             vocab_size,
             eos_token_ids,
             chat_template,
-            skip_unknown_ids: false,
+            model_vocab_size: 0,
         })
     }
 
@@ -332,18 +341,19 @@ impl Tokenizer {
         StreamDecoder::new(self, skip_special_tokens)
     }
 
-    /// Decodes ids outside the vocabulary as nothing: for a model with random weights whose
-    /// vocabulary is larger than this tokenizer's (`--load-format dummy`), whose text means
-    /// nothing anyway.
-    pub fn skipping_unknown_ids(mut self) -> Self {
-        self.skip_unknown_ids = true;
+    /// Decodes every id below `rows`, the model's embedding rows, that the vocabulary lacks as
+    /// nothing, as llama.cpp does: checkpoints pad their embedding beyond the tokenizer (a 9B
+    /// GGUF has 248320 rows for 151669 tokens, the rest `[PAD…]`), and a model may generate
+    /// such an id. Ids at or past `rows` still fail: the model cannot have produced them.
+    pub fn with_model_vocab_size(mut self, rows: usize) -> Self {
+        self.model_vocab_size = rows;
         self
     }
 
     fn check_id(&self, id: u32) -> Result<(), TokenizerError> {
         match self.inner.id_to_token(id) {
             Some(_) => Ok(()),
-            None if self.skip_unknown_ids => Ok(()),
+            None if (id as usize) < self.model_vocab_size => Ok(()),
             None => Err(TokenizerError::UnknownTokenId {
                 id,
                 vocab_size: self.vocab_size,

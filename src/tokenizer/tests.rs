@@ -234,16 +234,34 @@ fn ids_outside_the_vocabulary_are_rejected() {
 }
 
 #[test]
-fn a_tokenizer_for_random_weights_decodes_unknown_ids_as_nothing() {
-    let tokenizer = tiny_tokenizer().skipping_unknown_ids();
+fn ids_of_a_padded_embedding_decode_as_nothing() {
+    // The model's embedding has 6000 rows; the tokenizer has 270 tokens.
+    let tokenizer = tiny_tokenizer().with_model_vocab_size(6000);
     let known = tokenizer.decode(&[1, 2], false).expect("known ids decode");
-    assert_eq!(tokenizer.decode(&[1, 5000, 2], false).expect("unknown ids are skipped"), known);
+    assert_eq!(tokenizer.decode(&[1, 5000, 2], false).expect("padded ids decode as nothing"), known);
     let mut stream = tokenizer.stream_decoder(false);
     let mut text = String::new();
-    for id in [1, 5000, 2] {
-        text.push_str(&stream.push(id).expect("stream skips unknown ids").unwrap_or_default());
+    for id in [1, 5000, 2, 5999] {
+        text.push_str(&stream.push(id).expect("stream skips padded ids").unwrap_or_default());
     }
+    text.push_str(&stream.flush().expect("flushes").unwrap_or_default());
     assert_eq!(text, known);
+    // Past the embedding, an id cannot have come from the model.
+    assert!(matches!(tokenizer.decode(&[6000], false), Err(TokenizerError::UnknownTokenId { id: 6000, .. })));
+}
+
+#[test]
+fn truncation_and_padding_in_tokenizer_json_are_ignored() {
+    let mut json: serde_json::Value = serde_json::from_str(&tiny_bpe_tokenizer_json()).expect("fixture is JSON");
+    json["truncation"] = serde_json::json!({"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0});
+    json["padding"] = serde_json::json!({"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"});
+    let cut = Tokenizer::from_bytes(json.to_string().as_bytes(), None).expect("loads");
+    let plain = tiny_tokenizer();
+    let text = "hello world, hello tokenizer, hello kestrel";
+    let ids = cut.encode(text, false).expect("encodes");
+    assert!(ids.len() > 4, "the prompt was cut to {} tokens", ids.len());
+    assert_eq!(ids, plain.encode(text, false).expect("encodes"));
+    assert_eq!(cut.encode("hi", false).expect("encodes"), plain.encode("hi", false).expect("encodes"), "a short prompt was padded");
 }
 
 /// Feeds `ids` one at a time and checks the stream against one-shot decoding.

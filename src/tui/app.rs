@@ -2,7 +2,7 @@
 //! keys and commands do to them.
 
 use super::keys::{action_for, parse_command, Action, Command};
-use super::state::{ChatView, Entry, ReplyStats, Settings, Speaker, Status, GENERATING_HINT, HELP_TEXT, IDLE_HINT};
+use super::state::{ChatView, Entry, ReplyStats, Settings, Speaker, Status, GENERATING_HINT, HELP_TEXT, IDLE_HINT, QUIT_HINT};
 use crate::chat_format::{prompt_opens_reasoning, ChatFormat, ReasoningPart, ReasoningSplitter};
 use crate::engine::request::{FinishReason, Request, SpecMethod};
 use crate::backend::sampling::SamplingParams;
@@ -42,6 +42,8 @@ pub struct App {
     conversation: Vec<ChatMessage>,
     active: Option<ActiveReply>,
     replies_started: u64,
+    /// The last key asked to quit: the next one that does quits.
+    quit_asked: bool,
     quit: bool,
 }
 
@@ -53,7 +55,7 @@ impl App {
         let settings = Settings { spec: options.spec, spec_tokens: engine.info().spec_tokens, temperature: options.sampling.temperature, max_tokens: options.max_tokens };
         let mut view = ChatView::new(options.model_name.clone(), settings);
         view.note(format!("Chatting with {}. Type a message and press Enter; /help lists the commands.", options.model_name));
-        App { view, engine, files, options, conversation: Vec::new(), active: None, replies_started: 0, quit: false }
+        App { view, engine, files, options, conversation: Vec::new(), active: None, replies_started: 0, quit_asked: false, quit: false }
     }
 
     pub fn should_quit(&self) -> bool {
@@ -65,8 +67,12 @@ impl App {
     }
 
     pub fn handle_key(&mut self, key: KeyEvent) {
+        let action = action_for(key, self.active.is_some());
+        if action != Action::Quit {
+            self.carry_on();
+        }
         let input = &mut self.view.input;
-        match action_for(key, self.active.is_some()) {
+        match action {
             Action::Submit => self.submit(),
             Action::Newline => input.insert_newline(),
             Action::Insert(c) => input.insert_char(c),
@@ -85,13 +91,32 @@ impl App {
                     active.generation.cancel();
                 }
             }
-            Action::Quit => self.quit = true,
+            Action::Quit => self.ask_to_quit(),
             Action::Ignore => {}
         }
     }
 
     pub fn paste(&mut self, text: &str) {
+        self.carry_on();
         self.view.input.insert_str(text);
+    }
+
+    /// A quit key quits only when pressed twice in a row: one stray Esc must not lose the
+    /// conversation.
+    fn ask_to_quit(&mut self) {
+        if self.quit_asked {
+            self.quit = true;
+        } else {
+            self.quit_asked = true;
+            self.view.status = Status::Hint(QUIT_HINT.into());
+        }
+    }
+
+    /// Any other key withdraws a pending quit.
+    fn carry_on(&mut self) {
+        if std::mem::take(&mut self.quit_asked) && self.view.status == Status::Hint(QUIT_HINT.into()) {
+            self.view.status = Status::Hint(if self.active.is_some() { GENERATING_HINT } else { IDLE_HINT }.into());
+        }
     }
 
     fn submit(&mut self) {
@@ -237,6 +262,11 @@ impl App {
                         stats.tokens = summary.generated.len();
                     }
                     self.end_reply(Some(reason));
+                }
+                GenerationEvent::Failed { error, .. } => {
+                    // The reply is not an answer: the message leaves the conversation with it.
+                    self.end_reply(None);
+                    self.view.error(format!("the reply failed: {error}"));
                 }
             }
         }

@@ -50,12 +50,17 @@ impl InputEditor {
         self.column = 0;
     }
 
-    /// Inserts pasted text, newlines included.
+    /// Inserts pasted text, its line breaks included: terminals send a pasted line break as a
+    /// carriage return (`\r`), files may hold `\r\n` or `\n`; each is one new line.
     pub fn insert_str(&mut self, text: &str) {
-        for c in text.chars() {
+        let mut chars = text.chars().peekable();
+        while let Some(c) = chars.next() {
             match c {
+                '\r' => {
+                    chars.next_if_eq(&'\n');
+                    self.insert_newline();
+                }
                 '\n' => self.insert_newline(),
-                '\r' => {}
                 c => self.insert_char(c),
             }
         }
@@ -216,6 +221,14 @@ mod tests {
         assert_eq!(editor.text(), "second\nline");
         editor.down();
         assert_eq!(editor.text(), "draft");
+    }
+
+    #[test]
+    fn pasted_line_breaks_are_kept_whatever_their_form() {
+        for pasted in ["one\rtwo\rthree", "one\r\ntwo\r\nthree", "one\ntwo\nthree", "one\r\ntwo\nthree"] {
+            assert_eq!(typed(pasted).text(), "one\ntwo\nthree", "{pasted:?}");
+        }
+        assert_eq!(typed("a\r\r\nb").text(), "a\n\nb");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Keys to actions, and the slash commands. Both are pure functions of their input, so every
 //! binding is tested without a terminal.
 
+use crate::backend::sampling::{SamplingParams, MAX_TEMPERATURE};
 use crate::engine::request::SpecMethod;
 use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 
@@ -21,6 +22,7 @@ pub enum Action {
     ScrollDown,
     /// Ctrl-C while a reply is being generated.
     StopReply,
+    /// Esc, Ctrl-D, or Ctrl-C when idle: the app asks before it quits.
     Quit,
     Ignore,
 }
@@ -89,9 +91,10 @@ pub fn parse_command(text: &str) -> Option<Result<Command, String>> {
         ("quit", None) | ("exit", None) => Ok(Command::Quit),
         ("spec", Some(method)) => method.parse().map(Command::Spec),
         ("spec", None) => Err("usage: /spec none|ngram|mtp".to_string()),
+        // The range every front end accepts (the sampler's own check).
         ("temp", Some(value)) => match value.parse::<f32>() {
-            Ok(t) if t.is_finite() && (0.0..=2.0).contains(&t) => Ok(Command::Temperature(t)),
-            _ => Err(format!("temperature must be a number from 0 to 2, got `{value}`")),
+            Ok(t) if (SamplingParams { temperature: t, ..SamplingParams::greedy() }).validate().is_ok() => Ok(Command::Temperature(t)),
+            _ => Err(format!("temperature must be a number from 0 to {MAX_TEMPERATURE}, got `{value}`")),
         },
         ("temp", None) => Err("usage: /temp T (0 = greedy)".to_string()),
         (name, _) => Err(format!("unknown command /{name} (try /help)")),

@@ -123,6 +123,7 @@ impl ChatView {
 }
 
 pub const IDLE_HINT: &str = "Enter send · Alt-Enter newline · PgUp/PgDn scroll · /help";
+pub const QUIT_HINT: &str = "Press Esc or Ctrl-C again to quit (the conversation is not kept); any other key carries on";
 pub const GENERATING_HINT: &str = "generating… Ctrl-C stops the reply";
 
 pub const HELP_TEXT: &str = "\
@@ -132,7 +133,7 @@ Commands:
   /temp T              sampling temperature (0 = greedy)
   /reasoning           show or fold the reasoning of thinking models
   /help                this text
-  /quit                leave (also Esc, Ctrl-D, or Ctrl-C when idle)
+  /quit                leave (also Esc, Ctrl-D, or Ctrl-C when idle, pressed twice)
 Keys:
   Enter send · Alt-Enter, Shift-Enter or Ctrl-J new line · ↑/↓ earlier messages
   PgUp/PgDn scroll · Ctrl-C stops a reply";

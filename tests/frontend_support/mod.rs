@@ -44,6 +44,8 @@ pub const XML_THINKING_OFF_ANSWER: &str = "No tool is needed for that.";
 pub fn qwen35_template() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/qwen35/chat_template.jinja")
 }
+/// The NaN chat model embeds this word's tokens as NaN: a message holding it meets NaN logits.
+pub const POISON_WORD: &str = "nightshade";
 
 pub fn qwen3_tokenizer_dir() -> PathBuf {
     std::env::var_os("KESTREL_QWEN3_TOKENIZER_DIR")
@@ -72,7 +74,26 @@ pub fn chat_model() -> &'static Path {
     DIR.get_or_init(|| {
         let dir = models_root().join("kestrel-chat-test");
         let tokenizer = kestrel::tokenizer::Tokenizer::from_dir(&qwen3_tokenizer_dir()).expect("Qwen3 tokenizer loads");
-        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &chain(&tokenizer, ASSISTANT, NEWLINE_TOKEN, CHAT_REPLY), 11);
+        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &chain(&tokenizer, ASSISTANT, NEWLINE_TOKEN, CHAT_REPLY), 11, &[]);
+        dir
+    })
+}
+
+/// The chat model, except that the tokens of `POISON_WORD` embed as NaN.
+pub fn nan_chat_model() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = models_root().join("kestrel-nan-chat-test");
+        let tokenizer = kestrel::tokenizer::Tokenizer::from_dir(&qwen3_tokenizer_dir()).expect("Qwen3 tokenizer loads");
+        let transitions = chain(&tokenizer, ASSISTANT, NEWLINE_TOKEN, CHAT_REPLY);
+        let mut poisoned = tokenizer.encode(POISON_WORD, false).expect("encodes");
+        poisoned.extend(tokenizer.encode(&format!(" {POISON_WORD}"), false).expect("encodes"));
+        // A message without the word must not touch them: the template's own tokens and the reply are clean.
+        let clean = tokenizer.apply_chat_template(&[kestrel::tokenizer::ChatMessage::user("Tell me about kestrels.")], true, None).expect("template renders");
+        let mut clean_ids = tokenizer.encode(&clean, false).expect("encodes");
+        clean_ids.extend(transitions.iter().flat_map(|t| t.context.into_iter().chain([t.from, t.to])));
+        assert!(poisoned.iter().all(|t| !clean_ids.contains(t)), "{POISON_WORD:?} shares tokens with a clean conversation");
+        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &transitions, 11, &poisoned);
         dir
     })
 }
@@ -84,7 +105,7 @@ pub fn tool_model() -> &'static Path {
         let dir = models_root().join("kestrel-tool-test");
         let tokenizer = kestrel::tokenizer::Tokenizer::from_dir(&qwen3_tokenizer_dir()).expect("Qwen3 tokenizer loads");
         let script = Script { context: ASSISTANT, start: NEWLINE_TOKEN, text: TOOL_CALL_TEXT, end: Some(END_OF_TURN_TOKEN) };
-        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &script_chains(&tokenizer, &[script]), 12);
+        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &script_chains(&tokenizer, &[script]), 12, &[]);
         dir
     })
 }
@@ -102,7 +123,7 @@ pub fn thinking_model() -> &'static Path {
             Script { context: ASSISTANT, start: NEWLINE_TOKEN, text: &on, end: Some(END_OF_TURN_TOKEN) },
             Script { context: THINKING_OFF, start: BLANK_LINE_TOKEN, text: THINKING_OFF_ANSWER, end: Some(END_OF_TURN_TOKEN) },
         ];
-        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &script_chains(&tokenizer, &scripts), 13);
+        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &script_chains(&tokenizer, &scripts), 13, &[]);
         dir
     })
 }
@@ -120,7 +141,7 @@ pub fn xml_tool_model() -> &'static Path {
             Script { context: THINKING_ON, start: NEWLINE_TOKEN, text: &on, end: Some(END_OF_TURN_TOKEN) },
             Script { context: THINKING_OFF, start: BLANK_LINE_TOKEN, text: XML_THINKING_OFF_ANSWER, end: Some(END_OF_TURN_TOKEN) },
         ];
-        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &script_chains(&tokenizer, &scripts), 14);
+        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &script_chains(&tokenizer, &scripts), 14, &[]);
         std::fs::copy(qwen35_template(), dir.join("chat_template.jinja")).expect("the Qwen3.5 template is copied");
         dir
     })
@@ -147,10 +168,16 @@ pub struct ServerProcess {
 
 impl ServerProcess {
     pub fn start(model: &Path, extra_args: &[&str]) -> ServerProcess {
+        let mut args = vec!["--host".to_string(), "127.0.0.1".into(), "--model".into(), model.display().to_string()];
+        args.extend(extra_args.iter().map(|a| a.to_string()));
+        Self::start_with(&args)
+    }
+
+    /// `kestrel serve` on a free port on the CPU with exactly these other arguments.
+    pub fn start_with(serve_args: &[String]) -> ServerProcess {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kestrel"))
-            .args(["serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--model"])
-            .arg(model)
-            .args(extra_args)
+            .args(["serve", "--port", "0", "--device", "cpu"])
+            .args(serve_args)
             .env("RAYON_NUM_THREADS", "2")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -18,7 +18,8 @@
 //!   weights) write only there, so context changes the output of unscripted tokens (prompts give
 //!   different continuations) but never reaches the script.
 //!
-//! Special tokens never win unless scripted: their `lm_head` rows are zero.
+//! Special tokens never win unless scripted: their `lm_head` rows are zero. Tokens listed as
+//! poisoned embed as NaN, so a prompt holding one makes every later logit NaN.
 //!
 //! The MTP head follows the script too: its input projection copies the next token's script
 //! dimension, and the current context shifted by one, so it drafts the token after next, and MTP
@@ -214,7 +215,7 @@ fn random_split(bytes: &[u8], by_bytes: &HashMap<Vec<u8>, u32>, specials: &[(Vec
 }
 
 /// Writes config.json, model.safetensors and the tokenizer files into `dir`.
-pub fn write_scripted_model(dir: &Path, tokenizer_dir: &Path, transitions: &[Transition], seed: u64) {
+pub fn write_scripted_model(dir: &Path, tokenizer_dir: &Path, transitions: &[Transition], seed: u64, poisoned: &[u32]) {
     std::fs::create_dir_all(dir).expect("model dir can be created");
     for file in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(tokenizer_dir.join(file), dir.join(file)).unwrap_or_else(|err| panic!("cannot copy {file} from {}: {err}", tokenizer_dir.display()));
@@ -246,6 +247,10 @@ pub fn write_scripted_model(dir: &Path, tokenizer_dir: &Path, transitions: &[Tra
             Some(&dim) => row[dim] = SCRIPT_EMBEDDING,
             None => row[kept..].iter_mut().for_each(|v| *v = noise.uniform(1.7)),
         }
+    }
+    for &token in poisoned {
+        assert!(!script_dim.contains_key(&token), "token {token} is both scripted and poisoned");
+        embed[token as usize * hidden..(token as usize + 1) * hidden].fill(f32::NAN);
     }
     tensors.push(("model.embed_tokens.weight".into(), vec![vocab, hidden], embed));
 

@@ -240,8 +240,12 @@ def errors(ctx):
     assert_error(status, body, 400)
     status, _, body = ctx.raw("POST", chat_path, body="[1, 2]")
     assert_error(status, body, 400)
-    status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, "temperature": "hot"}))
-    assert_error(status, body, 400)
+    # A value of the wrong type names its field, as OpenAI's errors do.
+    for field, value in (("temperature", "hot"), ("max_tokens", "many"), ("stream", "yes"), ("stop", 5)):
+        status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, field: value}))
+        assert_error(status, body, 400, want_param=field)
+    status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, "messages": [{"role": "user", "content": 5}]}))
+    assert_error(status, body, 400, want_param="messages[0].content")
 
     try:
         ctx.client.chat.completions.create(model="no-such-model", messages=good["messages"], max_tokens=4)
@@ -264,14 +268,37 @@ def errors(ctx):
     status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, "max_tokens": 100000}))
     assert_error(status, body, 400, want_param="max_tokens", want_code="context_length_exceeded")
 
-    for field, value in (("temperature", 5.0), ("top_p", 0.0), ("max_tokens", 0), ("n", 0), ("top_k", -3),
-                         ("presence_penalty", 5.0), ("spec", "telepathy")):
+    for field, value in (("temperature", 5.0), ("temperature", -1), ("top_p", 0.0), ("max_tokens", 0), ("n", 0), ("top_k", -3),
+                         ("min_p", 1.5), ("presence_penalty", 5.0), ("spec", "telepathy")):
         status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, field: value}))
         assert_error(status, body, 400, want_param=field)
     status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, "messages": [{"role": "wizard", "content": "x"}]}))
     assert_error(status, body, 400, want_param="messages[0]")
     status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, "messages": []}))
     assert_error(status, body, 400, want_param="messages")
+    # A message needs content (only an assistant turn calling tools may go without).
+    for message in ({"role": "user"}, {"role": "user", "content": None}):
+        status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, "messages": [message]}))
+        assert_error(status, body, 400, want_param="messages[0].content")
+    # Malformed tools and tool_choice are refused, not taken as no tools.
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    for extra, param in (({"tools": [{"type": "function"}]}, "tools[0].function"),
+                         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+                         ({"tools": [tool], "tool_choice": "sometimes"}, "tool_choice"),
+                         ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+                         ({"tools": "get_weather"}, "tools")):
+        status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, **extra}))
+        assert_error(status, body, 400, want_param=param)
+    # "stream": null is false: a whole response.
+    status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, "stream": None}))
+    assert status == 200 and json.loads(body)["object"] == "chat.completion", (status, body)
+    # A route that exists answers another method with a JSON 405.
+    for method, path in (("GET", chat_path), ("DELETE", "/v1/completions"), ("POST", "/v1/models")):
+        status, _, body = ctx.raw(method, path)
+        assert_error(status, body, 405, want_code="method_not_allowed")
+    # Without --allowed-origins, no CORS headers.
+    _, headers, _ = ctx.raw("GET", "/v1/models", headers={"Origin": "http://example.com"})
+    assert not any(h.lower() == "access-control-allow-origin" for h in headers), headers
     status, _, body = ctx.raw("POST", "/v1/completions", body=json.dumps({"model": ctx.model, "prompt": ["a", "b"]}))
     assert_error(status, body, 400, want_param="prompt")
     status, _, body = ctx.raw("POST", "/v1/completions", body=json.dumps({"model": ctx.model, "prompt": [999999999]}))
@@ -310,6 +337,74 @@ def api_key(ctx):
     assert status == 200
     response = ctx.client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)
     assert response.choices[0].message.content
+
+
+def header(headers, name):
+    return next((v for k, v in headers.items() if k.lower() == name), None)
+
+
+@check
+def cors(ctx):
+    allowed = ctx.args.allowed_origin
+    assert allowed, "run this check against a server started with --allowed-origins"
+    # A browser's preflight is answered, without the API key, for the allowed origin.
+    status, headers, _ = ctx.raw("OPTIONS", "/v1/chat/completions", headers={
+        "Origin": allowed, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type,x-stainless-lang", "Authorization": ""})
+    assert status == 200, (status, headers)
+    assert header(headers, "access-control-allow-origin") == allowed, headers
+    assert "POST" in header(headers, "access-control-allow-methods"), headers
+    assert "authorization" in header(headers, "access-control-allow-headers").lower(), headers
+    _, headers, body = ctx.raw("GET", "/v1/models", headers={"Origin": allowed})
+    assert header(headers, "access-control-allow-origin") == allowed, headers
+    assert json.loads(body)["data"], body
+    # Another origin gets no grant.
+    _, headers, _ = ctx.raw("GET", "/v1/models", headers={"Origin": "http://elsewhere.example"})
+    assert header(headers, "access-control-allow-origin") is None, headers
+
+
+@check
+def nonfinite(ctx):
+    reply = ctx.args.expect_reply
+    before = ctx.metrics()
+    good = {}
+
+    def long_reply():
+        stream = ctx.client.chat.completions.create(
+            model=ctx.model, messages=[{"role": "user", "content": "Tell me about kestrels."}], max_tokens=1500,
+            temperature=0, stream=True, stream_options={"include_usage": True})
+        good["content"], _, good["finish"], good["usage"], _ = collect_chat_stream(stream)
+
+    thread = threading.Thread(target=long_reply)
+    thread.start()
+    deadline = time.time() + 60
+    while ctx.metrics()["kestrel_requests_running"] < 1:
+        assert time.time() < deadline, "the long request never started"
+        time.sleep(0.02)
+    poisoned = [{"role": "user", "content": f"A word about {ctx.args.poison_word}."}]
+    # Whole: a 500 for this request only.
+    try:
+        ctx.client.chat.completions.create(model=ctx.model, messages=poisoned, max_tokens=8, temperature=0)
+        raise AssertionError("a request whose logits are NaN succeeded")
+    except openai.InternalServerError as err:
+        assert err.status_code == 500 and err.code == "generation_failed", (err.status_code, err.code)
+        assert "finite" in err.message, err.message
+    # Streamed: an error event ends the stream.
+    try:
+        for _ in ctx.client.chat.completions.create(model=ctx.model, messages=poisoned, max_tokens=8, temperature=0, stream=True):
+            pass
+        raise AssertionError("a streamed request whose logits are NaN ended normally")
+    except openai.APIError as err:
+        assert "finite" in str(err), err
+    assert ctx.metrics()["kestrel_requests_running"] >= 1, "the long request should still be running"
+    thread.join(timeout=240)
+    assert not thread.is_alive(), "the long request did not finish"
+    assert good["finish"] == "length" and good["usage"].completion_tokens == 1500, good
+    assert good["content"].startswith(reply * 20), good["content"][:200]
+    after = ctx.metrics()
+    assert after["kestrel_requests_failed_total"] == before["kestrel_requests_failed_total"] + 2, after
+    status, _, body = ctx.raw("GET", "/health")
+    assert status == 200, body
 
 
 def concurrent_requests():
@@ -848,6 +943,8 @@ def main():
     parser.add_argument("--expect-off-answer", default="")
     parser.add_argument("--expect-off-prompt-tokens", type=int, default=0)
     parser.add_argument("--expect-hi-prompt-tokens", type=int, default=0)
+    parser.add_argument("--allowed-origin", default="")
+    parser.add_argument("--poison-word", default="")
     parser.add_argument("checks", nargs="+", choices=sorted(CHECKS))
     args = parser.parse_args()
     ctx = Context(args)

@@ -1,9 +1,9 @@
 //! Gated full attention on the CPU: q/gate split, per-head q/k RMSNorm, partial NeoX RoPE,
 //! paged KV writes and causal attention over each row's context.
 
+use super::pool::ThreadPool;
 use super::{CpuCache, CpuTensor};
 use crate::backend::{AttentionDims, BatchLayout};
-use rayon::prelude::*;
 
 /// Token -> (row, offset in row) for a layout.
 pub(super) fn token_rows(layout: &BatchLayout) -> Vec<(usize, usize)> {
@@ -44,6 +44,7 @@ fn sigmoid(x: f32) -> f32 {
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gated_attention(
+    pool: &ThreadPool,
     q_gate: &CpuTensor,
     k: &CpuTensor,
     v: &CpuTensor,
@@ -63,17 +64,15 @@ pub(super) fn gated_attention(
 
     // Queries and gates: per head the projection holds [query (D) | gate (D)].
     let mut q = vec![0.0f32; t * nq * hd];
-    let mut gate = vec![0.0f32; t * nq * hd];
-    q.par_chunks_mut(nq * hd).zip(gate.par_chunks_mut(nq * hd)).enumerate().for_each(|(ti, (qrow, grow))| {
+    pool.rows_mut(&mut q, nq * hd, nq * (hd + d.rotary_dim * 8), &|ti, qrow| {
         for h in 0..nq {
-            let src = &q_gate.data[ti * nq * 2 * hd + h * 2 * hd..][..2 * hd];
             let qh = &mut qrow[h * hd..(h + 1) * hd];
-            qh.copy_from_slice(&src[..hd]);
-            grow[h * hd..(h + 1) * hd].copy_from_slice(&src[hd..]);
+            qh.copy_from_slice(&q_gate.data[ti * nq * 2 * hd + h * 2 * hd..][..hd]);
             rms_norm_in_place(qh, q_norm, d.eps);
             rope_in_place(qh, positions[ti], d.rotary_dim, d.rope_theta);
         }
     });
+    let gate_of = |ti: usize, h: usize| &q_gate.data[ti * nq * 2 * hd + h * 2 * hd + hd..][..hd];
 
     // Keys normed and rotated, then K and V written at each token's cache slot.
     let kv_width = nkv * hd;
@@ -98,7 +97,8 @@ pub(super) fn gated_attention(
     let group = nq / nkv;
     let (kc, vc) = (&cache.k[layer], &cache.v[layer]);
     let mut out = vec![0.0f32; t * nq * hd];
-    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+    let longest = positions.iter().max().map_or(0, |&p| p as usize + 1);
+    pool.rows_mut(&mut out, hd, longest * hd * 2, &|idx, o| {
         let (ti, h) = (idx / nq, idx % nq);
         let (ri, _) = rows[ti];
         let table = &layout.rows[ri].block_table;
@@ -109,7 +109,7 @@ pub(super) fn gated_attention(
         for p in 0..ctx {
             let slot = table[p / bs] as usize * bs + p % bs;
             let kp = &kc[slot * kv_width + kvh * hd..][..hd];
-            scores.push(super::matmul::dot(qh, kp) * scale);
+            scores.push(super::dot::dot(qh, kp) * scale);
         }
         let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         let mut denom = 0.0f32;
@@ -125,8 +125,7 @@ pub(super) fn gated_attention(
                 *oj += wgt * vj;
             }
         }
-        let g = &gate[ti * nq * hd + h * hd..][..hd];
-        for (oj, gj) in o.iter_mut().zip(g) {
+        for (oj, gj) in o.iter_mut().zip(gate_of(ti, h)) {
             *oj *= sigmoid(*gj);
         }
     });

@@ -1,10 +1,11 @@
 //! Position-keyed sampling on the device (cuda/sample.cu): greedy and plain-temperature rows are
-//! drawn by a kernel and only their token ids are copied back. Rows that filter with top-k or
-//! top-p are copied back and drawn by the host sampler, since the filtered set needs a sort.
+//! drawn by a kernel and only their token ids are copied back. Rows that filter with top-k, top-p
+//! or min-p are copied back and drawn by the host sampler, since the filtered set needs a sort.
+//! Both give [`NO_FINITE_LOGIT`] for a row without a finite logit (the kernel writes -1).
 
 use super::{ck, Arg, CudaBackend, CudaTensor};
 use crate::backend::RowSampling;
-use crate::backend::sampling::{position_key, sample_at_position};
+use crate::backend::sampling::{position_key, sample_at_position, NO_FINITE_LOGIT};
 
 /// Threads per block: SAMPLE_THREADS in cuda/sample.cu.
 const SAMPLE_THREADS: u32 = 256;
@@ -14,6 +15,10 @@ const TOKENS_PER_BLOCK: usize = 2048;
 /// Up to this vocabulary a row is one block: its scan is short, and one block skips the
 /// merge of the blocks' winners.
 const ONE_BLOCK_VOCAB: usize = 16_384;
+/// A row's blocks are counted in 16 bits of a word (FINITE_BLOCK in cuda/sample.cu).
+const MAX_SPLITS: usize = 0xffff;
+/// The kernel's -1 for a row without a finite logit, read back as an unsigned id.
+const _: () = assert!(-1i32 as u32 == NO_FINITE_LOGIT);
 
 /// The sampling kernel's per-block winners and per-row block counts, kept between draws so that
 /// a draw allocates nothing but its output and sets no memory (a small model's decode step is
@@ -66,6 +71,7 @@ pub(super) fn sample_rows(be: &CudaBackend, logits: &CudaTensor, rows: &[RowSamp
         let d_inv = ck(be.stream.clone_htod(&inverse_temperatures), "sampling temperatures copy");
         let out = be.alloc_i32(n);
         let splits = if vocab <= ONE_BLOCK_VOCAB { 1 } else { vocab.div_ceil(TOKENS_PER_BLOCK) };
+        assert!(splits <= MAX_SPLITS, "a vocabulary of {vocab} tokens needs more sampling blocks than a row can count");
         let mut scratch = be.sampling_scratch.lock().unwrap_or_else(|p| p.into_inner());
         let scratch = scratch.get_or_insert_with(|| SamplingScratch::new(be, n * splits, n));
         scratch.reserve(be, n * splits, n);

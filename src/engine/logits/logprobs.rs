@@ -39,7 +39,8 @@ fn log_sum_exp(logits: &[f32]) -> f64 {
 /// The log probability of `token` and of the `top` most likely tokens under `logits`.
 pub fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
     let normaliser = log_sum_exp(logits);
-    let logprob = |t: u32| (value(logits[t as usize]) - normaliser) as f32;
+    // A row with no finite logit draws no token of the vocabulary (the sampler's sentinel).
+    let logprob = |t: u32| logits.get(t as usize).map_or(f32::NEG_INFINITY, |&l| (value(l) - normaliser) as f32);
     let mut best: Vec<u32> = Vec::new();
     if top > 0 {
         let mut ids: Vec<u32> = (0..logits.len() as u32).collect();

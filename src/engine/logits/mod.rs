@@ -168,7 +168,7 @@ mod tests {
     /// probabilities.
     #[test]
     fn verify_rows_draw_what_single_steps_draw() {
-        let params = SamplingParams { temperature: 0.9, top_k: 0, top_p: 1.0, seed: 77 };
+        let params = SamplingParams { temperature: 0.9, top_k: 0, top_p: 1.0, min_p: 0.05, seed: 77 };
         let prompt = [1u32, 2, 3];
         let mut plain = LogitsState::new(options(), &prompt);
         let (mut context, mut reference, mut reference_logprobs) = (prompt.to_vec(), Vec::new(), Vec::new());

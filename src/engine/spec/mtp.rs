@@ -5,10 +5,11 @@
 //! so its attention always sees the committed history. The last caught-up row yields draft 1;
 //! drafts 2..k chain on the MTP's own output hidden state at the following positions. Chained
 //! KV entries sit beyond the committed length and are overwritten by the next catch-up.
-//! Drafts are greedy (argmax); verification decides what is kept.
+//! Drafts are greedy (argmax); verification decides what is kept. A row without a finite logit
+//! drafts nothing, and its sequence's chain stops there.
 
 use crate::backend::{Backend, BatchLayout, RowKind, RowLayout, RowSampling};
-use crate::backend::sampling::SamplingParams;
+use crate::backend::sampling::{SamplingParams, NO_FINITE_LOGIT};
 use crate::model::arch::qwen35::Qwen35;
 
 /// One sequence's catch-up work after a target step.
@@ -60,14 +61,17 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
     let hidden = b.gather_rows(step_hidden, &hidden_rows);
     let mut out = mtp.forward(model, b, &ids, &hidden, &layout, &logit_rows, cache);
     for (&n, token) in wanting.iter().zip(argmax_rows(b, &out.logits, wanting.len())) {
-        drafts[n].push(token);
+        if token != NO_FINITE_LOGIT {
+            drafts[n].push(token);
+        }
     }
     // Chained steps: one token per still-drafting sequence.
     let mut last_rows: Vec<u32> = logit_rows.clone();
     let mut active: Vec<usize> = wanting.clone();
     let mut step = 1;
     loop {
-        let keep: Vec<usize> = (0..active.len()).filter(|&j| items[active[j]].drafts_wanted > step).collect();
+        // A sequence goes on while it wants more drafts and its last row gave one.
+        let keep: Vec<usize> = (0..active.len()).filter(|&j| items[active[j]].drafts_wanted > step && drafts[active[j]].len() == step).collect();
         if keep.is_empty() {
             break;
         }
@@ -91,7 +95,9 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
         last_rows = (0..active.len() as u32).collect();
         out = mtp.forward(model, b, &ids, &prev_hidden, &layout, &last_rows, cache);
         for (&n, token) in active.iter().zip(argmax_rows(b, &out.logits, active.len())) {
-            drafts[n].push(token);
+            if token != NO_FINITE_LOGIT {
+                drafts[n].push(token);
+            }
         }
         step += 1;
     }

@@ -159,8 +159,8 @@ mod tests {
     fn sampling_cases() -> Vec<SamplingParams> {
         vec![
             SamplingParams::greedy(),
-            SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 },
-            SamplingParams { temperature: 0.8, top_k: 5, top_p: 0.9, seed: 99 },
+            SamplingParams { temperature: 1.0, seed: 7, ..SamplingParams::greedy() },
+            SamplingParams { temperature: 0.8, top_k: 5, top_p: 0.9, seed: 99, ..SamplingParams::greedy() },
         ]
     }
 
@@ -253,7 +253,7 @@ mod tests {
 
     #[test]
     fn seeded_sampling_with_filters_matches_plain_sampling() {
-        let params = SamplingParams { temperature: 0.8, top_k: 6, top_p: 0.85, seed: 2024 };
+        let params = SamplingParams { temperature: 0.8, top_k: 6, top_p: 0.85, seed: 2024, ..SamplingParams::greedy() };
         let prompt = [4, 4, 4];
         let reference = plain_decode(&prompt, &params, 60);
         // Draft with an oracle for whole chunks at varying offsets: every chunk must reproduce the reference.
@@ -274,7 +274,7 @@ mod tests {
     fn acceptance_rate_follows_target_probability() {
         // A fixed draft d at a fixed context is accepted with probability p(d) over many seeds.
         let logits = [0.0f32, 1.0, 2.0, 0.5];
-        let params_for = |seed| SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed };
+        let params_for = |seed| SamplingParams { temperature: 1.0, seed, ..SamplingParams::greedy() };
         let weights: Vec<f64> = logits.iter().map(|&l| f64::from(l).exp()).collect();
         let p_draft = weights[1] / weights.iter().sum::<f64>();
         let trials = 20_000u64;

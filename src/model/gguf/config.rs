@@ -56,12 +56,18 @@ pub(super) fn read(file: &GgufFile, arch: &str) -> Result<ModelConfig, GgufModel
     let m = Meta { file, arch };
     let family = family(arch);
     let block_count = m.usize("block_count")?;
+    if block_count == 0 {
+        return Err(m.bad("block_count", "must be at least 1, got 0".into()));
+    }
     let nextn = m.opt_usize("nextn_predict_layers")?.unwrap_or(0);
     if nextn >= block_count {
         return Err(m.bad("nextn_predict_layers", format!("{nextn} MTP blocks leave none of the {block_count} blocks for the model")));
     }
     let num_layers = block_count - nextn;
     let hidden_size = m.usize("embedding_length")?;
+    if hidden_size == 0 {
+        return Err(m.bad("embedding_length", "must be at least 1, got 0".into()));
+    }
     let num_heads = m.usize("attention.head_count")?;
     if num_heads == 0 {
         return Err(m.bad("attention.head_count", "must be at least 1".into()));
@@ -82,7 +88,14 @@ pub(super) fn read(file: &GgufFile, arch: &str) -> Result<ModelConfig, GgufModel
         return Err(m.bad("rope.dimension_count", format!("{rotary_dim} must be even and at most the head size {head_dim}")));
     }
     let rope_theta = f64::from(file.get_f32(&m.key("rope.freq_base")).optional()?.unwrap_or(10_000.0));
+    // 0, negative or NaN would make every logit NaN or infinite.
+    if !(rope_theta > 0.0 && rope_theta.is_finite()) {
+        return Err(m.bad("rope.freq_base", format!("must be a positive number, got {rope_theta}")));
+    }
     let rms_norm_eps = file.get_f32(&m.key("attention.layer_norm_rms_epsilon"))?;
+    if !(rms_norm_eps > 0.0 && rms_norm_eps.is_finite()) {
+        return Err(m.bad("attention.layer_norm_rms_epsilon", format!("must be a positive number, got {rms_norm_eps}")));
+    }
 
     let linear = linear_config(&m)?;
     let layer_kinds = layer_kinds(&m, num_layers, block_count)?;

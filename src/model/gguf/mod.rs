@@ -80,6 +80,13 @@ pub fn open(path: &Path) -> Result<GgufModel, GgufModelError> {
     }
     let vocab = vocab::read(&file)?;
     let mut config = config::read(&file, &arch)?;
+    if let Some(&id) = vocab.eos_token_ids.iter().find(|&&id| id as usize >= config.vocab_size) {
+        return Err(GgufModelError::Metadata {
+            path: path.to_path_buf(),
+            key: "tokenizer.ggml.eos_token_id".into(),
+            reason: format!("end-of-generation token {id} is outside the model's {} embedding rows", config.vocab_size),
+        });
+    }
     config.eos_token_ids = vocab.eos_token_ids.clone();
     config.bos_token_id = vocab.bos_token_id;
     let store = tensors::build_store(&file, &config)?;

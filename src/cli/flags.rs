@@ -1,0 +1,400 @@
+//! The flag groups the subcommands share. Each subcommand flattens the groups it uses, so its
+//! `--help` lists exactly the flags it reads, under a heading per group.
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, ValueEnum};
+use kestrel::backend::cpu::CpuBackend;
+use kestrel::backend::cuda::CudaBackend;
+use kestrel::backend::sampling::{top_k_from_signed, SamplingError, SamplingParams};
+use kestrel::engine::request::SpecMethod;
+use kestrel::model::generation_config::SamplingDefaults;
+use kestrel::model::{default_model, dummy, ModelFiles};
+use std::path::PathBuf;
+
+/// Seed of the random weights of `--load-format dummy`.
+const DUMMY_SEED: u64 = 1234;
+
+/// The most draft tokens per step: verify rows grow with k while acceptance falls, so beyond
+/// this a step only costs more.
+pub const MAX_SPEC_TOKENS: usize = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    Auto,
+    Cpu,
+    #[value(alias = "gpu")]
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvCacheDtype {
+    /// Keys and values in f32.
+    Auto,
+    /// Not implemented yet.
+    Bf16,
+    /// Not implemented yet.
+    Fp8,
+    /// TurboQuant 3-bit; not implemented yet.
+    Tq3,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Quantization {
+    /// The weights as stored.
+    None,
+    /// Not implemented yet.
+    Fp8,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LoadFormat {
+    Auto,
+    Dummy,
+}
+
+/// The backend chosen by `--device`.
+pub enum SelectedBackend {
+    Cpu(CpuBackend),
+    Cuda(Box<CudaBackend>),
+}
+
+/// Which model to open.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Model")]
+pub struct ModelArgs {
+    /// Hugging Face model directory or GGUF file (default: the embedded kestrel-coder model); with
+    /// --load-format dummy, a preset name such as qwen3.5-9b.
+    #[arg(long, short = 'm', value_name = "PATH")]
+    pub model: Option<PathBuf>,
+    /// auto: the weights of --model; dummy: random weights of a preset's shapes, made on the GPU
+    /// (benchmarks at real sizes without checkpoint files).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub load_format: LoadFormat,
+}
+
+impl ModelArgs {
+    /// The model's files: an HF directory, a GGUF file, the embedded default model, or with
+    /// `--load-format dummy` a preset's shapes (`--model qwen3.5-9b`) with random weights.
+    pub fn open(&self) -> Result<ModelFiles> {
+        if self.load_format == LoadFormat::Dummy {
+            return self.dummy_files();
+        }
+        ModelFiles::open(self.model.as_deref()).with_context(|| match &self.model {
+            Some(p) => format!("cannot load model {}", p.display()),
+            None => "cannot load the embedded default model".to_string(),
+        })
+    }
+
+    /// The name clients and the chat show: the directory or file name of `--model`, or the
+    /// embedded model's name.
+    pub fn display_name(&self) -> String {
+        self.model.as_deref().and_then(|p| p.file_name()).map_or_else(|| default_model::NAME.to_string(), |n| n.to_string_lossy().into_owned())
+    }
+
+    pub fn is_dummy(&self) -> bool {
+        self.load_format == LoadFormat::Dummy
+    }
+
+    pub fn dummy_seed(&self) -> u64 {
+        DUMMY_SEED
+    }
+
+    /// A dummy model's configuration and placeholder store. Prompts are tokenized with the
+    /// default model's tokenizer (its ids are valid in every preset's vocabulary; generated ids
+    /// beyond it decode as nothing). The model has no stop tokens, so every request runs to its
+    /// `max_tokens`, as benchmarks want.
+    fn dummy_files(&self) -> Result<ModelFiles> {
+        let name = self.model.as_deref().and_then(|p| p.to_str()).ok_or_else(|| anyhow!("--load-format dummy needs --model PRESET, one of: {}", dummy::PRESETS.join(", ")))?;
+        let mut config = dummy::preset_config(name)?;
+        config.eos_token_ids.clear();
+        let store = dummy::dummy_store(&config, DUMMY_SEED)?;
+        let tokenizer = default_model::open().context("cannot open the default model's tokenizer")?.tokenizer.with_model_vocab_size(config.vocab_size);
+        Ok(ModelFiles { source: format!("dummy {name}"), config, store, tokenizer, sampling_defaults: SamplingDefaults::default() })
+    }
+}
+
+/// Where the weights run.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Device")]
+pub struct DeviceArgs {
+    /// auto: CUDA where its libraries and a GPU are present, else the CPU; cpu; cuda (or gpu).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub device: Device,
+    /// Threads of the CPU backend (default: every core this process may use); the output does
+    /// not depend on it.
+    #[arg(long, short = 't', value_name = "N")]
+    pub threads: Option<usize>,
+    /// Fraction of GPU memory Kestrel may take (weights, activations, recurrent state and KV
+    /// cache), above 0 and at most 1.
+    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true, value_name = "FRACTION")]
+    pub gpu_memory_utilization: f32,
+    /// Quantize the weights while loading: none (fp8 is not implemented yet).
+    #[arg(long, value_enum, default_value = "none")]
+    pub quantization: Quantization,
+}
+
+impl DeviceArgs {
+    pub fn check(&self) -> Result<()> {
+        if self.threads == Some(0) {
+            bail!("--threads must be at least 1");
+        }
+        if self.quantization != Quantization::None {
+            bail!("--quantization fp8 is not implemented yet: weights are used as stored (quantized checkpoints keep their own format)");
+        }
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            bail!("--gpu-memory-utilization must be in (0, 1], got {}", self.gpu_memory_utilization);
+        }
+        Ok(())
+    }
+
+    /// The backend `--device` asks for. `auto` takes CUDA where its libraries and a GPU are
+    /// present, else the CPU (saying why on stderr). The libraries are probed before any CUDA
+    /// call, since a missing one would abort the process.
+    pub fn select_backend(&self) -> Result<SelectedBackend> {
+        self.check()?;
+        let cpu = || CpuBackend::with_threads(self.cpu_threads());
+        match self.device {
+            Device::Cpu => Ok(SelectedBackend::Cpu(cpu())),
+            Device::Cuda => {
+                kestrel::backend::cuda::probe().context("--device cuda")?;
+                Ok(SelectedBackend::Cuda(Box::new(CudaBackend::new(0).context("--device cuda: cannot start the CUDA backend")?)))
+            }
+            Device::Auto => match kestrel::backend::cuda::probe().map_err(anyhow::Error::from).and_then(|()| Ok(CudaBackend::new(0)?)) {
+                Ok(b) => Ok(SelectedBackend::Cuda(Box::new(b))),
+                Err(e) => {
+                    eprintln!("kestrel: CUDA unavailable ({e}); running on the CPU");
+                    Ok(SelectedBackend::Cpu(cpu()))
+                }
+            },
+        }
+    }
+
+    /// Threads the CPU backend (and host work that follows it) runs on.
+    pub fn cpu_threads(&self) -> usize {
+        self.threads.unwrap_or_else(kestrel::backend::cpu::default_threads)
+    }
+}
+
+fn parse_spec(s: &str) -> Result<SpecMethod, String> {
+    s.parse()
+}
+
+fn parse_spec_tokens(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(k) if (1..=MAX_SPEC_TOKENS).contains(&k) => Ok(k),
+        _ => Err(format!("draft tokens per step must be a whole number from 1 to {MAX_SPEC_TOKENS}, got `{s}`")),
+    }
+}
+
+/// Speculative decoding.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Speculative decoding")]
+pub struct SpecArgs {
+    /// none, ngram (drafts from the request's own text) or mtp (the model's multi-token-prediction
+    /// head); `bench` takes a comma-separated list to compare.
+    #[arg(long, default_value = "none", value_parser = parse_spec, value_delimiter = ',')]
+    pub spec: Vec<SpecMethod>,
+    /// Draft tokens per step (k), 1 to 16.
+    #[arg(long, default_value_t = 4, value_parser = parse_spec_tokens, value_name = "K")]
+    pub spec_tokens: usize,
+    /// Shortest suffix the ngram drafter looks for earlier in the text.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub ngram_min: usize,
+    /// Longest suffix the ngram drafter looks for earlier in the text.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub ngram_max: usize,
+}
+
+impl SpecArgs {
+    pub fn check(&self) -> Result<()> {
+        if self.spec.is_empty() {
+            bail!("--spec needs a method: none, ngram or mtp");
+        }
+        Ok(())
+    }
+
+    /// The one speculation method of a subcommand that runs a single configuration.
+    pub fn single(&self) -> Result<SpecMethod> {
+        match self.spec.as_slice() {
+            [m] => Ok(*m),
+            _ => bail!("--spec takes one method here (lists are for `kestrel bench`)"),
+        }
+    }
+}
+
+/// Context lengths past the model's training length.
+#[derive(Debug, Clone, Args)]
+pub struct LongContextArgs {
+    /// Allow a context longer than the model's max_position_embeddings: positions past those it
+    /// was trained on give unreliable output (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1).
+    #[arg(long)]
+    pub allow_long_context: bool,
+}
+
+impl LongContextArgs {
+    /// Refuses `length` tokens past the model's trained length unless asked for.
+    pub fn check(&self, flag: &str, length: usize, files: &ModelFiles) -> Result<()> {
+        let trained = files.config.max_position_embeddings;
+        if length > trained {
+            if !self.allow_long_context {
+                bail!("{flag} {length} is longer than {}'s max_position_embeddings ({trained}); pass --allow-long-context to run past the trained length anyway", files.source);
+            }
+            eprintln!("kestrel: {flag} {length} is past the trained length of {trained} tokens; output may degrade there");
+        }
+        Ok(())
+    }
+}
+
+/// Context length, KV cache and step size of the engine.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Context and memory")]
+pub struct ContextArgs {
+    /// Context length (prompt and generated tokens) of a request; default: the model's
+    /// max_position_embeddings, at most 4096.
+    #[arg(long, short = 'c', visible_alias = "ctx-size", value_name = "TOKENS")]
+    pub max_model_len: Option<usize>,
+    #[command(flatten)]
+    pub long_context: LongContextArgs,
+    /// KV cache element type: auto keeps keys and values in f32 (bf16, fp8 and tq3 are not
+    /// implemented yet).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub kv_cache_dtype: KvCacheDtype,
+    /// KV cache size in blocks of 16 tokens (default: room for every concurrent request at full
+    /// context, as far as GPU memory allows).
+    #[arg(long, value_name = "BLOCKS")]
+    pub kv_blocks: Option<usize>,
+    /// Most tokens one engine step runs (prefill chunks and decode or verify rows), at least 64.
+    #[arg(long, default_value_t = 512, value_name = "TOKENS")]
+    pub max_num_batched_tokens: usize,
+    /// Run decode steps one kernel at a time instead of replaying them as CUDA graphs.
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
+}
+
+impl ContextArgs {
+    pub fn check(&self) -> Result<()> {
+        if self.kv_cache_dtype != KvCacheDtype::Auto {
+            let name = self.kv_cache_dtype.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
+            bail!("--kv-cache-dtype {name} is not implemented yet: the KV cache keeps keys and values in f32 (--kv-cache-dtype auto, the default)");
+        }
+        if self.max_model_len == Some(0) {
+            bail!("--max-model-len must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// The context length of a request, checked against the model's trained length.
+    pub fn max_model_len(&self, files: &ModelFiles) -> Result<usize> {
+        match self.max_model_len {
+            None => Ok(files.config.max_position_embeddings.min(4096)),
+            Some(n) => {
+                self.long_context.check("--max-model-len", n, files)?;
+                Ok(n)
+            }
+        }
+    }
+}
+
+/// A seed flag: a number, or -1 for a random one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Seed {
+    Fixed(u64),
+    Random,
+}
+
+fn parse_seed(s: &str) -> Result<Seed, String> {
+    match (s.parse::<i64>(), s.parse::<u64>()) {
+        (Ok(-1), _) => Ok(Seed::Random),
+        (Ok(n), _) => Ok(Seed::Fixed(n as u64)),
+        (_, Ok(n)) => Ok(Seed::Fixed(n)),
+        _ => Err(format!("a seed is a whole number (-1 for a random one), got `{s}`")),
+    }
+}
+
+/// Per-request sampling.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Sampling")]
+pub struct SamplingArgs {
+    /// Temperature, 0 to 2; 0 is greedy. Default: the model's generation_config.json, else 0.
+    #[arg(long, visible_alias = "temp", allow_negative_numbers = true, value_name = "T")]
+    pub temperature: Option<f32>,
+    /// Keep the most probable tokens up to this total probability, above 0 and at most 1.
+    #[arg(long, allow_negative_numbers = true, value_name = "P")]
+    pub top_p: Option<f32>,
+    /// Keep the K most probable tokens; 0 or -1: no limit.
+    #[arg(long, allow_negative_numbers = true, value_name = "K")]
+    pub top_k: Option<i64>,
+    /// Keep tokens at least P times as probable as the most probable one, 0 to 1 (0: off).
+    #[arg(long, allow_negative_numbers = true, value_name = "P")]
+    pub min_p: Option<f32>,
+    /// Seed of the sampling noise; -1 picks a random one.
+    #[arg(long, default_value = "0", value_parser = parse_seed, allow_negative_numbers = true, value_name = "S")]
+    pub seed: Seed,
+}
+
+impl SamplingArgs {
+    /// The sampling parameters: each flag given, else the model's recommendation in `defaults`,
+    /// else greedy with no filter. Values out of range are refused naming their flag.
+    pub fn params(&self, defaults: &SamplingDefaults) -> Result<SamplingParams> {
+        let top_k = match self.top_k {
+            Some(k) => top_k_from_signed(k).map_err(flag_error)?,
+            None => defaults.top_k.unwrap_or(0),
+        };
+        let params = SamplingParams {
+            temperature: self.temperature.or(defaults.temperature).unwrap_or(0.0),
+            top_p: self.top_p.or(defaults.top_p).unwrap_or(1.0),
+            top_k,
+            min_p: self.min_p.or(defaults.min_p).unwrap_or(0.0),
+            seed: match self.seed {
+                Seed::Fixed(seed) => seed,
+                Seed::Random => rand::random(),
+            },
+        };
+        params.validate().map_err(flag_error)?;
+        Ok(params)
+    }
+}
+
+/// A sampling error in the command line's terms.
+fn flag_error(err: SamplingError) -> anyhow::Error {
+    anyhow!("invalid value for --{}: {err}", err.field().replace('_', "-"))
+}
+
+/// Whether the model's recommended sampling applies.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Sampling")]
+pub struct GenerationConfigArgs {
+    /// Ignore the sampling defaults of the model's generation_config.json (temperature, top_p,
+    /// top_k, min_p); its stop tokens still apply.
+    #[arg(long)]
+    pub ignore_generation_config: bool,
+}
+
+impl GenerationConfigArgs {
+    /// The sampling defaults requests get: the model's, unless told to ignore them.
+    pub fn defaults(&self, files: &ModelFiles) -> SamplingDefaults {
+        if self.ignore_generation_config {
+            SamplingDefaults::default()
+        } else {
+            files.sampling_defaults.clone()
+        }
+    }
+}
+
+/// The cap on requests in flight.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Batching")]
+pub struct ConcurrencyArgs {
+    /// Most requests decoded together in one batch; more wait in the queue.
+    #[arg(long, visible_alias = "max-batch", default_value_t = 16, value_name = "N")]
+    pub max_num_seqs: usize,
+}
+
+impl ConcurrencyArgs {
+    pub fn check(&self) -> Result<usize> {
+        if self.max_num_seqs == 0 {
+            bail!("--max-num-seqs must be at least 1");
+        }
+        Ok(self.max_num_seqs)
+    }
+}
