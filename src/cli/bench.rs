@@ -12,6 +12,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use kestrel::engine::metrics::{summarize, RequestTimeline, SecondsClock, SpecStats, Summary};
 use kestrel::backend::Backend;
+use kestrel::engine::logits::grammar::{GrammarCompiler, GrammarSpec};
+use kestrel::engine::logits::LogitsOptions;
 use kestrel::engine::request::{Request, RequestEvent, SpecMethod};
 use kestrel::engine::Engine;
 use kestrel::model::ModelFiles;
@@ -49,6 +51,10 @@ pub struct BenchArgs {
     /// Write PNG plots (per-position acceptance, throughput against concurrency) here.
     #[arg(long)]
     pub plot_dir: Option<PathBuf>,
+    /// Hold every output to the JSON schema in FILE (to measure what the grammar costs; requests
+    /// end at the model's end-of-sequence token once the value is complete).
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<PathBuf>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
     #[command(flatten)]
@@ -108,10 +114,17 @@ fn ms(s: Summary) -> Summary {
     Summary { mean: s.mean * 1e3, median: s.median * 1e3, p99: s.p99 * 1e3 }
 }
 
+/// What every request of a run asks for besides its prompt.
+struct RequestShape {
+    params: SamplingParams,
+    logits: LogitsOptions,
+    stop_token_ids: Vec<u32>,
+}
+
 /// Every (concurrency, method) pair on one backend; the weights are uploaded once. A run that
 /// fails (a concurrency whose cache does not fit, say) ends the sweep: the results so far come
 /// back with the error.
-fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, prompts: &[Vec<u32>], params: &SamplingParams) -> Result<(Vec<MethodResult>, Option<anyhow::Error>)> {
+fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, prompts: &[Vec<u32>], shape: &RequestShape) -> Result<(Vec<MethodResult>, Option<anyhow::Error>)> {
     let methods = &args.engine.spec.spec;
     let most = args.concurrency.iter().copied().max().unwrap_or(1);
     let model = args.engine.load_model(&backend, files, most)?;
@@ -126,7 +139,7 @@ fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, prompts
                 .engine
                 .engine_config(&backend, &model, files, c, m)
                 .and_then(|config| Engine::new(backend, model, config).context("cannot start the engine"))
-                .and_then(|mut engine| Ok((run_one(args, &mut engine, prompts, params, m, c, &bar)?, engine)))
+                .and_then(|mut engine| Ok((run_one(args, &mut engine, prompts, shape, m, c, &bar)?, engine)))
                 .with_context(|| format!("{} at concurrency {c}", m.name()));
             match run {
                 Ok((result, engine)) => {
@@ -149,7 +162,7 @@ fn run_one<B: Backend>(
     args: &BenchArgs,
     engine: &mut Engine<B>,
     prompts: &[Vec<u32>],
-    params: &SamplingParams,
+    shape: &RequestShape,
     method: SpecMethod,
     concurrency: usize,
     bar: &indicatif::ProgressBar,
@@ -162,7 +175,7 @@ fn run_one<B: Backend>(
     let mut output_tokens = 0usize;
     while done.len() < prompts.len() {
         while next < prompts.len() && engine.num_running() + engine.num_waiting() < concurrency {
-            let req = Request::new(prompts[next].clone(), params.clone(), args.max_tokens, Vec::new());
+            let req = Request { logits: shape.logits.clone(), ..Request::new(prompts[next].clone(), shape.params.clone(), args.max_tokens, shape.stop_token_ids.clone()) };
             let id = engine.add_request(req).with_context(|| format!("prompt {next}"))?;
             timelines.insert(id, RequestTimeline::new(clock.now())?);
             next += 1;
@@ -216,9 +229,20 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // A benchmark samples as its flags say: the model's recommendation would change the workload.
     let params = args.sampling.params(&SamplingDefaults::default())?;
     let prompts = dataset_prompts(&args, &files.tokenizer, files.config.vocab_size)?;
+    let shape = match &args.json_schema {
+        None => RequestShape { params, logits: LogitsOptions::default(), stop_token_ids: Vec::new() },
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("--json-schema: cannot read {}", path.display()))?;
+            let schema = serde_json::from_str(&text).with_context(|| format!("--json-schema: {} is not JSON", path.display()))?;
+            let ends = files.config.eos_token_ids.clone();
+            let compiler = GrammarCompiler::new(&files.tokenizer, files.config.vocab_size, &ends).context("cannot build the token table for grammars")?;
+            let grammar = compiler.compile(&GrammarSpec::JsonSchema(schema), &ends).context("--json-schema: cannot compile")?;
+            RequestShape { params, logits: LogitsOptions { grammar: Some(grammar), ..LogitsOptions::default() }, stop_token_ids: ends }
+        }
+    };
     let (mut results, failure) = match args.engine.device.select_backend()? {
-        SelectedBackend::Cpu(b) => run_all(&args, b, &files, &prompts, &params)?,
-        SelectedBackend::Cuda(b) => run_all(&args, *b, &files, &prompts, &params)?,
+        SelectedBackend::Cpu(b) => run_all(&args, b, &files, &prompts, &shape)?,
+        SelectedBackend::Cuda(b) => run_all(&args, *b, &files, &prompts, &shape)?,
     };
     if results.is_empty() {
         if let Some(e) = failure {
