@@ -54,7 +54,7 @@ fn prefill_logits<B: Backend>(b: &B, model: &Qwen35<B>, ids: &[u32]) -> Vec<f32>
 
 fn greedy<B: Backend>(backend: B, model: Qwen35<B>, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut engine = Engine::new(backend, model, EngineConfig { max_num_seqs: 1, max_num_batched_tokens: 64, ..EngineConfig::default() }).expect("engine starts");
-    engine.add_request(Request { prompt_ids: prompt.to_vec(), params: SamplingParams::greedy(), max_tokens: n, stop_token_ids: Vec::new(), spec: Some(SpecMethod::None) }).expect("request accepted");
+    engine.add_request(Request { spec: Some(SpecMethod::None), ..Request::new(prompt.to_vec(), SamplingParams::greedy(), n, Vec::new()) }).expect("request accepted");
     let mut out = None;
     while engine.has_unfinished() {
         for ev in engine.step() {

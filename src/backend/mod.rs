@@ -360,6 +360,14 @@ pub trait Backend: Send + Sync {
         rows.iter().enumerate().map(|(i, r)| sample_at_position(&host[i * vocab..(i + 1) * vocab], &r.params, r.position)).collect()
     }
 
+    /// Rows `rows` of `logits` (`[N, vocab]`) on the host, one after another, for rows the
+    /// engine adjusts or reads before drawing (penalties, grammar masks, log probabilities).
+    fn logits_rows_to_host(&self, logits: &Self::Tensor, rows: &[usize]) -> Vec<f32> {
+        let (_, vocab) = self.shape(logits);
+        let host = self.to_host(logits);
+        rows.iter().flat_map(|&r| host[r * vocab..(r + 1) * vocab].iter().copied()).collect()
+    }
+
     /// While `Some(seed)`, `upload_matrix` ignores the bytes it is given and fills the matrix
     /// with random bf16 values made by the backend (`--load-format dummy`: real-size models
     /// without files). The CPU and CUDA backends make the same values from the same seed; a

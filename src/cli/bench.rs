@@ -14,6 +14,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use kestrel::engine::metrics::{summarize, RequestTimeline, SecondsClock, SpecStats, Summary};
 use kestrel::backend::Backend;
+use kestrel::engine::logits::grammar::{GrammarCompiler, GrammarSpec};
+use kestrel::engine::logits::LogitsOptions;
 use kestrel::engine::request::{Request, RequestEvent, SpecMethod};
 use kestrel::engine::{Engine, EngineConfig};
 use kestrel::model::ModelFiles;
@@ -60,6 +62,10 @@ pub struct BenchArgs {
     /// Write PNG plots (per-position acceptance, throughput against concurrency) here.
     #[arg(long)]
     pub plot_dir: Option<PathBuf>,
+    /// Hold every output to the JSON schema in FILE (to measure what the grammar costs; requests
+    /// end at the model's end-of-sequence token once the value is complete).
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<PathBuf>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
     #[command(flatten)]
@@ -132,6 +138,20 @@ fn ms(s: Summary) -> Summary {
     Summary { mean: s.mean * 1e3, median: s.median * 1e3, p99: s.p99 * 1e3 }
 }
 
+/// What every request of a run asks for besides its prompt.
+pub struct RequestShape {
+    params: SamplingParams,
+    logits: LogitsOptions,
+    stop_token_ids: Vec<u32>,
+    max_tokens: usize,
+}
+
+impl RequestShape {
+    pub fn request(&self, prompt_ids: Vec<u32>) -> Request {
+        Request { logits: self.logits.clone(), ..Request::new(prompt_ids, self.params.clone(), self.max_tokens, self.stop_token_ids.clone()) }
+    }
+}
+
 /// What a run feeds the engine: single prompts, or conversations of several turns.
 #[derive(Clone, Copy)]
 enum Workload<'a> {
@@ -152,7 +172,7 @@ impl Workload<'_> {
 /// once. Conversations run without the prefix cache and then with it (unless
 /// `--no-prefix-cache`); prompts run as the flags say. A run that fails (a concurrency whose
 /// cache does not fit, say) ends the sweep: the results so far come back with the error.
-fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, workload: Workload<'_>, params: &SamplingParams) -> Result<(Vec<MethodResult>, Option<anyhow::Error>)> {
+fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, workload: Workload<'_>, shape: &RequestShape) -> Result<(Vec<MethodResult>, Option<anyhow::Error>)> {
     let methods = &args.engine.spec.spec;
     let caches: &[bool] = match (workload, args.engine.context.no_prefix_cache) {
         (_, true) => &[false],
@@ -174,7 +194,7 @@ fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, workloa
                     .engine_config(&backend, &model, files, c, m)
                     .map(|config| EngineConfig { prefix_cache_checkpoints: if cache { config.prefix_cache_checkpoints } else { 0 }, ..config })
                     .and_then(|config| Engine::new(backend, model, config).context("cannot start the engine"))
-                    .and_then(|mut engine| Ok((run_one(args, &mut engine, workload, params, m, c, &bar)?, engine)))
+                    .and_then(|mut engine| Ok((run_one(&mut engine, workload, shape, m, c, &bar)?, engine)))
                     .with_context(|| format!("{} at concurrency {c}", m.name()));
                 match run {
                     Ok((result, engine)) => {
@@ -203,14 +223,14 @@ struct Measured {
     duration: f64,
 }
 
-fn run_prompts<B: Backend>(args: &BenchArgs, engine: &mut Engine<B>, prompts: &[Vec<u32>], params: &SamplingParams, concurrency: usize, bar: &indicatif::ProgressBar) -> Result<Measured> {
+fn run_prompts<B: Backend>(engine: &mut Engine<B>, prompts: &[Vec<u32>], shape: &RequestShape, concurrency: usize, bar: &indicatif::ProgressBar) -> Result<Measured> {
     let clock = SecondsClock::start();
     let mut next = 0usize;
     let mut timelines: HashMap<u64, RequestTimeline> = HashMap::new();
     let mut m = Measured { timelines: Vec::new(), output_tokens: 0, prompt_tokens: 0, cached_tokens: 0, spec: SpecStats::default(), duration: 0.0 };
     while m.timelines.len() < prompts.len() {
         while next < prompts.len() && engine.num_running() + engine.num_waiting() < concurrency {
-            let req = Request { prompt_ids: prompts[next].clone(), params: params.clone(), max_tokens: args.max_tokens, stop_token_ids: Vec::new(), spec: None };
+            let req = shape.request(prompts[next].clone());
             let id = engine.add_request(req).with_context(|| format!("prompt {next}"))?;
             timelines.insert(id, RequestTimeline::new(clock.now())?);
             next += 1;
@@ -241,21 +261,19 @@ fn run_prompts<B: Backend>(args: &BenchArgs, engine: &mut Engine<B>, prompts: &[
     Ok(m)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run_one<B: Backend>(
-    args: &BenchArgs,
     engine: &mut Engine<B>,
     workload: Workload<'_>,
-    params: &SamplingParams,
+    shape: &RequestShape,
     method: SpecMethod,
     concurrency: usize,
     bar: &indicatif::ProgressBar,
 ) -> Result<MethodResult> {
     let mean = |v: &[usize]| if v.is_empty() { 0.0 } else { v.iter().sum::<usize>() as f64 / v.len() as f64 };
     let (m, ttft_ms_by_turn, prompt_tokens_by_turn, cached_tokens_by_turn) = match workload {
-        Workload::Prompts(prompts) => (run_prompts(args, engine, prompts, params, concurrency, bar)?, Vec::new(), Vec::new(), Vec::new()),
+        Workload::Prompts(prompts) => (run_prompts(engine, prompts, shape, concurrency, bar)?, Vec::new(), Vec::new(), Vec::new()),
         Workload::Conversations(messages) => {
-            let r = super::bench_multiturn::run(engine, messages, params, args.max_tokens, concurrency, bar)?;
+            let r = super::bench_multiturn::run(engine, messages, shape, concurrency, bar)?;
             let measured = Measured {
                 timelines: r.timelines,
                 output_tokens: r.output_tokens,
@@ -309,9 +327,20 @@ pub fn run(args: BenchArgs) -> Result<()> {
         prompts = dataset_prompts(&args, &files.tokenizer, files.config.vocab_size)?;
         Workload::Prompts(&prompts)
     };
+    let shape = match &args.json_schema {
+        None => RequestShape { params, logits: LogitsOptions::default(), stop_token_ids: Vec::new(), max_tokens: args.max_tokens },
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("--json-schema: cannot read {}", path.display()))?;
+            let schema = serde_json::from_str(&text).with_context(|| format!("--json-schema: {} is not JSON", path.display()))?;
+            let ends = files.config.eos_token_ids.clone();
+            let compiler = GrammarCompiler::new(&files.tokenizer, files.config.vocab_size, &ends).context("cannot build the token table for grammars")?;
+            let grammar = compiler.compile(&GrammarSpec::JsonSchema(schema), &ends).context("--json-schema: cannot compile")?;
+            RequestShape { params, logits: LogitsOptions { grammar: Some(grammar), ..LogitsOptions::default() }, stop_token_ids: ends, max_tokens: args.max_tokens }
+        }
+    };
     let (mut results, failure) = match args.engine.device.select_backend()? {
-        SelectedBackend::Cpu(b) => run_all(&args, b, &files, workload, &params)?,
-        SelectedBackend::Cuda(b) => run_all(&args, *b, &files, workload, &params)?,
+        SelectedBackend::Cpu(b) => run_all(&args, b, &files, workload, &shape)?,
+        SelectedBackend::Cuda(b) => run_all(&args, *b, &files, workload, &shape)?,
     };
     if results.is_empty() {
         if let Some(e) = failure {

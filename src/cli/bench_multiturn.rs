@@ -7,10 +7,9 @@
 //! the previous one finished, and a finished conversation makes room for the next one.
 
 use anyhow::{bail, Context, Result};
-use kestrel::backend::sampling::SamplingParams;
 use kestrel::backend::Backend;
 use kestrel::engine::metrics::{RequestTimeline, SecondsClock, SpecStats};
-use kestrel::engine::request::{Request, RequestEvent, RequestId};
+use kestrel::engine::request::{RequestEvent, RequestId};
 use kestrel::engine::Engine;
 use std::collections::HashMap;
 
@@ -62,7 +61,7 @@ struct Live {
 }
 
 /// Runs every conversation of `messages` to its last turn, `concurrency` at a time.
-pub fn run<B: Backend>(engine: &mut Engine<B>, messages: &[Vec<Vec<u32>>], params: &SamplingParams, max_tokens: usize, concurrency: usize, bar: &indicatif::ProgressBar) -> Result<MultiturnRun> {
+pub fn run<B: Backend>(engine: &mut Engine<B>, messages: &[Vec<Vec<u32>>], shape: &super::bench::RequestShape, concurrency: usize, bar: &indicatif::ProgressBar) -> Result<MultiturnRun> {
     let turns = messages.first().map_or(0, Vec::len);
     let clock = SecondsClock::start();
     let mut history: Vec<Vec<u32>> = vec![Vec::new(); messages.len()];
@@ -86,7 +85,7 @@ pub fn run<B: Backend>(engine: &mut Engine<B>, messages: &[Vec<Vec<u32>>], param
         }
         for (c, t) in ready.drain(..) {
             history[c].extend_from_slice(&messages[c][t]);
-            let request = Request { prompt_ids: history[c].clone(), params: params.clone(), max_tokens, stop_token_ids: Vec::new(), spec: None };
+            let request = shape.request(history[c].clone());
             let id = engine.add_request(request).with_context(|| format!("conversation {c} turn {}", t + 1))?;
             live.insert(id, Live { conversation: c, turn: t, timeline: RequestTimeline::new(clock.now())? });
         }

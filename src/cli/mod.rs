@@ -11,6 +11,7 @@ pub mod info;
 pub mod perplexity;
 pub mod run;
 pub mod serve;
+pub mod tokenize;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;

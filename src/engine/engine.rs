@@ -1,6 +1,7 @@
 //! The step loop: schedule -> forward -> sample/verify -> commit -> propose -> emit.
 
 use super::cache::{BlockPool, PrefixCache, PrefixCacheStats, SlotAllocator};
+use super::logits::grammar::TokenMask;
 use super::metrics::SpecStats;
 use super::request::{FinishReason, Request, RequestEvent, RequestFailure, RequestId, SeqStatus, Sequence, SequenceSummary, SpecMethod};
 use super::scheduler::{Scheduler, SchedulerConfig};
@@ -12,6 +13,7 @@ use crate::backend::sampling::NO_FINITE_LOGIT;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
 use crate::backend::{delta_state_in_place, Backend, BackendError, GraphInputs, GraphKey, RowKind, RowSampling, StateCommit, StepLimits};
 use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
+use std::collections::HashMap;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum EngineError {
@@ -184,6 +186,7 @@ impl<B: Backend> Engine<B> {
             return Err(EngineError::TokenOutOfRange { id, vocab });
         }
         req.params.validate().map_err(|e| EngineError::Sampling(e.to_string()))?;
+        req.logits.validate(vocab).map_err(EngineError::Sampling)?;
         let total = req.prompt_ids.len() + req.max_tokens;
         if total > self.config.max_model_len {
             return Err(EngineError::ContextExceeded { prompt: req.prompt_ids.len(), max_tokens: req.max_tokens, context: self.config.max_model_len });
@@ -259,9 +262,11 @@ impl<B: Backend> Engine<B> {
             assert!(self.seqs.is_empty(), "scheduler produced no rows with {} requests queued", self.seqs.len());
             return events;
         }
-        let out = self.forward(&plan);
-        // Every logits row is drawn on the backend; only the tokens come back.
-        let sampled = self.backend.sample_rows(&out.logits, &self.row_sampling(&plan));
+        let (out, mut masks) = self.forward_with_masks(&plan);
+        let draws = self.row_sampling(&plan);
+        let host_rows: Vec<bool> = draws.iter().map(|d| d.on_host).collect();
+        let (sampled, host_logits) = self.draw_rows(&out.logits, draws, &host_rows);
+        let vocab = self.model.config.vocab_size;
         self.stats.steps += 1;
         self.stats.forward_tokens += plan.num_tokens() as u64;
 
@@ -274,17 +279,33 @@ impl<B: Backend> Engine<B> {
             let Some(seq) = self.seqs.iter_mut().find(|s| s.id == row.seq) else { continue };
             let start = seq.num_computed;
             let mut emitted = Vec::new();
+            let mut logprobs = Vec::new();
             let mut committed_now = row.committed;
             let conv_only = delta_state_in_place(layout.kind, layout.num_tokens);
+            // Rows adjusted or read on the host are drawn there, by the same rule.
+            let drawn_on_host = row.logits_start.filter(|&l| host_rows[l]).map(|l| {
+                let rows: Vec<&[f32]> = (l..=l + row.drafts.len()).map(|r| &host_logits[&r][..vocab]).collect();
+                seq.logits.draw(&rows, &row.drafts, &masks.remove(&seq.id).unwrap_or_default(), &seq.params, seq.num_generated() as u64)
+            });
             match (row.kind, row.logits_start) {
                 (RowKind::Prefill, sample) => {
                     seq.num_computed += row.committed;
-                    if let Some(l) = sample {
-                        emitted.push(sampled[l]);
+                    match drawn_on_host {
+                        Some((outcome, row_logprobs)) => {
+                            emitted = outcome.tokens;
+                            logprobs = row_logprobs;
+                        }
+                        None => emitted.extend(sample.map(|l| sampled[l])),
                     }
                 }
                 (RowKind::Generate, Some(l)) => {
-                    let outcome = accept_drafts(&sampled[l..=l + row.drafts.len()], &row.drafts).expect("the plan gives every draft a logits row");
+                    let outcome = match drawn_on_host {
+                        Some((outcome, row_logprobs)) => {
+                            logprobs = row_logprobs;
+                            outcome
+                        }
+                        None => accept_drafts(&sampled[l..=l + row.drafts.len()], &row.drafts).expect("the plan gives every draft a logits row"),
+                    };
                     // Invariant 1: the state at the last accepted token becomes canonical (below,
                     // for every row at once, before the step ends).
                     commits.push(StateCommit { slot: layout.state_slot, snapshot: layout.snapshot_base + row.committed - 1 + outcome.accepted, conv_only });
@@ -320,7 +341,10 @@ impl<B: Backend> Engine<B> {
                 }
             }
             if !new_tokens.is_empty() {
-                events.push(RequestEvent::Tokens { id: seq.id, tokens: new_tokens, cached_tokens: seq.cached_tokens.unwrap_or(0) });
+                seq.logits.commit(&new_tokens);
+                logprobs.truncate(new_tokens.len());
+                seq.logprobs.extend(logprobs.iter().cloned());
+                events.push(RequestEvent::Tokens { id: seq.id, tokens: new_tokens, logprobs, cached_tokens: seq.cached_tokens.unwrap_or(0) });
             }
             if row.kind == RowKind::Prefill {
                 // The MTP layer's KV of this piece is written by the catch-up below (propose),
@@ -365,30 +389,61 @@ impl<B: Backend> Engine<B> {
         events
     }
 
-    /// The step's forward. A step of decode and verify rows only (each from its one unfed token
-    /// on, every token sampled) has a launch sequence fixed by its row and token counts, so the
-    /// backend may replay it as a graph (see [`GraphKey`]).
-    fn forward(&mut self, plan: &StepPlan) -> ForwardOutput<B> {
-        let generate_only = plan.rows.iter().all(|r| r.kind == RowKind::Generate && r.committed == 1 && r.logits_start.is_some())
-            && plan.logit_rows.len() == plan.num_tokens()
-            && plan.logit_rows.iter().enumerate().all(|(i, &t)| t as usize == i);
-        let (model, backend, cache) = (&self.model, &self.backend, &mut self.cache);
-        if !(self.config.cuda_graphs && generate_only) {
-            return model.forward(backend, &plan.ids.0, &plan.layout, &plan.logit_rows, cache);
+    /// The step's forward, and meanwhile on another thread the grammar masks of the rows that
+    /// have a grammar (they depend only on committed tokens and drafts), by request.
+    fn forward_with_masks(&mut self, plan: &StepPlan) -> (ForwardOutput<B>, HashMap<RequestId, Vec<TokenMask>>) {
+        let constrained: Vec<(RequestId, Vec<u32>)> = plan
+            .rows
+            .iter()
+            .filter(|r| r.logits_start.is_some())
+            .filter(|r| self.seqs.iter().any(|s| s.id == r.seq && s.logits.options.grammar.is_some()))
+            .map(|r| (r.seq, r.drafts.clone()))
+            .collect();
+        if constrained.is_empty() {
+            return (forward(&self.model, &self.backend, &mut self.cache, &self.config, plan), HashMap::new());
         }
-        let inputs = GraphInputs { ids: &plan.ids.0, layout: &plan.layout, logit_rows: &plan.logit_rows, block_size: self.config.block_size };
-        let mut outputs = backend.run_graphed(GraphKey { rows: plan.rows.len(), tokens: plan.num_tokens() }, &inputs, &mut || {
-            let out = model.forward(backend, inputs.ids, inputs.layout, inputs.logit_rows, cache);
-            vec![out.hidden, out.logits]
-        });
-        let logits = outputs.pop().expect("a graphed forward returns hidden and logits");
-        let hidden = outputs.pop().expect("a graphed forward returns hidden and logits");
-        ForwardOutput { hidden, logits }
+        let (model, backend, cache, config, seqs) = (&self.model, &self.backend, &mut self.cache, &self.config, &mut self.seqs);
+        std::thread::scope(|scope| {
+            let masks = scope.spawn(move || {
+                let mut masks = HashMap::new();
+                for (id, drafts) in constrained {
+                    if let Some(seq) = seqs.iter_mut().find(|s| s.id == id) {
+                        masks.insert(id, seq.logits.masks(&drafts));
+                    }
+                }
+                masks
+            });
+            let out = forward(model, backend, cache, config, plan);
+            (out, masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+        })
+    }
+
+    /// Draws every logits row: rows of requests with plain sampling on the backend, the others
+    /// copied to the host (returned by logits row index) for [`LogitsState::draw`].
+    fn draw_rows(&self, logits: &B::Tensor, draws: Vec<RowDraw>, host_rows: &[bool]) -> (Vec<u32>, HashMap<usize, Vec<f32>>) {
+        if !host_rows.iter().any(|&h| h) {
+            let specs: Vec<RowSampling> = draws.into_iter().map(|d| d.sampling).collect();
+            return (self.backend.sample_rows(logits, &specs), HashMap::new());
+        }
+        let (device, host): (Vec<usize>, Vec<usize>) = (0..draws.len()).partition(|&i| !host_rows[i]);
+        let mut sampled = vec![u32::MAX; draws.len()];
+        if !device.is_empty() {
+            let indices: Vec<u32> = device.iter().map(|&i| i as u32).collect();
+            let specs: Vec<RowSampling> = device.iter().map(|&i| draws[i].sampling.clone()).collect();
+            let tokens = self.backend.sample_rows(&self.backend.gather_rows(logits, &indices), &specs);
+            for (&i, token) in device.iter().zip(tokens) {
+                sampled[i] = token;
+            }
+        }
+        let vocab = self.model.config.vocab_size;
+        let copied = self.backend.logits_rows_to_host(logits, &host);
+        let host_logits = host.iter().enumerate().map(|(k, &i)| (i, copied[k * vocab..(k + 1) * vocab].to_vec())).collect();
+        (sampled, host_logits)
     }
 
     /// How to draw each logits row of `plan`: a prefill row that samples predicts the request's
     /// next output position; a generate row's rows predict consecutive positions from there.
-    fn row_sampling(&self, plan: &StepPlan) -> Vec<RowSampling> {
+    fn row_sampling(&self, plan: &StepPlan) -> Vec<RowDraw> {
         let mut rows = Vec::with_capacity(plan.logit_rows.len());
         for row in plan.rows.iter() {
             if row.logits_start.is_none() {
@@ -398,7 +453,8 @@ impl<B: Backend> Engine<B> {
             let seq = self.seqs.iter().find(|s| s.id == row.seq).expect("a planned row belongs to a live sequence");
             let first = seq.num_generated() as u64;
             let count = if row.kind == RowKind::Prefill { 1 } else { row.drafts.len() + 1 };
-            rows.extend((0..count as u64).map(|i| RowSampling { params: seq.params.clone(), position: first + i }));
+            let on_host = seq.logits.needs_host();
+            rows.extend((0..count as u64).map(|i| RowDraw { sampling: RowSampling { params: seq.params.clone(), position: first + i }, on_host }));
         }
         rows
     }
@@ -426,6 +482,7 @@ impl<B: Backend> Engine<B> {
             }
         }
         if mtp_items.is_empty() || self.custom_drafter.is_some() {
+            self.keep_valid_drafts();
             return;
         }
         // MTP chains write KV up to k positions past the committed length: make sure blocks exist.
@@ -450,6 +507,16 @@ impl<B: Backend> Engine<B> {
                 seq.drafts = d;
             }
         }
+        self.keep_valid_drafts();
+    }
+
+    /// Cuts each grammar-constrained request's drafts where its grammar stops allowing them:
+    /// such a draft would be rejected, and verifying what follows it is wasted work.
+    fn keep_valid_drafts(&mut self) {
+        for seq in self.seqs.iter_mut().filter(|s| !s.drafts.is_empty() && s.logits.options.grammar.is_some()) {
+            let valid = seq.logits.valid_drafts(&seq.drafts);
+            seq.drafts.truncate(valid);
+        }
     }
 
     /// Runs every queued request to completion, returning events in order.
@@ -468,5 +535,31 @@ fn finished_event(seq: Sequence, reason: FinishReason) -> RequestEvent {
 }
 
 fn summary(seq: Sequence) -> SequenceSummary {
-    SequenceSummary { prompt_tokens: seq.prompt_len, generated: seq.tokens[seq.prompt_len..].to_vec(), spec: seq.spec, method: seq.method, cached_tokens: seq.cached_tokens.unwrap_or(0) }
+    SequenceSummary { prompt_tokens: seq.prompt_len, generated: seq.tokens[seq.prompt_len..].to_vec(), logprobs: seq.logprobs, spec: seq.spec, method: seq.method, cached_tokens: seq.cached_tokens.unwrap_or(0) }
+}
+
+/// How one logits row is drawn: by `sampling`, on the backend unless `on_host`.
+struct RowDraw {
+    sampling: RowSampling,
+    on_host: bool,
+}
+
+/// The step's forward. A step of decode and verify rows only (each from its one unfed token on,
+/// every token sampled) has a launch sequence fixed by its row and token counts, so the backend
+/// may replay it as a graph (see [`GraphKey`]).
+fn forward<B: Backend>(model: &Qwen35<B>, backend: &B, cache: &mut B::Cache, config: &EngineConfig, plan: &StepPlan) -> ForwardOutput<B> {
+    let generate_only = plan.rows.iter().all(|r| r.kind == RowKind::Generate && r.committed == 1 && r.logits_start.is_some())
+        && plan.logit_rows.len() == plan.num_tokens()
+        && plan.logit_rows.iter().enumerate().all(|(i, &t)| t as usize == i);
+    if !(config.cuda_graphs && generate_only) {
+        return model.forward(backend, &plan.ids.0, &plan.layout, &plan.logit_rows, cache);
+    }
+    let inputs = GraphInputs { ids: &plan.ids.0, layout: &plan.layout, logit_rows: &plan.logit_rows, block_size: config.block_size };
+    let mut outputs = backend.run_graphed(GraphKey { rows: plan.rows.len(), tokens: plan.num_tokens() }, &inputs, &mut || {
+        let out = model.forward(backend, inputs.ids, inputs.layout, inputs.logit_rows, cache);
+        vec![out.hidden, out.logits]
+    });
+    let logits = outputs.pop().expect("a graphed forward returns hidden and logits");
+    let hidden = outputs.pop().expect("a graphed forward returns hidden and logits");
+    ForwardOutput { hidden, logits }
 }

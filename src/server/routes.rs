@@ -1,7 +1,7 @@
 //! The route table, the API-key check, and the small read-only endpoints.
 
 use super::error::ApiError;
-use super::{chat, completions, ServerState};
+use super::{chat, completions, tokenize, ServerState};
 use crate::engine::metrics::prometheus_text;
 use axum::extract::{Path, Request, State};
 use axum::http::{header, StatusCode, Uri};
@@ -23,6 +23,8 @@ pub fn router(state: ServerState) -> Router {
         .route("/v1/models/{model}", get(get_model))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
     let app = Router::new()

@@ -19,13 +19,15 @@ pub enum Speaker {
 pub struct Entry {
     pub speaker: Speaker,
     pub text: String,
+    /// A thinking model's reasoning before its answer (shown dimmed, folded unless asked for).
+    pub reasoning: String,
     /// Set on an assistant reply that Ctrl-C cut short, or that hit the token limit.
     pub ending: Option<&'static str>,
 }
 
 impl Entry {
     pub fn new(speaker: Speaker, text: impl Into<String>) -> Self {
-        Entry { speaker, text: text.into(), ending: None }
+        Entry { speaker, text: text.into(), reasoning: String::new(), ending: None }
     }
 }
 
@@ -89,6 +91,8 @@ pub struct ChatView {
     pub reply: Option<ReplyStats>,
     pub settings: Settings,
     pub generating: bool,
+    /// Unfold every reply's reasoning (`/reasoning` toggles it).
+    pub show_reasoning: bool,
 }
 
 impl ChatView {
@@ -102,6 +106,7 @@ impl ChatView {
             reply: None,
             settings,
             generating: false,
+            show_reasoning: false,
         }
     }
 
@@ -128,6 +133,7 @@ Commands:
   /clear               forget the conversation
   /spec none|ngram|mtp speculation method for the next replies
   /temp T              sampling temperature (0 = greedy)
+  /reasoning           show or fold the reasoning of thinking models
   /help                this text
   /quit                leave (also Esc, Ctrl-D, or Ctrl-C when idle, pressed twice)
 Keys:

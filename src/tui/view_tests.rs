@@ -141,6 +141,24 @@ fn a_short_panel_keeps_acceptance_speed_and_cache_figures() {
 }
 
 #[test]
+fn reasoning_is_dimmed_and_folded_unless_asked_for() {
+    let mut view = view_with_reply();
+    view.transcript[1].reasoning = "The user greets me.\nI should greet back.".into();
+    let text = render(&mut view, 100, 32).join("\n");
+    assert!(text.contains("▸ reasoning, 2 lines (/reasoning shows it)"), "{text}");
+    assert!(!text.contains("I should greet back") && text.contains("The kestrel hovers"), "{text}");
+    view.show_reasoning = true;
+    let text = render(&mut view, 100, 32).join("\n");
+    assert!(text.contains("▾ reasoning") && text.contains("│ I should greet back."), "{text}");
+    // While the model is still thinking (no answer yet) the reasoning shows as it streams.
+    view.show_reasoning = false;
+    view.transcript[1].text.clear();
+    view.generating = true;
+    let text = render(&mut view, 100, 32).join("\n");
+    assert!(text.contains("│ The user greets me."), "{text}");
+}
+
+#[test]
 fn panel_shows_the_prompt_tokens_served_from_the_prefix_cache() {
     let mut view = view_with_reply();
     let text = render(&mut view, 100, 40).join("\n");

@@ -29,7 +29,7 @@ pub struct Conversation {
 impl Conversation {
     fn request(&self, prompt: Vec<u32>, turn: usize) -> Request {
         let params = SamplingParams { seed: self.params.seed.wrapping_add(turn as u64), ..self.params.clone() };
-        Request { prompt_ids: prompt, params, max_tokens: self.max_tokens, stop_token_ids: Vec::new(), spec: Some(self.spec) }
+        Request { spec: Some(self.spec), ..Request::new(prompt, params, self.max_tokens, Vec::new()) }
     }
 }
 

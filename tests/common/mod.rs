@@ -54,7 +54,7 @@ pub fn engine(model: Qwen35<CpuBackend>, config: EngineConfig) -> Engine<CpuBack
 }
 
 pub fn request(prompt: &[u32], max_tokens: usize, params: SamplingParams, spec: Option<SpecMethod>) -> Request {
-    Request { prompt_ids: prompt.to_vec(), params, max_tokens, stop_token_ids: Vec::new(), spec }
+    Request { spec, ..Request::new(prompt.to_vec(), params, max_tokens, Vec::new()) }
 }
 
 /// Runs requests through an engine, adding request `i` after `arrival_steps[i]` steps; returns

@@ -428,6 +428,10 @@ impl Backend for CudaBackend {
         super::sample::sample_rows(self, logits, rows)
     }
 
+    fn logits_rows_to_host(&self, logits: &CudaTensor, rows: &[usize]) -> Vec<f32> {
+        super::sample::logits_rows_to_host(self, logits, rows)
+    }
+
     fn run_graphed(&self, key: GraphKey, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<CudaTensor>) -> Vec<CudaTensor> {
         self.run_graphed_forward(key, inputs, forward)
     }

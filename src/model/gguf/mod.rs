@@ -60,6 +60,12 @@ pub struct GgufModel {
     pub vocab: BpeVocab,
 }
 
+/// Reads only the vocabulary of `path`: enough to tokenize, and all a vocab-only file (such as
+/// llama.cpp's models/ggml-vocab-*.gguf) holds.
+pub fn open_vocab(path: &Path) -> Result<BpeVocab, GgufModelError> {
+    vocab::read(&GgufFile::open(path)?)
+}
+
 /// Maps `path` and reads its configuration, tensors and vocabulary.
 pub fn open(path: &Path) -> Result<GgufModel, GgufModelError> {
     let file = GgufFile::open(path)?;
