@@ -84,7 +84,9 @@ impl From<PaddedShape> for GraphKey {
 /// When a backend that replays graphs captures one for a key it has not seen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CaptureWhen {
-    /// At once: a capture size, which every later step of its shape will replay.
+    /// Soon: a capture size, which every later step of its shape will replay (captured at
+    /// start-up, or after one eager forward, which makes what a forward of its shape makes on
+    /// first use).
     Now,
     /// After the key recurs a few times (an exact shape no capture size holds).
     AfterRepeats,

@@ -202,7 +202,8 @@ fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, workloa
                     .and_then(|config| Engine::new(backend, model, config).context("cannot start the engine"))
                     .inspect(|engine| {
                         if let Some(line) = super::capture_summary(engine) {
-                            bar.println(format!("kestrel: {} x{c}: {line}", m.name()));
+                            // (println on a hidden bar prints nothing: stderr is not a terminal)
+                            bar.suspend(|| eprintln!("kestrel: {} x{c}: {line}", m.name()));
                         }
                     })
                     .and_then(|mut engine| Ok((run_one(&mut engine, workload, shape, m, c, &bar)?, engine)))

@@ -56,6 +56,10 @@ pub fn capture_at_startup<B: Backend>(model: &Qwen35<B>, backend: &B, cache: &mu
     for shape in shapes {
         let step = pad_step(&StepPlan::default(), shape, padding.scratch, padding.limits.block_size);
         let inputs = graph_inputs(&step, padding.limits.block_size, CaptureWhen::Now);
+        // One eager run first: whatever a forward of this shape makes on first use (rope
+        // tables, kernels compiled at run time, column lists) must exist before a capture,
+        // which would record its upload instead of running it.
+        let _ = model.forward(backend, inputs.ids, inputs.layout, inputs.logit_rows, cache);
         let captured = backend.prepare_graph(&inputs, &mut || {
             let out = model.forward(backend, inputs.ids, inputs.layout, inputs.logit_rows, cache);
             vec![out.hidden, out.logits]

@@ -6,7 +6,9 @@
 //! offsets that depend only on those counts (see layout.rs), and every grid size is a function
 //! of the shapes. So the first such forward of each key is captured, and later steps write
 //! their inputs into those buffers and replay it. The engine pads steps up to capture sizes,
-//! whose keys are captured at start-up (or at once, [`CaptureWhen::Now`]); a step no capture
+//! whose keys are captured at start-up (or after one eager forward, [`CaptureWhen::Now`]),
+//! each after an eager forward of its shape has made what such a forward makes on first use
+//! (rope tables, run-time compiled kernels: a capture would record their uploads); a step no capture
 //! size holds keeps its exact key, captured on its [`CAPTURE_AFTER`]th forward (a capture costs
 //! a few eager forwards, and such keys may occur only once or twice). Past [`MAX_GRAPHS`] keys,
 //! forwards run eagerly. Outputs are token-indexed; only the real tokens' rows are copied out.
@@ -108,7 +110,7 @@ impl CudaBackend {
         if !graphs.by_key.contains_key(&key) {
             let seen = graphs.seen.entry(key).or_insert(0);
             *seen += 1;
-            let wait = inputs.capture == CaptureWhen::AfterRepeats && *seen < CAPTURE_AFTER;
+            let wait = *seen < if inputs.capture == CaptureWhen::Now { 2 } else { CAPTURE_AFTER };
             if wait || graphs.by_key.len() >= MAX_GRAPHS {
                 drop(graphs);
                 return self.cut_outputs(forward(), inputs.real.tokens);
