@@ -7,14 +7,15 @@ mod bench_plot;
 pub mod chat;
 pub mod flags;
 pub mod info;
+mod kv_plan;
 pub mod perplexity;
 pub mod run;
 pub mod serve;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use flags::{ContextArgs, DeviceArgs, ModelArgs, SelectedBackend, SpecArgs};
-use kestrel::backend::Backend;
+use kestrel::backend::{Backend, CacheSpec};
 use kestrel::engine::request::SpecMethod;
 use kestrel::engine::worker::EngineWorker;
 use kestrel::engine::{Engine, EngineConfig};
@@ -100,6 +101,7 @@ impl EngineArgs {
         self.check()?;
         let files = self.model.open()?;
         self.context.max_model_len(&files)?;
+        self.context.kv_cache.check(&files)?;
         Ok(files)
     }
 
@@ -131,6 +133,7 @@ impl EngineArgs {
             ngram_min: self.spec.ngram_min,
             ngram_max: self.spec.ngram_max,
             cuda_graphs: !self.context.no_cuda_graphs,
+            kv_dtype: self.context.kv_cache.dtype(),
         };
         let per_request = (max_model_len + config.spec_tokens).div_ceil(BLOCK_SIZE);
         let wanted = self.context.kv_blocks.unwrap_or(max_num_seqs * per_request);
@@ -139,25 +142,10 @@ impl EngineArgs {
             None => wanted,
             Some(budget) => {
                 let budget = budget.context("no GPU memory is left for the KV cache")?;
-                let cache = model.cache_spec(0, BLOCK_SIZE, max_num_seqs, config.snapshot_slots());
-                let fit = budget.saturating_sub(cache.state_bytes()) / cache.bytes_per_block().max(1);
-                let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-                if let Some(n) = self.context.kv_blocks.filter(|&n| n > fit) {
-                    bail!("--kv-blocks {n} needs {:.2} GiB, but {:.2} GiB are left under --gpu-memory-utilization {utilization}", gib(n * cache.bytes_per_block()), gib(budget));
-                }
-                if fit < per_request {
-                    bail!(
-                        "the KV cache fits {fit} blocks of {BLOCK_SIZE} tokens but one request of --max-model-len {max_model_len} needs {per_request}; lower --max-model-len or --max-num-seqs, or raise --gpu-memory-utilization"
-                    );
-                }
-                let blocks = wanted.min(fit);
-                eprintln!(
-                    "kestrel: KV cache {blocks} blocks ({} tokens, {:.2} GiB), recurrent state {:.2} GiB",
-                    blocks * BLOCK_SIZE,
-                    gib(blocks * cache.bytes_per_block()),
-                    gib(cache.state_bytes())
-                );
-                blocks
+                let cache = CacheSpec { kv_dtype: config.kv_dtype, ..model.cache_spec(0, BLOCK_SIZE, max_num_seqs, config.snapshot_slots()) };
+                let plan = kv_plan::plan_kv_blocks(budget, &cache, wanted, self.context.kv_blocks, per_request, utilization)?;
+                eprintln!("kestrel: {}", kv_plan::describe(&plan, &cache));
+                plan.blocks
             }
         };
         Ok(config)

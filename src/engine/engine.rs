@@ -10,7 +10,7 @@ use super::plan::StepPlan;
 use super::spec::verify::accept_drafts;
 use crate::backend::sampling::NO_FINITE_LOGIT;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
-use crate::backend::{delta_state_in_place, Backend, BackendError, GraphInputs, GraphKey, RowKind, RowSampling, StateCommit, StepLimits};
+use crate::backend::{delta_state_in_place, Backend, BackendError, CacheSpec, GraphInputs, GraphKey, KvDtype, RowKind, RowSampling, StateCommit, StepLimits};
 use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -49,6 +49,8 @@ pub struct EngineConfig {
     pub ngram_max: usize,
     /// Replay decode steps as CUDA graphs where the backend can.
     pub cuda_graphs: bool,
+    /// How the attention cache stores keys and values.
+    pub kv_dtype: KvDtype,
 }
 
 impl EngineConfig {
@@ -79,6 +81,7 @@ impl Default for EngineConfig {
             ngram_min: 2,
             ngram_max: 4,
             cuda_graphs: true,
+            kv_dtype: KvDtype::default(),
         }
     }
 }
@@ -121,7 +124,7 @@ impl<B: Backend> Engine<B> {
             return Err(EngineError::NoMtpHead);
         }
         let snapshot_slots = config.snapshot_slots();
-        let spec = model.cache_spec(config.num_blocks, config.block_size, config.max_num_seqs, snapshot_slots);
+        let spec = CacheSpec { kv_dtype: config.kv_dtype, ..model.cache_spec(config.num_blocks, config.block_size, config.max_num_seqs, snapshot_slots) };
         let cache = backend.alloc_cache(&spec).map_err(|e: BackendError| EngineError::Config(e.to_string()))?;
         // A step has at most one row per sequence, and every row's table covers at most the context.
         let limits = StepLimits {

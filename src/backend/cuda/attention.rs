@@ -2,7 +2,8 @@
 
 use super::cache::CudaCache;
 use super::{Arg, CudaBackend, CudaTensor, CudaVector};
-use crate::backend::{AttentionDims, BatchLayout};
+use crate::backend::{AttentionDims, BackendError, BatchLayout, CacheSpec, KvDtype};
+use cudarc::driver::CudaSlice;
 
 /// Keys per tile of the attention kernel (fixed: tiles are aligned to absolute positions).
 const KEY_TILE: usize = 64;
@@ -47,7 +48,7 @@ pub(super) fn gated_attention(
     let base = dl.base;
     let at = |off: usize| base + 4 * off as u64;
     let inv_freq = be.rope_table(d.rope_theta, d.rotary_dim);
-    let (kc, vc) = (be.ptr(&cache.k[layer]), be.ptr(&cache.v[layer]));
+    let (kc, vc) = (be.ptr(&cache.k[layer].data), be.ptr(&cache.v[layer].data));
     let group = nq / nkv;
     let heads_per_block = if t >= GROUPED_HEADS_MIN_TOKENS && group * hd <= MAX_BLOCK_ELEMS { group } else { 1 };
     let out = be.tensor(t, nq * hd);
@@ -142,4 +143,22 @@ fn combine_ranges(be: &CudaBackend, out: &CudaTensor, gate: u64, gate_stride: us
         0,
         &[Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(gate), Arg::Ptr(be.ptr(partial)), Arg::Ptr(positions), Arg::I32(nq as i32), Arg::I32(hd as i32), Arg::I32(gate_stride as i32)],
     );
+}
+
+/// The KV formats the attention kernels read and write.
+const DEVICE_KV_DTYPES: [KvDtype; 1] = [KvDtype::F32];
+
+/// The constant tables a cache's attention kernels read: for a rotated format (TurboQuant), the
+/// 8 codebook levels, the 7 cell boundaries, the rotation's scale `1/√d` and its `d` signs, in
+/// the order of `struct KvTables` in cuda/attention.cu; a placeholder otherwise. Refuses a
+/// format the kernels do not have.
+pub(super) fn kv_tables(be: &CudaBackend, spec: &CacheSpec) -> Result<CudaSlice<f32>, BackendError> {
+    let dtype = spec.kv_dtype;
+    if !DEVICE_KV_DTYPES.contains(&dtype) {
+        let names: Vec<&str> = DEVICE_KV_DTYPES.iter().map(|d| d.name()).collect();
+        return Err(BackendError::Invalid(format!("--kv-cache-dtype {dtype} is not available on the CUDA backend (it has {}); use --device cpu or one of those", names.join(", "))));
+    }
+    dtype.check_head_dim(spec.head_dim).map_err(|e| BackendError::Invalid(format!("--kv-cache-dtype {dtype}: {e}")))?;
+    let tables = vec![0.0f32];
+    be.stream.clone_htod(&tables).map_err(|e| BackendError::Device(format!("{e:?}")))
 }
