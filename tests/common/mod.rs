@@ -11,6 +11,8 @@ use kestrel::model::ModelFiles;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+pub mod invariance;
+
 pub const FIXTURES: [&str; 3] = ["qwen35-dense", "qwen35-moe", "qwen3-next"];
 
 pub fn fixture_dir(name: &str) -> PathBuf {
