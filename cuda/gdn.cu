@@ -153,6 +153,14 @@ __device__ __forceinline__ bool group_has_row(int i, int src, int r0, int dk) { 
 // Where k or q row d sits in its padded shared array (each group's src rows then 4 floats).
 __device__ __forceinline__ int padded_row(int d, int src) { return d + d / src * 4; }
 
+// Where value head h's output goes among the output's heads: in order, or (`tiled`) in
+// llama.cpp's tiled order, value head v of key head k at v * nk + k (LinearAttnShape::
+// out_heads_tiled).
+__device__ __forceinline__ int out_head(int h, int nk, int nv, int tiled) {
+    int per_key = nv / nk;
+    return tiled ? (h % per_key) * nk + h / per_key : h;
+}
+
 // The conv channel of value column j of value head h, and of q/k index c (< 2 dk: q then k) of
 // key head kh, in the projection's mixed row (q, k, then v channels).
 __device__ __forceinline__ int value_channel(int key_dim, int h, int dv, int j) { return 2 * key_dim + h * dv + j; }
@@ -286,7 +294,7 @@ __device__ __forceinline__ void group_rows4(const float* g, int m, float* out) {
 template <int DK, int DV, int KW>
 __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* out, const float* z, const float* norm_w, float eps, const float* mixed,
         const float* conv_state, const float* conv_w, float* conv_snap, const float* a, const float* b, const float* neg_a, const float* dt_bias, float* rec,
-        float* rec_snap, int nk, int nv, int dk_, int dv_, int conv_dim, int kw_) {
+        float* rec_snap, int nk, int nv, int dk_, int dv_, int conv_dim, int kw_, int out_tiled) {
     const int dk = DK ? DK : dk_, dv = DV ? DV : dv_, kw = KW ? KW : kw_, src = (dk + REC_GROUPS - 1) / REC_GROUPS;
     __shared__ float scratch[66];
     // The normalized k and q, each group's rows padded by 4 floats: the 4 groups of a warp
@@ -404,19 +412,20 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
             }
         }
         float ss = block_sum(col_ok && rg == 0 ? o * o : 0.0f, scratch);
-        if (col_ok && rg == 0) out[e] = o * (1.0f / sqrtf(ss / (float)dv + eps)) * nw * siluf_(zt);
+        if (col_ok && rg == 0) out[(long long)t * nv * dv + out_head(h, nk, nv, out_tiled) * dv + j] = o * (1.0f / sqrtf(ss / (float)dv + eps)) * nw * siluf_(zt);
     }
 }
 
 #define GDN_RECURRENT_KERNEL(NAME, DK, DV, KW)                                                                                                              \
     extern "C" __global__ void __launch_bounds__(512) NAME(float* out, const float* z, const float* norm_w, float eps, float* conv_snap,                     \
             const float* mixed, const float* conv_state, const float* conv_w, const float* a, const float* b, const float* neg_a, const float* dt_bias,        \
-            float* rec, float* rec_snap, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim, int kw, int state_early) {     \
+            float* rec, float* rec_snap, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim, int kw, int state_early,      \
+            int out_tiled) {                                                                                                                                \
         RecurrentStart st = recurrent_start<DK, DV, KW>(state_early, rec, rows, row_ids, nk, nv, dk, dv, conv_state, conv_w, neg_a, dt_bias, norm_w,     \
                                                         conv_dim);                                                                                  \
         wait_for_inputs();                                                                                                                                  \
         gdn_recurrent_body<DK, DV, KW>(st, out, z, norm_w, eps, mixed, conv_state, conv_w, conv_snap, a, b, neg_a, dt_bias, rec, rec_snap, nk, nv, dk, dv, \
-                                       conv_dim, kw);                                                                                                       \
+                                       conv_dim, kw, out_tiled);                                                                                            \
         if (threadIdx.x == 0) TRACE_MARK(TRACE_BLOCK_END);                                                                                                  \
     }
 GDN_RECURRENT_KERNEL(gdn_recurrent, 0, 0, 0)
@@ -575,16 +584,17 @@ extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const
 // grid (T, nv), 128 threads: y = x * rsqrt(mean(x^2) + eps) * w * silu(z), per value head,
 // for tokens of prefill rows (gdn_recurrent normalizes generate tokens).
 extern "C" __global__ void gdn_out_norm(float* out, const float* core, const float* z, const float* w, const int* tok_row, const RowInfo* rows, int nv, int dv,
-        float eps) {
+        float eps, int nk, int out_tiled) {
     wait_for_inputs();
     __shared__ float scratch[33];
     if (rows[tok_row[blockIdx.x]].kind != 0) return;
     long long base = ((long long)blockIdx.x * nv + blockIdx.y) * dv;
+    long long obase = ((long long)blockIdx.x * nv + out_head(blockIdx.y, nk, nv, out_tiled)) * dv;
     float ss = 0.0f;
     for (int d = threadIdx.x; d < dv; d += blockDim.x) ss += core[base + d] * core[base + d];
     ss = block_sum(ss, scratch);
     float inv = 1.0f / sqrtf(ss / (float)dv + eps);
-    for (int d = threadIdx.x; d < dv; d += blockDim.x) out[base + d] = core[base + d] * inv * w[d] * siluf_(z[base + d]);
+    for (int d = threadIdx.x; d < dv; d += blockDim.x) out[obase + d] = core[base + d] * inv * w[d] * siluf_(z[base + d]);
 }
 
 // Recurrent-state bookkeeping of a whole step in one launch each. The cache keeps one buffer

@@ -55,7 +55,7 @@ fn greedy(model: Qwen35<CpuBackend>, prompts: &[Vec<u32>], kv_dtype: KvDtype) ->
     let mut engine = Engine::new(CpuBackend::new(), model, config).expect("engine starts");
     let mut ids = HashMap::new();
     for (i, p) in prompts.iter().enumerate() {
-        let id = engine.add_request(Request { prompt_ids: p.clone(), params: SamplingParams::greedy(), max_tokens: TOKENS, stop_token_ids: Vec::new(), spec: Some(SpecMethod::None) }).expect("request");
+        let id = engine.add_request(Request { spec: Some(SpecMethod::None), ..Request::new(p.clone(), SamplingParams::greedy(), TOKENS, Vec::new()) }).expect("request");
         ids.insert(id, i);
     }
     let mut out = vec![Vec::new(); prompts.len()];

@@ -7,16 +7,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 archive=${1:-target/gpu-check.tar.xz}
-cargo build --release --bin kestrel --example cuda_bench
-tests=(cuda_ops cuda_model cuda_engine)
+cargo build --release --bin kestrel --example cuda_bench --example quant_bench
+tests=(cuda_ops cuda_quant cuda_model cuda_engine)
 cargo test --release --no-run "${tests[@]/#/--test=}" 2>&1 | tee /tmp/kestrel-gpu-check-build.log
 stage=$(mktemp -d)
-cp target/release/kestrel target/release/examples/cuda_bench scripts/gpu_check.sh "$stage"/
+cp target/release/kestrel target/release/examples/cuda_bench target/release/examples/quant_bench scripts/gpu_check.sh "$stage"/
 for t in "${tests[@]}"; do
   # The executable cargo just built for this test target.
   exe=$(grep -o "target/release/deps/$t-[0-9a-f]*" /tmp/kestrel-gpu-check-build.log | tail -1)
   cp "$exe" "$stage/$t"
 done
-tar -C "$stage" -cJf "$archive" .
+# One solid stream with a dictionary wider than a binary: the test binaries and kestrel embed
+# the same default model, stored once.
+tar -C "$stage" -cf - . | xz -6 --lzma2=dict=128MiB > "$archive"
 rm -rf "$stage"
 ls -la "$archive"

@@ -3,6 +3,7 @@
 //! The library holds everything the `kestrel` binary runs; `src/cli/` is the thin edge.
 
 pub mod backend;
+pub mod chat_format;
 pub mod engine;
 pub mod model;
 pub mod tokenizer;

@@ -27,6 +27,10 @@ enum Command {
     Chat(cli::chat::ChatArgs),
     /// Serve an OpenAI-compatible API (completions, chat completions, SSE streaming).
     Serve(cli::serve::ServeArgs),
+    /// Text to token ids with a model's tokenizer (a vocab-only GGUF is enough).
+    Tokenize(cli::tokenize::TokenizeArgs),
+    /// Token ids back to text.
+    Detokenize(cli::tokenize::DetokenizeArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -39,5 +43,7 @@ fn main() -> anyhow::Result<()> {
         Command::Info(a) => cli::info::run(a),
         Command::Chat(a) => cli::chat::run(a),
         Command::Serve(a) => cli::serve::run(a),
+        Command::Tokenize(a) => cli::tokenize::tokenize(a),
+        Command::Detokenize(a) => cli::tokenize::detokenize(a),
     }
 }

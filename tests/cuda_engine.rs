@@ -19,6 +19,7 @@ use kestrel::engine::request::SpecMethod;
 use kestrel::backend::sampling::SamplingParams;
 use kestrel::engine::{Engine, EngineConfig};
 use kestrel::model::arch::qwen35::Qwen35;
+use kestrel::model::weights::online::OnlineQuantization;
 use kestrel::model::ModelFiles;
 
 static HUMANEVAL: &str = include_str!("../data/humaneval/prompts.jsonl");
@@ -75,8 +76,14 @@ struct Rig {
 
 impl Rig {
     fn new() -> Option<Rig> {
+        Rig::quantized(None)
+    }
+
+    /// The default model, quantized at load where `q` says.
+    fn quantized(q: Option<OnlineQuantization>) -> Option<Rig> {
         let gpu = gpu()?;
-        let files = ModelFiles::open(None).expect("embedded model opens");
+        let mut files = ModelFiles::open(None).expect("embedded model opens");
+        files.config.online_quantization = q;
         let model = Qwen35::load(&gpu, files.config.clone(), &files.store, &indicatif::ProgressBar::hidden()).expect("weights load");
         Some(Rig { parts: Some((gpu, model)), files })
     }
@@ -139,6 +146,34 @@ fn speculation_on_the_gpu_is_bitwise_equal_to_none_for_every_batch_and_k() {
             }
             eprintln!("{method:?} {draw:?}: {accepted} drafts accepted over the matrix");
             assert!(accepted > 0, "{method:?} {draw:?}: no draft accepted, so rollback went untested");
+        }
+    }
+}
+
+/// The same with the weights in quantized bits on the GPU (int4 and Q4_K: their few-row and
+/// many-row kernels in decode, verify and prefill steps of every size).
+#[test]
+fn speculation_with_quantized_weights_is_bitwise_equal_to_none() {
+    for q in [OnlineQuantization::Int4, OnlineQuantization::Q4K] {
+        let Some(mut rig) = Rig::quantized(Some(q)) else { return };
+        let prompts = code_prompts(&rig.files, 72);
+        for draw in [Draw::Greedy, Draw::Seeded] {
+            let refs = rig.references(&prompts, draw);
+            for method in [Some(SpecMethod::Ngram), Some(SpecMethod::Mtp), None] {
+                let mut accepted = 0;
+                for (k, max_batch) in [(1, 1), (3, 8), (8, 64), (64, 16)] {
+                    let n = if max_batch < 8 { 18 } else { prompts.len() };
+                    let (got, [acc, drafted, draft_steps, _]) = rig.run(&prompts[..n], config(max_batch, k), draw, method);
+                    for (i, (g, r)) in got.iter().zip(&refs).enumerate() {
+                        assert_eq!(g, r, "{q}: request {i} differs from its run alone: {method:?} k={k} max_batch={max_batch} {draw:?}");
+                    }
+                    assert!(acc <= drafted);
+                    assert!(draft_steps > 0, "{q}: {method:?} k={k} max_batch={max_batch} never drafted");
+                    accepted += acc;
+                }
+                eprintln!("{q}: {method:?} {draw:?}: {accepted} drafts accepted");
+                assert!(accepted > 0, "{q}: {method:?} {draw:?}: no draft accepted, so rollback went untested");
+            }
         }
     }
 }

@@ -51,3 +51,43 @@ fn every_kernel_source_compiles_with_nvrtc() {
     }
     assert!(failures.is_empty(), "{} kernel compilations failed:\n{}", failures.len(), failures.join("\n\n"));
 }
+
+/// Every tile format's quantized matmul module (cuda/qmatmul.cu with its `QFMT`) for Hopper, and
+/// for Ampere (the oldest architecture the kernels support) the formats that between them take
+/// every decoding path (4-bit with a min, 6-bit, codebook, e4m3 and int8 bytes).
+#[test]
+fn every_quantized_kernel_module_compiles_with_nvrtc() {
+    let in_ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    let _preloaded = match std::env::var_os("KESTREL_NVRTC_LIB") {
+        Some(path) => {
+            let path = std::path::PathBuf::from(path);
+            let builtins = path.parent().map(|d| d.join("libnvrtc-builtins.so.13.0")).filter(|p| p.exists());
+            let mut libs = Vec::new();
+            for p in builtins.iter().chain(std::iter::once(&path)) {
+                // SAFETY: loading NVRTC runs no initialisation code with preconditions.
+                let lib = unsafe { libloading::Library::new(p) };
+                libs.push(lib.unwrap_or_else(|e| panic!("{} (from KESTREL_NVRTC_LIB) cannot be loaded: {e}", p.display())));
+            }
+            Some(libs)
+        }
+        None if in_ci => panic!("KESTREL_NVRTC_LIB is not set: .ci/run installs nvidia-cuda-nvrtc==13.0.88 and sets it to the wheel's libnvrtc.so.13"),
+        None if !kernels::nvrtc_present() => {
+            eprintln!("skipped: no NVRTC (set KESTREL_NVRTC_LIB to a libnvrtc.so.13, as .ci/run does)");
+            return;
+        }
+        None => None,
+    };
+    let mut failures = Vec::new();
+    use kestrel::backend::cuda::quant_tiles::{TileFormat, ALL_FORMATS};
+    let ampere = [TileFormat::Q4K, TileFormat::Q6K, TileFormat::IQ4XS, TileFormat::Fp8 { unit: 128 }, TileFormat::Q8_0];
+    for (arch, formats) in [("sm_90", &ALL_FORMATS[..]), ("sm_80", &ampere[..])] {
+        for &fmt in formats {
+            let body = kernels::quant_module_body(fmt.kernel_id());
+            match kernels::compile_cubin(&format!("qmatmul_{}", fmt.name()), &body, arch, false) {
+                Ok(cubin) => assert!(!cubin.is_empty(), "{fmt:?} for {arch}: empty CUBIN"),
+                Err(e) => failures.push(e.to_string()),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} quantized module compilations failed:\n{}", failures.len(), failures.join("\n\n"));
+}

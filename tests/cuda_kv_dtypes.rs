@@ -83,9 +83,10 @@ fn attention_spec(kv_dtype: KvDtype, kv_heads: usize, head_dim: usize, num_block
         head_dim,
         kv_dtype,
         linear_layers: 0,
-        linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4 },
+        linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4, out_heads_tiled: false },
         state_slots: 3,
         snapshot_slots: 8,
+        checkpoint_slots: 0,
     }
 }
 

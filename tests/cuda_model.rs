@@ -15,6 +15,7 @@ use kestrel::backend::sampling::SamplingParams;
 use kestrel::engine::{Engine, EngineConfig};
 use kestrel::model::arch::qwen35::Qwen35;
 use kestrel::model::config::ModelConfig;
+use kestrel::model::weights::online::OnlineQuantization;
 use kestrel::model::ModelFiles;
 use std::path::{Path, PathBuf};
 
@@ -55,7 +56,7 @@ fn prefill_logits<B: Backend>(b: &B, model: &Qwen35<B>, ids: &[u32]) -> Vec<f32>
 
 fn greedy<B: Backend>(backend: B, model: Qwen35<B>, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut engine = Engine::new(backend, model, EngineConfig { max_num_seqs: 1, max_num_batched_tokens: 64, ..EngineConfig::default() }).expect("engine starts");
-    engine.add_request(Request { prompt_ids: prompt.to_vec(), params: SamplingParams::greedy(), max_tokens: n, stop_token_ids: Vec::new(), spec: Some(SpecMethod::None) }).expect("request accepted");
+    engine.add_request(Request { spec: Some(SpecMethod::None), ..Request::new(prompt.to_vec(), SamplingParams::greedy(), n, Vec::new()) }).expect("request accepted");
     let mut out = None;
     while engine.has_unfinished() {
         for ev in engine.step() {
@@ -104,6 +105,29 @@ fn quantized_fixtures_match_cpu_greedy() {
     }
 }
 
+/// The embedded default model quantized at load (`--quantization int4|q4_k|fp8`): on the GPU in
+/// the quantized bits, logits within 1e-3 of the CPU's (which dequantizes a row at a time) and
+/// the same greedy continuation.
+#[test]
+fn online_quantized_default_model_matches_cpu_greedy() {
+    let Some(gpu) = gpu() else { return };
+    let prompt = reference("qwen35-dense").prompt_ids;
+    for q in [OnlineQuantization::Int4, OnlineQuantization::Q4K, OnlineQuantization::Fp8] {
+        let mut files = ModelFiles::open(None).expect("default model opens");
+        files.config.online_quantization = Some(q);
+        let ids: Vec<u32> = prompt.iter().map(|&t| t % files.config.vocab_size as u32).collect();
+        let model = load(&gpu, &files);
+        let cpu = CpuBackend::new();
+        let cpu_model = load(&cpu, &files);
+        let err = relative_error(&prefill_logits(&gpu, &model, &ids), &prefill_logits(&cpu, &cpu_model, &ids));
+        eprintln!("default model, {q}: GPU logits vs CPU, relative error {err:.2e}");
+        assert!(err < 1e-3, "{q}: GPU logits off the CPU's by {err}");
+        let on_gpu = greedy(gpu_backend(), model, &ids, GREEDY_TOKENS);
+        let on_cpu = greedy(cpu, cpu_model, &ids, GREEDY_TOKENS);
+        assert_eq!(on_gpu, on_cpu, "{q}: greedy continuation differs between GPU and CPU");
+    }
+}
+
 /// GGUF models (F32/F16/BF16 files and one with Q8_0 and Q4_K tensors) on the GPU: the same
 /// greedy continuation as on the CPU.
 #[test]
@@ -135,11 +159,31 @@ fn tiny_config(model_type: &str) -> ModelConfig {
     ModelConfig::from_json_str(&json, Path::new("tiny")).expect("tiny config")
 }
 
+/// Widths that take the quantized formats' own kernels (Q4_K and Q6_K need rows of 256).
+fn tiny_quantized_config(model_type: &str, q: OnlineQuantization) -> ModelConfig {
+    let moe = r#""num_experts":8,"num_experts_per_tok":2,"moe_intermediate_size":256,"shared_expert_intermediate_size":256,"#;
+    let json = format!(
+        r#"{{"model_type":"{model_type}","vocab_size":512,"hidden_size":256,"num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":64,"intermediate_size":512,{}"linear_num_key_heads":2,"linear_num_value_heads":4,"linear_key_head_dim":32,"linear_value_head_dim":64,"linear_conv_kernel_dim":4,"rope_theta":10000000,"partial_rotary_factor":0.25}}"#,
+        if model_type == "qwen3_5_text" { "" } else { moe }
+    );
+    let mut c = ModelConfig::from_json_str(&json, Path::new("tiny")).expect("tiny config");
+    c.online_quantization = Some(q);
+    c
+}
+
 #[test]
 fn row_logits_are_batch_invariant() {
     let Some(gpu) = gpu() else { return };
-    for model_type in ["qwen3_5_text", "qwen3_5_moe_text"] {
-        let model = dummy::load_random(&gpu, tiny_config(model_type), 42, &indicatif::ProgressBar::hidden()).expect("random model");
+    let mut models: Vec<(String, ModelConfig)> = ["qwen3_5_text", "qwen3_5_moe_text"].iter().map(|t| (t.to_string(), tiny_config(t))).collect();
+    // Random weights in the quantized formats: their kernels, dense and in the experts.
+    for q in [OnlineQuantization::Q4K, OnlineQuantization::Int4, OnlineQuantization::Fp8] {
+        for t in ["qwen3_5_text", "qwen3_5_moe_text"] {
+            models.push((format!("{t} {q}"), tiny_quantized_config(t, q)));
+        }
+    }
+    for (model_type, config) in models {
+        let model_type = model_type.as_str();
+        let model = dummy::load_random(&gpu, config, 42, &indicatif::ProgressBar::hidden()).expect("random model");
         let alone = run_invariance(&gpu, &model, KvDtype::default(), 0, Prefill::OneChunk);
         assert_eq!(alone.len(), 1 + STEP_TOKENS.len(), "{model_type}: unexpected number of logit rows");
         assert!(alone.iter().flatten().all(|v| v.is_finite()), "{model_type}: non-finite logits");

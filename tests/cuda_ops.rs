@@ -258,14 +258,15 @@ fn attention_spec(kv_heads: usize, head_dim: usize, num_blocks: usize) -> CacheS
         head_dim,
         kv_dtype: KvDtype::F32,
         linear_layers: 0,
-        linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4 },
+        linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4, out_heads_tiled: false },
         state_slots: 3,
         snapshot_slots: 8,
+        checkpoint_slots: 0,
     }
 }
 
 fn linear_spec(l: LinearAttnShape) -> CacheSpec {
-    CacheSpec { attention_layers: 0, num_blocks: 1, block_size: 16, kv_heads: 1, head_dim: 1, kv_dtype: KvDtype::F32, linear_layers: 1, linear: l, state_slots: 3, snapshot_slots: 8 }
+    CacheSpec { attention_layers: 0, num_blocks: 1, block_size: 16, kv_heads: 1, head_dim: 1, kv_dtype: KvDtype::F32, linear_layers: 1, linear: l, state_slots: 3, snapshot_slots: 8, checkpoint_slots: 0 }
 }
 
 #[test]
@@ -378,7 +379,7 @@ fn gated_delta_net_matches_cpu() {
     // (1, 2, 24, 20): dk not a multiple of 16 (the device keeps such states row by row) and a
     // conv window of 3 * 88 floats, which commit_states' chunks once left a tail of.
     for (nk, nv, dk, dv) in [(2, 4, 16, 24), (3, 3, 32, 32), (1, 2, 128, 128), (2, 2, 64, 128), (1, 3, 32, 48), (1, 2, 24, 20)] {
-        let cfg = LinearAttnShape { num_key_heads: nk, num_value_heads: nv, key_head_dim: dk, value_head_dim: dv, conv_kernel: 4 };
+        let cfg = LinearAttnShape { num_key_heads: nk, num_value_heads: nv, key_head_dim: dk, value_head_dim: dv, conv_kernel: 4, out_heads_tiled: false };
         let what = format!("gdn {nk}/{nv} heads, dk {dk}, dv {dv}");
         let spec = linear_spec(cfg.clone());
         let mut gcache = gpu.alloc_cache(&spec).unwrap();

@@ -148,6 +148,13 @@ fn configs_match_the_hf_checkpoints() {
         assert!(gguf.eos_token_ids.iter().all(|id| [0, 2].contains(id)) && gguf.eos_token_ids.contains(&2), "{name}: {:?}", gguf.eos_token_ids);
         gguf.eos_token_ids = hf.eos_token_ids.clone();
         gguf.model_type = hf.model_type.clone();
+        // Qwen3.5 files keep the output projection's columns in the converter's tiled head
+        // order, which the delta rule's output follows (Qwen3-Next's keep the grouped order).
+        let l = &gguf.linear;
+        let tiled = name != "qwen3-next" && l.num_key_heads > 1 && l.heads_per_key_head() > 1;
+        assert_eq!(l.out_heads_tiled, tiled, "{name}: out_heads_tiled");
+        assert!(!hf.linear.out_heads_tiled, "{name}");
+        gguf.linear.out_heads_tiled = false;
         assert_eq!(gguf, hf, "{name}");
     }
 }
@@ -159,7 +166,8 @@ fn configs_match_the_hf_checkpoints() {
 fn shared_tensors_match_the_hf_checkpoints() {
     for name in FIXTURES {
         let hf = ModelFiles::open_dir(&fixture_dir(name)).unwrap().store;
-        let gguf = ModelFiles::open(Some(&gguf_path(name))).unwrap().store;
+        let gguf_files = ModelFiles::open(Some(&gguf_path(name))).unwrap();
+        let (gguf, gguf_config) = (gguf_files.store, gguf_files.config);
         let mut compared = 0;
         for hf_name in hf.names() {
             let n = &hf_name.replace("model.language_model.", "model.");
@@ -170,7 +178,13 @@ fn shared_tensors_match_the_hf_checkpoints() {
             }
             let (a, b) = (hf.get(hf_name).unwrap(), gguf.get(n).unwrap());
             assert_eq!(a.shape, b.shape, "{name}: {n}");
-            let (a, b) = (a.to_f32().unwrap(), b.to_f32().unwrap());
+            let (a, mut b) = (a.to_f32().unwrap(), b.to_f32().unwrap());
+            let l = &gguf_config.linear;
+            if l.out_heads_tiled && n.ends_with("linear_attn.out_proj.weight") {
+                // Its columns are in the tiled head order: value head h's at out_head(h).
+                let (cols, dv) = (l.value_dim(), l.value_head_dim);
+                b = b.chunks_exact(cols).flat_map(|row| (0..l.num_value_heads).flat_map(move |h| row[l.out_head(h) * dv..(l.out_head(h) + 1) * dv].to_vec())).collect();
+            }
             let scale = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
             let err = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
             assert!(err < 2e-3, "{name}: {n} differs by {err} of its largest value");
@@ -333,11 +347,11 @@ fn wide_value_heads(dst: &Path, ssm_out_type: u32, ssm_out: &[u8]) {
 
 /// K-quant Qwen3.5 files store `ssm_out` in 256-value blocks, wider than a value head, so its
 /// tiled value heads (columns) cannot be put back in grouped order by moving blocks. The loader
-/// dequantizes it and moves values instead: it must hold exactly what the same file with that
-/// tensor stored as F32 gives (whose heads move element by element, in the order
-/// `logits_match_transformers` checks), and the model must compute the same logits.
+/// keeps the tensor as stored, in the file's order, and the delta rule writes its output heads
+/// in that order: the model must compute what the same file with that tensor stored as F32
+/// gives (`logits_match_transformers` checks that order against transformers).
 #[test]
-fn tiled_heads_inside_quantized_blocks_are_dequantized() {
+fn tiled_heads_inside_quantized_blocks_stay_quantized() {
     let out_proj = "model.layers.0.linear_attn.out_proj.weight";
     let ids: Vec<u32> = (0..32u32).map(|i| (i * 37 + 11) % 512).collect();
     for (dtype, scale_offsets) in WIDE_BLOCK_TYPES {
@@ -351,12 +365,11 @@ fn tiled_heads_inside_quantized_blocks_are_dequantized() {
         wide_value_heads(&f32_copy, 0, &f32_bytes(&file_order));
 
         let (files, model) = load(&quant);
-        let (reference_files, reference) = load(&f32_copy);
-        let (got, want) = (files.store.get(out_proj).unwrap(), reference_files.store.get(out_proj).unwrap());
-        assert_eq!((got.dtype, got.shape), (Dtype::F32, &[256, 256][..]), "{dtype}");
-        let (got, want) = (got.to_f32().unwrap(), want.to_f32().unwrap());
-        assert!(got == want, "{dtype}: out_proj differs from the F32 file's");
-        assert!(got != file_order, "{dtype}: the value heads were left in the file's order");
+        let (_, reference) = load(&f32_copy);
+        assert!(files.config.linear.out_heads_tiled, "{dtype}: tiled output heads");
+        let got = files.store.get(out_proj).unwrap();
+        assert_eq!((got.dtype, got.shape), (dtype, &[256, 256][..]), "{dtype}: stored as the file holds it");
+        assert!(got.to_f32().unwrap() == file_order, "{dtype}: out_proj is not the file's");
 
         let want = prefill_logits(&reference, &ids, ids.len());
         let err = relative_error(&prefill_logits(&model, &ids, ids.len()), &want);

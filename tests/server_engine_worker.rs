@@ -130,7 +130,7 @@ fn cancel_and_drop_free_the_cache_and_the_worker_keeps_serving() {
     assert_eq!(handle.snapshot().requests_cancelled, 2);
     assert!(handle.snapshot().generated_tokens < 4000, "the cancelled requests ran to the end");
 
-    let mut refused = handle.submit(Request { prompt_ids: Vec::new(), params: SamplingParams::greedy(), max_tokens: 4, stop_token_ids: Vec::new(), spec: None }).expect("submitted");
+    let mut refused = handle.submit(Request::new(Vec::new(), SamplingParams::greedy(), 4, Vec::new())).expect("submitted");
     assert!(matches!(next_event(&mut refused), GenerationEvent::Rejected(EngineError::EmptyPrompt)));
     let mut too_long = handle.submit(request(&prompt(3, 10), 1_000_000, SamplingParams::greedy(), None)).expect("submitted");
     assert!(matches!(next_event(&mut too_long), GenerationEvent::Rejected(EngineError::ContextExceeded { .. })));

@@ -1,6 +1,8 @@
 //! `kestrel serve` driven by the official `openai` Python client (tests/openai/server_checks.py),
 //! on scripted test models with the real Qwen3 tokenizer and chat template.
 
+#[allow(dead_code)]
+mod common;
 mod frontend_support;
 
 use frontend_support::*;
@@ -136,4 +138,131 @@ fn metrics_report_speculation_per_position() {
     assert_eq!(server.metric("kestrel_requests_running"), 0.0);
     let metrics = server.get("/metrics");
     assert!(metrics.body.contains("# TYPE kestrel_spec_drafted_total counter"), "{}", metrics.body);
+}
+
+fn prompt_tokens(model: &std::path::Path, messages: &[ChatMessage], kwargs: serde_json::Value, tools: Option<&serde_json::Value>) -> usize {
+    let tokenizer = Tokenizer::from_dir(model).expect("tokenizer loads");
+    let prompt = tokenizer.apply_chat_template_with(messages, true, tools, kwargs.as_object().expect("an object")).expect("renders");
+    tokenizer.encode(&prompt, false).expect("encodes").len()
+}
+
+#[test]
+fn json_schemas_and_lark_grammars_hold_the_output() {
+    let server = ServerProcess::start(chat_model(), &[]);
+    run_checks(&server, &[], &["json_schema", "grammar"]);
+}
+
+#[test]
+fn forced_tool_calls_follow_the_templates_syntax() {
+    let server = ServerProcess::start(chat_model(), &[]);
+    run_checks(&server, &[], &["forced_tool_calls"]);
+    let server = ServerProcess::start(xml_tool_model(), &[]);
+    run_checks(&server, &["--expect-reasoning".into(), XML_REASONING.into()], &["forced_xml_tool_call"]);
+}
+
+#[test]
+fn several_choices_and_penalties() {
+    let server = ServerProcess::start(chat_model(), &["--max-num-seqs", "4"]);
+    run_checks(&server, &[], &["choices", "penalties"]);
+}
+
+/// The log probabilities the server reports are `log_softmax` of the logits this test computes
+/// itself, with the model loaded here (a prefill over the prompt and the generated tokens).
+#[test]
+fn logprobs_are_log_softmax_of_the_logits() {
+    let server = ServerProcess::start(chat_model(), &[]);
+    let stdout = run_openai_script(&server, "server_checks.py", &["logprobs"], &["logprobs"]);
+    let line = stdout.lines().find_map(|l| l.strip_prefix("LOGPROBS_JSON ")).expect("the check prints what it got");
+    let got: serde_json::Value = serde_json::from_str(line).expect("JSON");
+    let ids = |key: &str| -> Vec<u32> { got[key].as_array().expect("a list").iter().map(|v| v.as_u64().expect("an id") as u32).collect() };
+    let (prompt, tokens) = (ids("prompt"), ids("tokens"));
+    let files = kestrel::model::ModelFiles::open_dir(chat_model()).expect("model opens");
+    let model = kestrel::model::arch::qwen35::Qwen35::load(&kestrel::backend::cpu::CpuBackend::new(), files.config.clone(), &files.store, &indicatif::ProgressBar::hidden()).expect("weights load");
+    let vocab = files.config.vocab_size;
+    let all: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
+    let logits = common::prefill_logits(&model, &all, 64);
+    for (i, &token) in tokens.iter().enumerate() {
+        let row = &logits[(prompt.len() - 1 + i) * vocab..][..vocab];
+        let max = row.iter().map(|&l| f64::from(l)).fold(f64::NEG_INFINITY, f64::max);
+        let normaliser = max + row.iter().map(|&l| (f64::from(l) - max).exp()).sum::<f64>().ln();
+        let want = f64::from(row[token as usize]) - normaliser;
+        let reported = got["token_logprobs"][i].as_f64().expect("a number");
+        assert!((reported - want).abs() < 1e-3, "token {i} ({token}): reported {reported}, log_softmax {want}");
+        let mut best: Vec<u32> = (0..vocab as u32).collect();
+        best.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+        for (rank, pair) in got["top_logprobs"][i].as_array().expect("alternatives").iter().enumerate() {
+            let (alternative, logprob) = (pair[0].as_u64().expect("an id") as u32, pair[1].as_f64().expect("a number"));
+            assert!((logprob - (f64::from(row[alternative as usize]) - normaliser)).abs() < 1e-3, "alternative {alternative} of token {i}");
+            assert!((f64::from(row[best[rank] as usize]) - f64::from(row[alternative as usize])).abs() < 1e-4, "token {i}: alternative {rank} is not the {rank}-th most likely");
+        }
+    }
+}
+
+#[test]
+fn reasoning_comes_back_apart_from_the_answer() {
+    let user = [ChatMessage::user("What is the weather?")];
+    let off = prompt_tokens(thinking_model(), &user, serde_json::json!({"enable_thinking": false}), None);
+    assert!(off > prompt_tokens(thinking_model(), &user, serde_json::json!({}), None), "thinking off renders the empty think block");
+    let server = ServerProcess::start(thinking_model(), &[]);
+    let args = [
+        "--expect-reasoning", THINKING_REASONING, "--expect-answer", THINKING_ANSWER, "--expect-off-answer", THINKING_OFF_ANSWER,
+        "--expect-off-prompt-tokens", &off.to_string(),
+    ];
+    run_checks(&server, &args.map(String::from), &["reasoning"]);
+}
+
+#[test]
+fn qwen35_xml_tool_calls_come_back_with_typed_arguments() {
+    let server = ServerProcess::start(xml_tool_model(), &[]);
+    let args = ["--expect-reasoning", XML_REASONING, "--expect-off-answer", XML_THINKING_OFF_ANSWER];
+    run_checks(&server, &args.map(String::from), &["xml_tool_calls"]);
+}
+
+#[test]
+fn tokenize_endpoints_and_generation_errors() {
+    let hi = prompt_tokens(chat_model(), &[ChatMessage::user("Hi")], serde_json::json!({}), None);
+    let server = ServerProcess::start(chat_model(), &[]);
+    run_checks(&server, &["--expect-hi-prompt-tokens".into(), hi.to_string()], &["tokenize", "generation_errors"]);
+    let mut server = server;
+    assert!(server.is_running(), "the server exited after bad requests");
+}
+
+/// A chat request and its parsed response.
+fn chat(server: &ServerProcess, messages: &serde_json::Value) -> serde_json::Value {
+    let body = serde_json::json!({"model": "kestrel-chat-test", "messages": messages, "max_tokens": 8, "temperature": 0}).to_string();
+    let response = http_request(server.address, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], body.as_bytes());
+    assert_eq!(response.status, 200, "{}", response.body);
+    serde_json::from_str(&response.body).expect("a JSON completion")
+}
+
+#[test]
+fn the_next_turn_of_a_conversation_is_served_from_the_prefix_cache() {
+    let system = "You answer questions about birds of prey. ".repeat(12);
+    let mut messages = serde_json::json!([{"role": "system", "content": system}, {"role": "user", "content": "Tell me about kestrels."}]);
+    for args in [&[][..], &["--no-prefix-cache"][..]] {
+        let server = ServerProcess::start(chat_model(), args);
+        let first = chat(&server, &messages);
+        assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{first}");
+        let mut next = messages.clone();
+        let reply = first["choices"][0]["message"]["content"].clone();
+        next.as_array_mut().expect("messages").extend([serde_json::json!({"role": "assistant", "content": reply}), serde_json::json!({"role": "user", "content": "And falcons?"})]);
+        let second = chat(&server, &next);
+        let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens");
+        let prompt = second["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+        if args.is_empty() {
+            // The first turn's prompt, cut to its last multiple of 64 tokens below its end.
+            let first_prompt = first["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+            assert_eq!(cached, (first_prompt - 1) / 64 * 64, "{second}");
+            assert!(cached > 0 && cached < prompt);
+            assert_eq!(server.metric("kestrel_prefix_cache_cached_tokens_total"), cached as f64);
+            assert_eq!(server.metric("kestrel_prefix_cache_hits_total"), 1.0);
+            let rate = server.metric("kestrel_prefix_cache_hit_rate");
+            assert!((rate - cached as f64 / (first_prompt + prompt) as f64).abs() < 1e-9, "hit rate {rate}");
+            assert!(server.metric("kestrel_prefix_cache_checkpoints") > 0.0);
+        } else {
+            assert_eq!(cached, 0, "{second}");
+            assert_eq!(server.metric("kestrel_prefix_cache_checkpoint_capacity"), 0.0);
+        }
+        messages = serde_json::json!([{"role": "system", "content": system}, {"role": "user", "content": "Tell me about kestrels."}]);
+    }
 }

@@ -17,13 +17,17 @@ struct ChatInTmux {
 
 impl ChatInTmux {
     fn start(width: u16, height: u16, chat_args: &[&str]) -> ChatInTmux {
+        Self::start_with(chat_model(), width, height, chat_args)
+    }
+
+    fn start_with(model: &std::path::Path, width: u16, height: u16, chat_args: &[&str]) -> ChatInTmux {
         static COUNTER: AtomicUsize = AtomicUsize::new(0);
         let socket = format!("kestrel-test-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
         let status_file = std::env::temp_dir().join(format!("{socket}.status"));
         let _ = std::fs::remove_file(&status_file);
         let tmux = ChatInTmux { socket, status_file };
         let mut command = vec![env!("CARGO_BIN_EXE_kestrel").to_string(), "chat".into(), "--device".into(), "cpu".into(), "--model".into()];
-        command.push(chat_model().display().to_string());
+        command.push(model.display().to_string());
         command.extend(chat_args.iter().map(|s| s.to_string()));
         let quoted: Vec<String> = command.iter().map(|arg| format!("'{}'", arg.replace('\'', "'\\''"))).collect();
         // The pane stays after the program exits, so its last screen and exit status can be read.
@@ -148,8 +152,11 @@ fn ctrl_c_stops_a_reply_without_quitting_and_errors_stay_in_the_app() {
     assert!(!chat.pane_dead(), "Ctrl-C during a reply must not quit:\n{screen}");
     assert!(screen.contains("batch        0 running"), "the stopped request still runs:\n{screen}");
 
+    // The scripted model has an MTP head; an unknown method is an error.
     chat.send_line("/spec mtp");
-    chat.wait_for_screen("the MTP error", |s| s.contains("no MTP head"));
+    chat.wait_for_screen("MTP for the next replies", |s| s.contains("Speculation for the next replies: mtp"));
+    chat.send_line("/spec telepathy");
+    chat.wait_for_screen("the method error", |s| s.contains("unknown speculation method"));
     chat.send_line("/temp hot");
     chat.wait_for_screen("the temperature error", |s| s.contains("temperature must be a number"));
     chat.send_line("/frobnicate");
@@ -178,6 +185,19 @@ fn ctrl_c_stops_a_reply_without_quitting_and_errors_stay_in_the_app() {
         std::fs::read_to_string(&chat.status_file).ok().filter(|s| s.ends_with('\n')).map(|s| s.trim().to_string())
     });
     assert_eq!(status, "0", "kestrel chat exited with status {status}");
+}
+
+#[test]
+fn a_thinking_models_reasoning_is_folded_and_shown_on_request() {
+    let chat = ChatInTmux::start_with(thinking_model(), 100, 30, &[]);
+    chat.send_line("what is the weather?");
+    let answer_start = THINKING_ANSWER.lines().next().expect("a line");
+    let screen = chat.wait_for_screen("the answer", |s| s.contains(answer_start) && !s.contains("(generating…)"));
+    assert!(screen.contains("▸ reasoning, 2 lines (/reasoning shows it)"), "{screen}");
+    assert!(!screen.contains("I will call get_weather"), "folded reasoning is hidden:\n{screen}");
+    chat.send_line("/reasoning");
+    let screen = chat.wait_for_screen("the reasoning", |s| s.contains("│ I will call get_weather."));
+    assert!(screen.contains("▾ reasoning") && screen.contains(answer_start), "{screen}");
 }
 
 /// The number after "of" on the panel's `session` line (drafts over the session), if shown.

@@ -17,9 +17,11 @@ pub mod gguf;
 pub mod gptq;
 pub mod int4;
 pub mod kv;
+pub mod quantize;
 
 pub use fp8::{e4m3_to_f32, fp8_block_rows, fp8_scaled_rows};
 pub use gptq::{awq_int4_rows, gptq_int4_rows};
+pub use quantize::{e4m3_from_f32, quantize};
 
 use std::fmt;
 
@@ -53,6 +55,8 @@ pub enum QuantError {
     ScaleNotRepresentable { value: f32 },
     #[error("zero point {zero} of output row {row}, group {group} is outside 0..=15")]
     ZeroOutOfRange { zero: u32, row: usize, group: usize },
+    #[error("there is no quantizer into {dtype} (Int4, F8_E4M3 blocks, Q8_0, Q5_0, Q4_K and Q6_K have one)")]
+    NoQuantizer { dtype: Dtype },
 }
 
 /// The storage type of a weight.

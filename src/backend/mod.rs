@@ -140,6 +140,8 @@ pub struct CacheSpec {
     pub state_slots: usize,
     /// Snapshot slots for generate rows (1 + k per verifying request).
     pub snapshot_slots: usize,
+    /// Checkpoint slots of the prefix cache: recurrent states kept at cached prompt positions.
+    pub checkpoint_slots: usize,
 }
 
 impl CacheSpec {
@@ -154,10 +156,15 @@ impl CacheSpec {
         self.block_size * self.kv_bytes_per_token()
     }
 
-    /// Device bytes of the recurrent state: canonical slots and snapshots, every linear layer.
+    /// Bytes of one request's recurrent state (conv windows and delta-rule states of every
+    /// linear layer): one slot, one snapshot, or one prefix-cache checkpoint.
+    pub fn bytes_per_state(&self) -> usize {
+        self.linear_layers * (self.linear.conv_state_len() + self.linear.recurrent_state_len()) * 4
+    }
+
+    /// Device bytes of the recurrent state: canonical slots, snapshots and checkpoints.
     pub fn state_bytes(&self) -> usize {
-        let per_slot = self.linear.conv_state_len() + self.linear.recurrent_state_len();
-        self.linear_layers * (self.state_slots + self.snapshot_slots) * per_slot * 4
+        (self.state_slots + self.snapshot_slots + self.checkpoint_slots) * self.bytes_per_state()
     }
 }
 
@@ -209,6 +216,12 @@ pub trait Backend: Send + Sync {
     /// projections that read the same input become one matmul ([`Backend::matmul_parts`],
     /// [`Backend::matmul_swiglu`]). Nothing is copied on the host.
     fn upload_stacked(&self, parts: &[MatrixBytes]) -> Result<Self::Matrix, BackendError>;
+    /// A SwiGLU's gate over its up projection (same shapes), read only by
+    /// [`Backend::matmul_swiglu`] and the MoE: a device backend may interleave their rows so that
+    /// one thread holds a gate output and its up output (quantized tiles do).
+    fn upload_gate_up(&self, gate: &MatrixBytes, up: &MatrixBytes) -> Result<Self::Matrix, BackendError> {
+        self.upload_stacked(&[gate.clone(), up.clone()])
+    }
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector, BackendError>;
     fn alloc_cache(&self, spec: &CacheSpec) -> Result<Self::Cache, BackendError>;
 
@@ -356,13 +369,22 @@ pub trait Backend: Send + Sync {
         rows.iter().enumerate().map(|(i, r)| sample_at_position(&host[i * vocab..(i + 1) * vocab], &r.params, r.position)).collect()
     }
 
+    /// Rows `rows` of `logits` (`[N, vocab]`) on the host, one after another, for rows the
+    /// engine adjusts or reads before drawing (penalties, grammar masks, log probabilities).
+    fn logits_rows_to_host(&self, logits: &Self::Tensor, rows: &[usize]) -> Vec<f32> {
+        let (_, vocab) = self.shape(logits);
+        let host = self.to_host(logits);
+        rows.iter().flat_map(|&r| host[r * vocab..(r + 1) * vocab].iter().copied()).collect()
+    }
+
     /// While `Some(seed)`, `upload_matrix` ignores the bytes it is given and fills the matrix
-    /// with random bf16 values generated on the device (`--load-format dummy`: real-size
-    /// models without files). Only device backends can; the CPU has no bytes to skip.
+    /// with random bf16 values made by the backend (`--load-format dummy`: real-size models
+    /// without files). The CPU and CUDA backends make the same values from the same seed; a
+    /// backend that cannot make them says so.
     fn set_random_weights(&self, seed: Option<u64>) -> Result<(), BackendError> {
         match seed {
             None => Ok(()),
-            Some(_) => Err(BackendError::Invalid(format!("random weights are generated on the GPU; the {} backend cannot (use --device cuda)", self.name()))),
+            Some(_) => Err(BackendError::Invalid(format!("the {} backend cannot make random weights", self.name()))),
         }
     }
 
@@ -393,6 +415,19 @@ pub trait Backend: Send + Sync {
     fn commit_states(&self, cache: &mut Self::Cache, commits: &[StateCommit]);
     /// Zeroes the recurrent state of each slot (new sequences).
     fn reset_states(&self, cache: &mut Self::Cache, slots: &[usize]);
+    /// Copies the canonical recurrent state of each `slot` (every linear layer) to prefix-cache
+    /// checkpoint `checkpoint`. The checkpoints are distinct.
+    fn save_checkpoints(&self, cache: &mut Self::Cache, copies: &[StateCheckpoint]);
+    /// Copies checkpoint `checkpoint` to the canonical recurrent state of each `slot` (a request
+    /// resuming from a cached prefix). The slots are distinct.
+    fn restore_checkpoints(&self, cache: &mut Self::Cache, copies: &[StateCheckpoint]);
+}
+
+/// A recurrent state copied between a request's canonical slot and a prefix-cache checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateCheckpoint {
+    pub slot: usize,
+    pub checkpoint: usize,
 }
 
 /// One request's accepted state: snapshot slot `snapshot` becomes the canonical state of `slot`.

@@ -9,6 +9,11 @@ pub struct LinearAttnShape {
     pub key_head_dim: usize,
     pub value_head_dim: usize,
     pub conv_kernel: usize,
+    /// Whether the output's value heads go in llama.cpp's tiled order (value head `v` of key
+    /// head `k` at `v * num_key_heads + k`) rather than grouped by key head: the column order
+    /// of a Qwen3.5 GGUF file's output projection, whose quantized blocks span several heads
+    /// and cannot be reordered.
+    pub out_heads_tiled: bool,
 }
 
 impl LinearAttnShape {
@@ -25,6 +30,15 @@ impl LinearAttnShape {
     /// Value heads served by each key head (repeat-interleave factor).
     pub fn heads_per_key_head(&self) -> usize {
         self.num_value_heads / self.num_key_heads
+    }
+    /// Where value head `h`'s output goes among the output's heads (see `out_heads_tiled`).
+    pub fn out_head(&self, h: usize) -> usize {
+        let r = self.heads_per_key_head();
+        if self.out_heads_tiled {
+            (h % r) * self.num_key_heads + h / r
+        } else {
+            h
+        }
     }
     /// f32 elements of one recurrent state (all value heads).
     pub fn recurrent_state_len(&self) -> usize {

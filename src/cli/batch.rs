@@ -133,7 +133,7 @@ fn prepare(line: usize, text: &str, files: &ModelFiles, defaults: &SamplingDefau
     params.validate().map_err(refused)?;
     // A chat conversation's reply ends at the template's end-of-turn token too.
     let stop_token_ids = if req.messages.is_some() { files.chat_stop_token_ids() } else { files.config.eos_token_ids.clone() };
-    let request = Request { prompt_ids, params, max_tokens: req.max_tokens, stop_token_ids, spec: req.spec };
+    let request = Request { spec: req.spec, ..Request::new(prompt_ids, params, req.max_tokens, stop_token_ids) };
     Ok(Prepared { line, id: req.id, request })
 }
 
@@ -214,7 +214,7 @@ fn run_lines<B: Backend>(mut engine: Engine<B>, lines: Vec<Prepared>, files: &Mo
                         "text": tok.decode(&output.generated, true)?,
                         "token_ids": output.generated,
                         "finish_reason": reason.as_str(),
-                        "usage": {"prompt_tokens": output.prompt_tokens, "completion_tokens": output.generated.len()},
+                        "usage": {"prompt_tokens": output.prompt_tokens, "completion_tokens": output.generated.len(), "prompt_tokens_details": {"cached_tokens": output.cached_tokens}},
                         "spec": output.spec.to_json(output.method.name(), k),
                     }))?;
                 }

@@ -3,6 +3,8 @@
 //! Serving-style closed loop: `concurrency` requests are kept in flight; each finished request
 //! is replaced by the next prompt until `--num-prompts` have run. Metrics follow vLLM's
 //! `bench serve`: TTFT, TPOT = (e2e - TTFT) / (output tokens - 1), ITL per streamed chunk.
+//! The multiturn dataset runs conversations instead (see bench_multiturn.rs), each method
+//! without and then with the prefix cache, and reports the time to first token per turn.
 
 use super::flags::{SamplingArgs, SelectedBackend};
 use super::{progress_bar, EngineArgs};
@@ -12,8 +14,10 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use kestrel::engine::metrics::{summarize, RequestTimeline, SecondsClock, SpecStats, Summary};
 use kestrel::backend::Backend;
+use kestrel::engine::logits::grammar::{GrammarCompiler, GrammarSpec};
+use kestrel::engine::logits::LogitsOptions;
 use kestrel::engine::request::{Request, RequestEvent, SpecMethod};
-use kestrel::engine::Engine;
+use kestrel::engine::{Engine, EngineConfig};
 use kestrel::model::ModelFiles;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -24,6 +28,9 @@ static HUMANEVAL: &str = include_str!("../../data/humaneval/prompts.jsonl");
 pub enum Dataset {
     Humaneval,
     Random,
+    /// Conversations growing turn by turn: each turn resends the history, the model's replies
+    /// included, plus --turn-len new tokens; --num-prompts conversations of --turns turns.
+    Multiturn,
 }
 
 #[derive(Debug, Args)]
@@ -40,6 +47,12 @@ pub struct BenchArgs {
     /// Prompt length of the random dataset.
     #[arg(long, default_value_t = 128)]
     pub input_len: usize,
+    /// Turns per conversation of the multiturn dataset.
+    #[arg(long, default_value_t = 8)]
+    pub turns: usize,
+    /// New user tokens per turn of the multiturn dataset (HumanEval text).
+    #[arg(long, default_value_t = 256, value_name = "TOKENS")]
+    pub turn_len: usize,
     /// Requests kept in flight; a list sweeps them.
     #[arg(long, value_delimiter = ',', default_value = "8")]
     pub concurrency: Vec<usize>,
@@ -49,6 +62,10 @@ pub struct BenchArgs {
     /// Write PNG plots (per-position acceptance, throughput against concurrency) here.
     #[arg(long)]
     pub plot_dir: Option<PathBuf>,
+    /// Hold every output to the JSON schema in FILE (to measure what the grammar costs; requests
+    /// end at the model's end-of-sequence token once the value is complete).
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<PathBuf>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
     #[command(flatten)]
@@ -70,6 +87,18 @@ pub struct MethodResult {
     pub requests_per_s: f64,
     pub speedup_vs_none: Option<f64>,
     pub spec: serde_json::Value,
+    /// Whether the prefix cache was on.
+    pub prefix_cache: bool,
+    /// Prompt tokens served from the prefix cache over all prompt tokens.
+    pub cached_prompt_fraction: f64,
+    /// Multiturn dataset, per turn: time to first token (ms), and the mean prompt tokens and
+    /// mean of those served from the cache.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ttft_ms_by_turn: Vec<Summary>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub prompt_tokens_by_turn: Vec<f64>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub cached_tokens_by_turn: Vec<f64>,
 }
 
 fn dataset_prompts(args: &BenchArgs, tok: &kestrel::tokenizer::Tokenizer, vocab: usize) -> Result<Vec<Vec<u32>>> {
@@ -86,6 +115,7 @@ fn dataset_prompts(args: &BenchArgs, tok: &kestrel::tokenizer::Tokenizer, vocab:
             }
             Ok(out)
         }
+        Dataset::Multiturn => unreachable!("the multiturn dataset is made of conversations (bench_multiturn::messages)"),
         Dataset::Random => {
             let mut state = 0x2545f4914f6cdd1du64;
             Ok((0..args.num_prompts)
@@ -108,34 +138,73 @@ fn ms(s: Summary) -> Summary {
     Summary { mean: s.mean * 1e3, median: s.median * 1e3, p99: s.p99 * 1e3 }
 }
 
-/// Every (concurrency, method) pair on one backend; the weights are uploaded once. A run that
-/// fails (a concurrency whose cache does not fit, say) ends the sweep: the results so far come
-/// back with the error.
-fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, prompts: &[Vec<u32>], params: &SamplingParams) -> Result<(Vec<MethodResult>, Option<anyhow::Error>)> {
+/// What every request of a run asks for besides its prompt.
+pub struct RequestShape {
+    params: SamplingParams,
+    logits: LogitsOptions,
+    stop_token_ids: Vec<u32>,
+    max_tokens: usize,
+}
+
+impl RequestShape {
+    pub fn request(&self, prompt_ids: Vec<u32>) -> Request {
+        Request { logits: self.logits.clone(), ..Request::new(prompt_ids, self.params.clone(), self.max_tokens, self.stop_token_ids.clone()) }
+    }
+}
+
+/// What a run feeds the engine: single prompts, or conversations of several turns.
+#[derive(Clone, Copy)]
+enum Workload<'a> {
+    Prompts(&'a [Vec<u32>]),
+    Conversations(&'a [Vec<Vec<u32>>]),
+}
+
+impl Workload<'_> {
+    fn requests(&self) -> usize {
+        match self {
+            Workload::Prompts(p) => p.len(),
+            Workload::Conversations(c) => c.iter().map(Vec::len).sum(),
+        }
+    }
+}
+
+/// Every (concurrency, method, prefix cache) triple on one backend; the weights are uploaded
+/// once. Conversations run without the prefix cache and then with it (unless
+/// `--no-prefix-cache`); prompts run as the flags say. A run that fails (a concurrency whose
+/// cache does not fit, say) ends the sweep: the results so far come back with the error.
+fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, workload: Workload<'_>, shape: &RequestShape) -> Result<(Vec<MethodResult>, Option<anyhow::Error>)> {
     let methods = &args.engine.spec.spec;
+    let caches: &[bool] = match (workload, args.engine.context.no_prefix_cache) {
+        (_, true) => &[false],
+        (Workload::Conversations(_), false) => &[false, true],
+        (Workload::Prompts(_), false) => &[true],
+    };
     let most = args.concurrency.iter().copied().max().unwrap_or(1);
     let model = args.engine.load_model(&backend, files, most)?;
-    let bar = progress_bar((methods.len() * args.concurrency.len() * prompts.len()) as u64, "bench");
+    let bar = progress_bar((methods.len() * args.concurrency.len() * caches.len() * workload.requests()) as u64, "bench");
     let mut parts = (backend, model);
     let mut results = Vec::new();
     for &c in &args.concurrency {
         for &m in methods {
-            bar.set_message(format!("bench {} x{c}", m.name()));
-            let (backend, model) = parts;
-            let run = args
-                .engine
-                .engine_config(&backend, &model, files, c, m)
-                .and_then(|config| Engine::new(backend, model, config).context("cannot start the engine"))
-                .and_then(|mut engine| Ok((run_one(args, &mut engine, prompts, params, m, c, &bar)?, engine)))
-                .with_context(|| format!("{} at concurrency {c}", m.name()));
-            match run {
-                Ok((result, engine)) => {
-                    results.push(result);
-                    parts = engine.into_parts();
-                }
-                Err(e) => {
-                    bar.finish_and_clear();
-                    return Ok((results, Some(e)));
+            for &cache in caches {
+                bar.set_message(format!("bench {} x{c}{}", m.name(), if cache { "" } else { " no cache" }));
+                let (backend, model) = parts;
+                let run = args
+                    .engine
+                    .engine_config(&backend, &model, files, c, m)
+                    .map(|config| EngineConfig { prefix_cache_checkpoints: if cache { config.prefix_cache_checkpoints } else { 0 }, ..config })
+                    .and_then(|config| Engine::new(backend, model, config).context("cannot start the engine"))
+                    .and_then(|mut engine| Ok((run_one(&mut engine, workload, shape, m, c, &bar)?, engine)))
+                    .with_context(|| format!("{} at concurrency {c}", m.name()));
+                match run {
+                    Ok((result, engine)) => {
+                        results.push(result);
+                        parts = engine.into_parts();
+                    }
+                    Err(e) => {
+                        bar.finish_and_clear();
+                        return Ok((results, Some(e)));
+                    }
                 }
             }
         }
@@ -144,25 +213,24 @@ fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, prompts
     Ok((results, None))
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_one<B: Backend>(
-    args: &BenchArgs,
-    engine: &mut Engine<B>,
-    prompts: &[Vec<u32>],
-    params: &SamplingParams,
-    method: SpecMethod,
-    concurrency: usize,
-    bar: &indicatif::ProgressBar,
-) -> Result<MethodResult> {
+/// Each request's timeline and what the run produced.
+struct Measured {
+    timelines: Vec<RequestTimeline>,
+    output_tokens: usize,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    spec: SpecStats,
+    duration: f64,
+}
+
+fn run_prompts<B: Backend>(engine: &mut Engine<B>, prompts: &[Vec<u32>], shape: &RequestShape, concurrency: usize, bar: &indicatif::ProgressBar) -> Result<Measured> {
     let clock = SecondsClock::start();
     let mut next = 0usize;
     let mut timelines: HashMap<u64, RequestTimeline> = HashMap::new();
-    let mut done: Vec<RequestTimeline> = Vec::new();
-    let mut spec = SpecStats::default();
-    let mut output_tokens = 0usize;
-    while done.len() < prompts.len() {
+    let mut m = Measured { timelines: Vec::new(), output_tokens: 0, prompt_tokens: 0, cached_tokens: 0, spec: SpecStats::default(), duration: 0.0 };
+    while m.timelines.len() < prompts.len() {
         while next < prompts.len() && engine.num_running() + engine.num_waiting() < concurrency {
-            let req = Request { prompt_ids: prompts[next].clone(), params: params.clone(), max_tokens: args.max_tokens, stop_token_ids: Vec::new(), spec: None };
+            let req = shape.request(prompts[next].clone());
             let id = engine.add_request(req).with_context(|| format!("prompt {next}"))?;
             timelines.insert(id, RequestTimeline::new(clock.now())?);
             next += 1;
@@ -170,7 +238,7 @@ fn run_one<B: Backend>(
         for event in engine.step() {
             let now = clock.now();
             match event {
-                RequestEvent::Tokens { id, tokens } => {
+                RequestEvent::Tokens { id, tokens, .. } => {
                     if let Some(t) = timelines.get_mut(&id) {
                         t.record_chunk(now, tokens.len())?;
                     }
@@ -178,16 +246,47 @@ fn run_one<B: Backend>(
                 RequestEvent::Finished { id, output, .. } => {
                     let mut t = timelines.remove(&id).context("finished request without a timeline")?;
                     t.finish(now)?;
-                    output_tokens += output.generated.len();
-                    spec.merge(&output.spec);
-                    done.push(t);
+                    m.output_tokens += output.generated.len();
+                    m.prompt_tokens += output.prompt_tokens;
+                    m.cached_tokens += output.cached_tokens;
+                    m.spec.merge(&output.spec);
+                    m.timelines.push(t);
                     bar.inc(1);
                 }
                 RequestEvent::Failed { error, .. } => bail!("generation failed: {error}"),
             }
         }
     }
-    let duration = clock.now();
+    m.duration = clock.now();
+    Ok(m)
+}
+
+fn run_one<B: Backend>(
+    engine: &mut Engine<B>,
+    workload: Workload<'_>,
+    shape: &RequestShape,
+    method: SpecMethod,
+    concurrency: usize,
+    bar: &indicatif::ProgressBar,
+) -> Result<MethodResult> {
+    let mean = |v: &[usize]| if v.is_empty() { 0.0 } else { v.iter().sum::<usize>() as f64 / v.len() as f64 };
+    let (m, ttft_ms_by_turn, prompt_tokens_by_turn, cached_tokens_by_turn) = match workload {
+        Workload::Prompts(prompts) => (run_prompts(engine, prompts, shape, concurrency, bar)?, Vec::new(), Vec::new(), Vec::new()),
+        Workload::Conversations(messages) => {
+            let r = super::bench_multiturn::run(engine, messages, shape, concurrency, bar)?;
+            let measured = Measured {
+                timelines: r.timelines,
+                output_tokens: r.output_tokens,
+                prompt_tokens: r.prompt_tokens_by_turn.iter().flatten().sum(),
+                cached_tokens: r.cached_tokens_by_turn.iter().flatten().sum(),
+                spec: r.spec,
+                duration: r.duration,
+            };
+            let ttft = r.ttft_by_turn.iter().map(|t| ms(summarize(t))).collect();
+            (measured, ttft, r.prompt_tokens_by_turn.iter().map(|p| mean(p)).collect(), r.cached_tokens_by_turn.iter().map(|c| mean(c)).collect())
+        }
+    };
+    let done = &m.timelines;
     let ttft: Vec<f64> = done.iter().filter_map(|t| t.ttft()).collect();
     let tpot: Vec<f64> = done.iter().filter_map(|t| t.tpot()).collect();
     let itl: Vec<f64> = done.iter().flat_map(|t| t.itls()).collect();
@@ -196,15 +295,20 @@ fn run_one<B: Backend>(
         method: method.name().to_string(),
         concurrency,
         num_requests: done.len(),
-        duration_s: duration,
-        output_tokens,
+        duration_s: m.duration,
+        output_tokens: m.output_tokens,
         ttft_ms: ms(summarize(&ttft)),
         tpot_ms: ms(summarize(&tpot)),
         itl_ms: ms(summarize(&itl)),
-        output_tokens_per_s: output_tokens as f64 / duration,
-        requests_per_s: done.len() as f64 / duration,
+        output_tokens_per_s: m.output_tokens as f64 / m.duration,
+        requests_per_s: done.len() as f64 / m.duration,
         speedup_vs_none: None,
-        spec: spec.to_json(method.name(), k),
+        spec: m.spec.to_json(method.name(), k),
+        prefix_cache: engine.prefix_cache_stats().is_some(),
+        cached_prompt_fraction: if m.prompt_tokens == 0 { 0.0 } else { m.cached_tokens as f64 / m.prompt_tokens as f64 },
+        ttft_ms_by_turn,
+        prompt_tokens_by_turn,
+        cached_tokens_by_turn,
     })
 }
 
@@ -215,10 +319,28 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let files = args.engine.open_model()?;
     // A benchmark samples as its flags say: the model's recommendation would change the workload.
     let params = args.sampling.params(&SamplingDefaults::default())?;
-    let prompts = dataset_prompts(&args, &files.tokenizer, files.config.vocab_size)?;
+    let (prompts, conversations);
+    let workload = if args.dataset == Dataset::Multiturn {
+        conversations = super::bench_multiturn::messages(HUMANEVAL, &files.tokenizer, args.num_prompts, args.turns, args.turn_len)?;
+        Workload::Conversations(&conversations)
+    } else {
+        prompts = dataset_prompts(&args, &files.tokenizer, files.config.vocab_size)?;
+        Workload::Prompts(&prompts)
+    };
+    let shape = match &args.json_schema {
+        None => RequestShape { params, logits: LogitsOptions::default(), stop_token_ids: Vec::new(), max_tokens: args.max_tokens },
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("--json-schema: cannot read {}", path.display()))?;
+            let schema = serde_json::from_str(&text).with_context(|| format!("--json-schema: {} is not JSON", path.display()))?;
+            let ends = files.config.eos_token_ids.clone();
+            let compiler = GrammarCompiler::new(&files.tokenizer, files.config.vocab_size, &ends).context("cannot build the token table for grammars")?;
+            let grammar = compiler.compile(&GrammarSpec::JsonSchema(schema), &ends).context("--json-schema: cannot compile")?;
+            RequestShape { params, logits: LogitsOptions { grammar: Some(grammar), ..LogitsOptions::default() }, stop_token_ids: ends, max_tokens: args.max_tokens }
+        }
+    };
     let (mut results, failure) = match args.engine.device.select_backend()? {
-        SelectedBackend::Cpu(b) => run_all(&args, b, &files, &prompts, &params)?,
-        SelectedBackend::Cuda(b) => run_all(&args, *b, &files, &prompts, &params)?,
+        SelectedBackend::Cpu(b) => run_all(&args, b, &files, workload, &shape)?,
+        SelectedBackend::Cuda(b) => run_all(&args, *b, &files, workload, &shape)?,
     };
     if results.is_empty() {
         if let Some(e) = failure {
@@ -226,14 +348,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
     }
     for i in 0..results.len() {
-        let base = results.iter().find(|r| r.method == "none" && r.concurrency == results[i].concurrency).map(|r| r.output_tokens_per_s);
+        let r = &results[i];
+        let base = results.iter().find(|b| b.method == "none" && b.concurrency == r.concurrency && b.prefix_cache == r.prefix_cache).map(|b| b.output_tokens_per_s);
         results[i].speedup_vs_none = base.map(|b| results[i].output_tokens_per_s / b);
     }
     print_results(&args, &results)?;
     // Results are printed first: a sweep that stopped early or plots that cannot be drawn still
-    // leave every measured figure on stdout.
+    // leave every measured figure on stdout. The plots show the runs with the prefix cache as
+    // the flags set it.
     if let Some(dir) = &args.plot_dir {
-        super::bench_plot::write_plots(dir, &results)?;
+        let cache = !args.engine.context.no_prefix_cache;
+        let plotted: Vec<MethodResult> = results.iter().filter(|r| r.prefix_cache == cache).cloned().collect();
+        super::bench_plot::write_plots(dir, &plotted)?;
     }
     match failure {
         Some(e) => Err(e.context("the sweep stopped early; the results above are complete runs")),
@@ -249,14 +375,15 @@ fn print_results(args: &BenchArgs, results: &[MethodResult]) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<6} {:>4} {:>9} {:>9} {:>9} {:>10} {:>8} {:>7} {:>7} {:>7} {:>8}",
-        "method", "conc", "ttft ms", "tpot ms", "itl ms", "out tok/s", "req/s", "accept", "mal", "tok/fwd", "speedup"
+        "{:<6} {:>5} {:>4} {:>9} {:>9} {:>9} {:>10} {:>8} {:>7} {:>7} {:>7} {:>8}",
+        "method", "cache", "conc", "ttft ms", "tpot ms", "itl ms", "out tok/s", "req/s", "accept", "mal", "tok/fwd", "speedup"
     );
     for r in results {
         let s = &r.spec;
         println!(
-            "{:<6} {:>4} {:>9.1} {:>9.2} {:>9.2} {:>10.1} {:>8.2} {:>7.3} {:>7.2} {:>7.2} {:>8}",
+            "{:<6} {:>5} {:>4} {:>9.1} {:>9.2} {:>9.2} {:>10.1} {:>8.2} {:>7.3} {:>7.2} {:>7.2} {:>8}",
             r.method,
+            if r.prefix_cache { "on" } else { "off" },
             r.concurrency,
             r.ttft_ms.median,
             r.tpot_ms.median,
@@ -269,5 +396,28 @@ fn print_results(args: &BenchArgs, results: &[MethodResult]) -> Result<()> {
             r.speedup_vs_none.map(|x| format!("{x:.2}x")).unwrap_or_else(|| "-".into())
         );
     }
+    print_turns(results);
     Ok(())
+}
+
+/// Multiturn runs: the median time to first token of each turn, without and with the prefix
+/// cache side by side.
+fn print_turns(results: &[MethodResult]) {
+    for r in results.iter().filter(|r| r.prefix_cache && !r.ttft_ms_by_turn.is_empty()) {
+        let off = results.iter().find(|o| !o.prefix_cache && o.method == r.method && o.concurrency == r.concurrency);
+        println!("\n{} x{}: time to first token per turn (median ms)", r.method, r.concurrency);
+        println!("{:>4} {:>8} {:>8} {:>10} {:>10} {:>8}", "turn", "prompt", "cached", "no cache", "cache", "gain");
+        for (t, on) in r.ttft_ms_by_turn.iter().enumerate() {
+            let without = off.and_then(|o| o.ttft_ms_by_turn.get(t)).map(|s| s.median);
+            println!(
+                "{:>4} {:>8.0} {:>8.0} {:>10} {:>10.1} {:>8}",
+                t + 1,
+                r.prompt_tokens_by_turn[t],
+                r.cached_tokens_by_turn[t],
+                without.map_or("-".to_string(), |w| format!("{w:.1}")),
+                on.median,
+                without.map_or("-".to_string(), |w| format!("{:.2}x", w / on.median))
+            );
+        }
+    }
 }

@@ -9,6 +9,7 @@ use kestrel::backend::sampling::{top_k_from_signed, SamplingError, SamplingParam
 use kestrel::backend::KvDtype;
 use kestrel::engine::request::SpecMethod;
 use kestrel::model::generation_config::SamplingDefaults;
+use kestrel::model::weights::online::OnlineQuantization;
 use kestrel::model::{default_model, dummy, ModelFiles};
 use std::path::PathBuf;
 
@@ -53,12 +54,30 @@ impl KvCacheDtype {
     }
 }
 
+/// `--quantization`: float linears quantized at load (model/weights/online.rs), or with
+/// `--load-format dummy` the format of the random weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Quantization {
     /// The weights as stored.
     None,
-    /// Not implemented yet.
+    /// E4M3 with a scale per 128 inputs of each row.
     Fp8,
+    /// Asymmetric int4 in groups of 128 inputs.
+    Int4,
+    /// Q4_K, and Q6_K where llama.cpp's Q4_K_M puts it.
+    #[value(name = "q4_k")]
+    Q4K,
+}
+
+impl Quantization {
+    pub fn online(self) -> Option<OnlineQuantization> {
+        match self {
+            Quantization::None => None,
+            Quantization::Fp8 => Some(OnlineQuantization::Fp8),
+            Quantization::Int4 => Some(OnlineQuantization::Int4),
+            Quantization::Q4K => Some(OnlineQuantization::Q4K),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -85,6 +104,10 @@ pub struct ModelArgs {
     /// (benchmarks at real sizes without checkpoint files).
     #[arg(long, value_enum, default_value = "auto")]
     pub load_format: LoadFormat,
+    /// Quantize float weights while loading (checkpoints already quantized keep their format),
+    /// or with --load-format dummy make the random weights in that format.
+    #[arg(long, value_enum, default_value = "none")]
+    pub quantization: Quantization,
 }
 
 impl ModelArgs {
@@ -94,10 +117,12 @@ impl ModelArgs {
         if self.load_format == LoadFormat::Dummy {
             return self.dummy_files();
         }
-        ModelFiles::open(self.model.as_deref()).with_context(|| match &self.model {
+        let mut files = ModelFiles::open(self.model.as_deref()).with_context(|| match &self.model {
             Some(p) => format!("cannot load model {}", p.display()),
             None => "cannot load the embedded default model".to_string(),
-        })
+        })?;
+        files.config.online_quantization = self.quantization.online();
+        Ok(files)
     }
 
     /// The name clients and the chat show: the directory or file name of `--model`, or the
@@ -122,6 +147,7 @@ impl ModelArgs {
         let name = self.model.as_deref().and_then(|p| p.to_str()).ok_or_else(|| anyhow!("--load-format dummy needs --model PRESET, one of: {}", dummy::PRESETS.join(", ")))?;
         let mut config = dummy::preset_config(name)?;
         config.eos_token_ids.clear();
+        config.online_quantization = self.quantization.online();
         let store = dummy::dummy_store(&config, DUMMY_SEED)?;
         let tokenizer = default_model::open().context("cannot open the default model's tokenizer")?.tokenizer.with_model_vocab_size(config.vocab_size);
         Ok(ModelFiles { source: format!("dummy {name}"), config, store, tokenizer, sampling_defaults: SamplingDefaults::default() })
@@ -135,19 +161,20 @@ pub struct DeviceArgs {
     /// auto: CUDA where its libraries and a GPU are present, else the CPU; cpu; cuda (or gpu).
     #[arg(long, value_enum, default_value = "auto")]
     pub device: Device,
+    /// Threads of the CPU backend (default: every core this process may use); the output does
+    /// not depend on it.
+    #[arg(long, short = 't', value_name = "N")]
+    pub threads: Option<usize>,
     /// Fraction of GPU memory Kestrel may take (weights, activations, recurrent state and KV
     /// cache), above 0 and at most 1.
     #[arg(long, default_value_t = 0.9, allow_negative_numbers = true, value_name = "FRACTION")]
     pub gpu_memory_utilization: f32,
-    /// Quantize the weights while loading: none (fp8 is not implemented yet).
-    #[arg(long, value_enum, default_value = "none")]
-    pub quantization: Quantization,
 }
 
 impl DeviceArgs {
     pub fn check(&self) -> Result<()> {
-        if self.quantization != Quantization::None {
-            bail!("--quantization fp8 is not implemented yet: weights are used as stored (quantized checkpoints keep their own format)");
+        if self.threads == Some(0) {
+            bail!("--threads must be at least 1");
         }
         if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
             bail!("--gpu-memory-utilization must be in (0, 1], got {}", self.gpu_memory_utilization);
@@ -159,8 +186,10 @@ impl DeviceArgs {
     /// present, else the CPU (saying why on stderr). The libraries are probed before any CUDA
     /// call, since a missing one would abort the process.
     pub fn select_backend(&self) -> Result<SelectedBackend> {
+        self.check()?;
+        let cpu = || CpuBackend::with_threads(self.cpu_threads());
         match self.device {
-            Device::Cpu => Ok(SelectedBackend::Cpu(CpuBackend::new())),
+            Device::Cpu => Ok(SelectedBackend::Cpu(cpu())),
             Device::Cuda => {
                 kestrel::backend::cuda::probe().context("--device cuda")?;
                 Ok(SelectedBackend::Cuda(Box::new(CudaBackend::new(0).context("--device cuda: cannot start the CUDA backend")?)))
@@ -169,10 +198,15 @@ impl DeviceArgs {
                 Ok(b) => Ok(SelectedBackend::Cuda(Box::new(b))),
                 Err(e) => {
                     eprintln!("kestrel: CUDA unavailable ({e}); running on the CPU");
-                    Ok(SelectedBackend::Cpu(CpuBackend::new()))
+                    Ok(SelectedBackend::Cpu(cpu()))
                 }
             },
         }
+    }
+
+    /// Threads the CPU backend (and host work that follows it) runs on.
+    pub fn cpu_threads(&self) -> usize {
+        self.threads.unwrap_or_else(kestrel::backend::cpu::default_threads)
     }
 }
 
@@ -289,6 +323,20 @@ pub struct ContextArgs {
     /// Run decode steps one kernel at a time instead of replaying them as CUDA graphs.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Memory for the prefix cache's recurrent-state checkpoints, e.g. 2GiB or 512MiB (default:
+    /// 2GiB; on a GPU at most an eighth of the memory left after the weights). Cached prompts'
+    /// KV blocks stay in the KV cache's free blocks.
+    #[arg(long, value_name = "SIZE", value_parser = parse_memory_size)]
+    pub prefix_cache_memory: Option<usize>,
+    /// Compute every prompt from its first token: no prefix caching.
+    #[arg(long, conflicts_with = "prefix_cache_memory")]
+    pub no_prefix_cache: bool,
+}
+
+/// A size in bytes: a number with an optional unit (B, KiB, MiB, GiB; KB, MB, GB are powers of 10).
+fn parse_memory_size(s: &str) -> Result<usize, String> {
+    let size: bytesize::ByteSize = s.trim().parse().map_err(|_| format!("a memory size is a number with an optional unit such as MiB or GiB, got `{s}`"))?;
+    usize::try_from(size.as_u64()).map_err(|_| format!("{s} is more memory than this machine can address"))
 }
 
 impl ContextArgs {

@@ -22,6 +22,10 @@ pub fn run(args: InfoArgs) -> Result<()> {
     let c = &files.config;
     let mtp = mtp_tensor_names(&files.store);
     let layers: String = c.layer_kinds.iter().map(|k| if *k == LayerKind::FullAttention { 'F' } else { 'L' }).collect();
+    // What the GPU keeps: quantized weights in their own bits (with --quantization, after it).
+    let gpu_bytes = files.store.device_bytes(c.online_quantization.map(|q| (q, c.num_layers())));
+    let params = files.store.matrix_parameters();
+    let per_weight = gpu_bytes as f64 / params.max(1) as f64;
     let sampling = &files.sampling_defaults;
     // Bytes of one token's keys and values per KV cache format (formats the heads cannot be
     // stored in are left out).
@@ -45,6 +49,10 @@ pub fn run(args: InfoArgs) -> Result<()> {
             "mtp_tensors": mtp,
             "moe": c.moe.as_ref().map(|m| serde_json::json!({"experts": m.num_experts, "top_k": m.top_k})),
             "quantization": c.quantization.as_ref().map(|q| q.to_string()),
+            "online_quantization": c.online_quantization.map(|q| q.to_string()),
+            "matrix_parameters": params,
+            "gpu_weight_bytes": gpu_bytes,
+            "gpu_bytes_per_weight": per_weight,
             "eos_token_ids": c.eos_token_ids,
             "sampling_defaults": sampling.to_json(),
             "kv_bytes_per_token": kv_per_token.iter().map(|(d, b)| (d.name().to_string(), serde_json::json!(b))).collect::<serde_json::Map<_, _>>(),
@@ -72,6 +80,10 @@ pub fn run(args: InfoArgs) -> Result<()> {
     if let Some(q) = &c.quantization {
         println!("quantized   {q}");
     }
+    if let Some(q) = &c.online_quantization {
+        println!("at load     {q}");
+    }
+    println!("on the GPU  {:.2} GiB of weights, {per_weight:.3} bytes per weight ({:.2}B parameters in matrices)", gpu_bytes as f64 / (1u64 << 30) as f64, params as f64 / 1e9);
     println!("eos ids     {:?}", c.eos_token_ids);
     if sampling.is_empty() {
         println!("sampling    no recommendation (generation_config.json)");

@@ -27,7 +27,7 @@ pub fn plan_kv_blocks(budget: usize, cache: &CacheSpec, wanted: usize, requested
     }
     if fit < per_request {
         bail!(
-            "the KV cache fits {fit} blocks of {} tokens ({}) but one request of the full context needs {per_request}; lower --max-model-len or --max-num-seqs, pick a smaller --kv-cache-dtype, or raise --gpu-memory-utilization",
+            "the KV cache fits {fit} blocks of {} tokens ({}) but one request of the full context needs {per_request}; lower --max-model-len, --max-num-seqs or --prefix-cache-memory, pick a smaller --kv-cache-dtype, or raise --gpu-memory-utilization",
             cache.block_size,
             cache.kv_dtype
         );

@@ -3,6 +3,7 @@
 
 pub mod batch;
 pub mod bench;
+mod bench_multiturn;
 mod bench_plot;
 pub mod chat;
 pub mod flags;
@@ -11,8 +12,9 @@ mod kv_plan;
 pub mod perplexity;
 pub mod run;
 pub mod serve;
+pub mod tokenize;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use flags::{ContextArgs, DeviceArgs, ModelArgs, SelectedBackend, SpecArgs};
 use kestrel::backend::{Backend, CacheSpec};
@@ -25,6 +27,10 @@ use std::sync::Arc;
 
 /// Tokens per KV block.
 const BLOCK_SIZE: usize = 16;
+
+/// Memory of the prefix cache's checkpoints unless `--prefix-cache-memory` says otherwise (on a
+/// GPU at most an eighth of what the caches may take).
+const DEFAULT_PREFIX_CACHE_MEMORY: usize = 2 << 30;
 
 /// Binds `$engine` to an engine on the backend `--device` selects and evaluates `$body` with
 /// it (the body is compiled once per backend type).
@@ -74,17 +80,21 @@ pub fn progress_bar(len: u64, message: &str) -> indicatif::ProgressBar {
 /// that cannot fit under `--gpu-memory-utilization` with `activation_bytes` of activations is
 /// refused before anything is uploaded.
 pub fn load_model<B: Backend>(model: &ModelArgs, device: &DeviceArgs, backend: &B, files: &ModelFiles, activation_bytes: usize) -> Result<Qwen35<B>> {
-    let weights = files.store.device_bytes();
+    // The bytes the GPU keeps: quantized weights in their own bits (after --quantization).
+    let weights = files.store.device_bytes(files.config.online_quantization.map(|q| (q, files.config.num_layers())));
     if let Some(budget) = backend.cache_memory_budget(device.gpu_memory_utilization, weights + activation_bytes) {
         budget.with_context(|| format!("{} ({:.2} GiB of weights) does not fit on the GPU", files.source, weights as f64 / (1u64 << 30) as f64))?;
     }
     let bar = progress_bar(0, "loading");
+    let started = std::time::Instant::now();
     let loaded = if model.is_dummy() {
         dummy::load_from_dummy_store(backend, files.config.clone(), &files.store, model.dummy_seed(), &bar)?
     } else {
         Qwen35::load(backend, files.config.clone(), &files.store, &bar).with_context(|| format!("cannot load weights of {}", files.source))?
     };
     bar.finish_and_clear();
+    let on_gpu = if backend.cache_memory_budget(1.0, 0).is_some() { format!(", {:.2} GiB on the GPU", weights as f64 / (1u64 << 30) as f64) } else { String::new() };
+    eprintln!("kestrel: weights loaded in {:.1} s{on_gpu}", started.elapsed().as_secs_f64());
     Ok(loaded)
 }
 
@@ -119,7 +129,8 @@ impl EngineArgs {
 
     /// The engine configuration for `max_num_seqs` concurrent requests with speculation
     /// `spec`. On a GPU the KV cache takes what `--gpu-memory-utilization` leaves after the
-    /// weights, the recurrent state and the activations (capped at what the requests can use).
+    /// weights, the recurrent state, the prefix cache's checkpoints and the activations (capped
+    /// at what the requests can use).
     pub fn engine_config<B: Backend>(&self, backend: &B, model: &Qwen35<B>, files: &ModelFiles, max_num_seqs: usize, spec: SpecMethod) -> Result<EngineConfig> {
         let max_model_len = self.context.max_model_len(files)?;
         let mut config = EngineConfig {
@@ -134,21 +145,62 @@ impl EngineArgs {
             ngram_max: self.spec.ngram_max,
             cuda_graphs: !self.context.no_cuda_graphs,
             kv_dtype: self.context.kv_cache.dtype(),
+            prefix_cache_checkpoints: 0,
         };
         let per_request = (max_model_len + config.spec_tokens).div_ceil(BLOCK_SIZE);
         let wanted = self.context.kv_blocks.unwrap_or(max_num_seqs * per_request);
         let utilization = self.device.gpu_memory_utilization;
-        config.num_blocks = match backend.cache_memory_budget(utilization, self.activation_workspace(files, max_num_seqs)) {
+        let state = model.cache_spec(0, BLOCK_SIZE, max_num_seqs, config.snapshot_slots());
+        let budget = backend.cache_memory_budget(utilization, self.activation_workspace(files, max_num_seqs)).transpose().context("no GPU memory is left for the KV cache")?;
+        let checkpoints = self.prefix_cache_checkpoints(state.bytes_per_state(), budget)?;
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        config.num_blocks = match budget {
             None => wanted,
             Some(budget) => {
-                let budget = budget.context("no GPU memory is left for the KV cache")?;
-                let cache = CacheSpec { kv_dtype: config.kv_dtype, ..model.cache_spec(0, BLOCK_SIZE, max_num_seqs, config.snapshot_slots()) };
+                // The checkpoints' memory comes off the budget with the recurrent state's.
+                let cache = CacheSpec { kv_dtype: config.kv_dtype, checkpoint_slots: checkpoints, ..state.clone() };
                 let plan = kv_plan::plan_kv_blocks(budget, &cache, wanted, self.context.kv_blocks, per_request, utilization)?;
                 eprintln!("kestrel: {}", kv_plan::describe(&plan, &cache));
                 plan.blocks
             }
         };
+        // Checkpoints sit 64 tokens apart at least, and one is of use only while the KV blocks
+        // before it are cached: more than the KV cache's 64-token spans is memory never used.
+        config.prefix_cache_checkpoints = checkpoints.min(config.num_blocks * BLOCK_SIZE / 64);
+        if config.prefix_cache_checkpoints > 0 {
+            let per = state.bytes_per_state();
+            eprintln!(
+                "kestrel: prefix cache up to {} checkpoints of {:.2} MiB ({:.2} GiB)",
+                config.prefix_cache_checkpoints,
+                per as f64 / (1u64 << 20) as f64,
+                gib(config.prefix_cache_checkpoints * per)
+            );
+        }
         Ok(config)
+    }
+
+    /// Checkpoints the prefix cache may keep: `--prefix-cache-memory` (or its default) over
+    /// `per_checkpoint` bytes each; 0 with `--no-prefix-cache`. `budget` is the device memory
+    /// the caches may take, if the backend has one.
+    fn prefix_cache_checkpoints(&self, per_checkpoint: usize, budget: Option<usize>) -> Result<usize> {
+        if self.context.no_prefix_cache {
+            return Ok(0);
+        }
+        let per_checkpoint = per_checkpoint.max(1);
+        let memory = match (self.context.prefix_cache_memory, budget) {
+            (Some(memory), _) => {
+                if memory < per_checkpoint {
+                    bail!(
+                        "--prefix-cache-memory {memory} bytes holds no checkpoint: one takes {:.2} MiB for this model; give more, or --no-prefix-cache",
+                        per_checkpoint as f64 / (1u64 << 20) as f64
+                    );
+                }
+                memory
+            }
+            (None, Some(budget)) => DEFAULT_PREFIX_CACHE_MEMORY.min(budget / 8),
+            (None, None) => DEFAULT_PREFIX_CACHE_MEMORY,
+        };
+        Ok(memory / per_checkpoint)
     }
 
     /// Uploads the weights to `backend` and builds an engine for up to `max_num_seqs` requests.

@@ -35,9 +35,18 @@ pub struct PerplexityArgs {
     pub kv_cache: KvCacheArgs,
 }
 
+/// The NLL of `target` under one logits row: log-sum-exp in f64 minus the target's logit.
+fn token_nll(l: &[f32], target: u32) -> f64 {
+    let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = m + l.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+    lse - l[target as usize] as f64
+}
+
 /// Mean NLL (nats) of each predicted token over the windows, with keys and values cached as
-/// `kv_dtype`, and their count. Fails at the first token whose NLL is not a finite number.
-pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, kv_dtype: KvDtype, ids: &[u32], context: usize, progress: &indicatif::ProgressBar) -> Result<(f64, usize)> {
+/// `kv_dtype`, and their count. Fails at the first token whose NLL is not a finite number. The
+/// rows of a window are scored on `threads` threads; the sum runs in token order whatever
+/// their number.
+pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, kv_dtype: KvDtype, ids: &[u32], context: usize, threads: usize, progress: &indicatif::ProgressBar) -> Result<(f64, usize)> {
     let block_size = 16;
     let spec = CacheSpec { kv_dtype, ..model.cache_spec(context.div_ceil(block_size), block_size, 1, 0) };
     let mut cache = backend.alloc_cache(&spec).with_context(|| format!("cannot hold a window's keys and values as {kv_dtype}"))?;
@@ -53,11 +62,20 @@ pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, kv_dtype: KvDtype,
         let rows: Vec<u32> = (0..w.len() as u32 - 1).collect();
         let out = model.forward(backend, w, &layout, &rows, &mut cache);
         let logits = backend.to_host(&out.logits);
-        for (i, &target) in w[1..].iter().enumerate() {
-            let l = &logits[i * vocab..(i + 1) * vocab];
-            let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = m + l.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
-            let nll = lse - l[target as usize] as f64;
+        let targets = &w[1..];
+        let per_thread = targets.len().div_ceil(threads.max(1));
+        let nlls: Vec<f64> = std::thread::scope(|s| {
+            let parts: Vec<_> = targets
+                .chunks(per_thread)
+                .enumerate()
+                .map(|(p, part)| {
+                    let logits = &logits;
+                    s.spawn(move || part.iter().enumerate().map(|(j, &t)| token_nll(&logits[(p * per_thread + j) * vocab..][..vocab], t)).collect::<Vec<f64>>())
+                })
+                .collect();
+            parts.into_iter().flat_map(|h| h.join().expect("a scoring thread")).collect()
+        });
+        for (i, nll) in nlls.into_iter().enumerate() {
             if !nll.is_finite() {
                 bail!(
                     "the model's prediction of token {} (window {}, position {}) is not a finite number ({nll}): its logits hold NaN or infinite values, so its weights or configuration are broken",
@@ -102,11 +120,11 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let (mean_nll, tokens) = match args.device.select_backend()? {
         SelectedBackend::Cpu(b) => {
             let model = load_model(&args.model, &args.device, &b, &files, activations)?;
-            score(&|bar| window_nll(&model, &b, kv_dtype, &ids, args.context, bar))?
+            score(&|bar| window_nll(&model, &b, kv_dtype, &ids, args.context, b.threads(), bar))?
         }
         SelectedBackend::Cuda(b) => {
             let model = load_model(&args.model, &args.device, &*b, &files, activations)?;
-            score(&|bar| window_nll(&model, &*b, kv_dtype, &ids, args.context, bar))?
+            score(&|bar| window_nll(&model, &*b, kv_dtype, &ids, args.context, args.device.cpu_threads(), bar))?
         }
     };
     let ppl = mean_nll.exp();

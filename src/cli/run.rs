@@ -6,6 +6,12 @@ use super::{with_engine, EngineArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kestrel::backend::Backend;
+use kestrel::chat_format::reasoning::THINK_CLOSE;
+use kestrel::chat_format::{prompt_opens_reasoning, ChatFormat, ReasoningPart, ReasoningSplitter};
+use kestrel::engine::logits::grammar::{GrammarCompiler, GrammarSpec};
+use kestrel::engine::logits::logprobs::MAX_TOP_LOGPROBS;
+use kestrel::engine::logits::penalties::Penalties;
+use kestrel::engine::logits::LogitsOptions;
 use kestrel::engine::request::{FinishReason, Request, RequestEvent, SpecMethod};
 use kestrel::engine::Engine;
 use kestrel::model::ModelFiles;
@@ -38,6 +44,28 @@ pub struct RunArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// With --chat and a thinking model, print its reasoning (dimmed on a terminal) before the
+    /// answer; without this flag only the answer is printed.
+    #[arg(long)]
+    pub show_reasoning: bool,
+    /// The output must be JSON valid for the JSON schema in FILE.
+    #[arg(long, value_name = "FILE", conflicts_with = "grammar")]
+    pub json_schema: Option<PathBuf>,
+    /// The output must follow the grammar in FILE (llguidance's Lark syntax).
+    #[arg(long, value_name = "FILE")]
+    pub grammar: Option<PathBuf>,
+    /// Report each generated token's log probability with N alternatives (in --json output).
+    #[arg(long, value_name = "N", requires = "json")]
+    pub logprobs: Option<usize>,
+    /// Penalise tokens by whether they were generated already (OpenAI's presence_penalty, -2..2).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    /// Penalise tokens by how often they were generated already (-2..2).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// Divide the positive logits of tokens of the prompt or output by this (1 is off).
+    #[arg(long, alias = "repetition-penalty", default_value_t = 1.0)]
+    pub repeat_penalty: f32,
     #[command(flatten)]
     pub sampling: SamplingArgs,
     #[command(flatten)]
@@ -100,7 +128,13 @@ pub fn run(args: RunArgs) -> Result<()> {
     if args.stop.len() > MAX_STOP_STRINGS {
         bail!("at most {MAX_STOP_STRINGS} --stop strings are allowed, got {}", args.stop.len());
     }
-    let prompt = read_prompt(args.prompt, args.file.as_ref())?;
+    if args.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
+        bail!("--logprobs takes at most {MAX_TOP_LOGPROBS} alternatives");
+    }
+    let penalties = Penalties { presence: args.presence_penalty, frequency: args.frequency_penalty, repetition: args.repeat_penalty };
+    penalties.validate().map_err(anyhow::Error::msg)?;
+    let grammar = grammar_spec(&args)?;
+    let prompt = read_prompt(args.prompt.clone(), args.file.as_ref())?;
     let files = args.engine.open_model()?;
     let params = args.sampling.params(&args.generation.defaults(&files))?;
     let text = if args.chat {
@@ -109,6 +143,8 @@ pub fn run(args: RunArgs) -> Result<()> {
     } else {
         prompt
     };
+    let format = ChatFormat::of(&files.tokenizer, false);
+    let opened = args.chat && format.thinking && prompt_opens_reasoning(&text);
     let prompt_ids = files.tokenizer.encode(&text, false).context("cannot tokenize the prompt")?;
     let max_tokens = match usize::try_from(args.max_tokens) {
         Ok(n) => n,
@@ -117,21 +153,97 @@ pub fn run(args: RunArgs) -> Result<()> {
     };
     // A chat turn ends at the template's end-of-turn token as well as at end-of-sequence.
     let stop_token_ids = if args.chat { files.chat_stop_token_ids() } else { files.config.eos_token_ids.clone() };
-    let request = Request { prompt_ids, params, max_tokens, stop_token_ids, spec: None };
-    let output = Output { json: args.json, stops: args.stop };
+    let grammar = match grammar {
+        None => None,
+        Some((spec, flag)) => {
+            let compiler = GrammarCompiler::new(&files.tokenizer, files.config.vocab_size, &files.chat_stop_token_ids()).context("cannot build the token table for grammars")?;
+            let grammar = compiler.compile(&spec, &stop_token_ids).with_context(|| format!("{flag}: cannot compile"))?;
+            // A thinking model reasons freely; its answer follows the grammar.
+            Some(match compiler.single_token(THINK_CLOSE).filter(|_| opened) {
+                Some(end_of_reasoning) => grammar.starting_after(end_of_reasoning),
+                None => grammar,
+            })
+        }
+    };
+    let logits = LogitsOptions { penalties, logit_bias: Vec::new(), logprobs: args.logprobs, grammar };
+    let request = Request { logits, ..Request::new(prompt_ids, params, max_tokens, stop_token_ids) };
+    let output = Output { json: args.json, stops: args.stop, reasoning: (args.chat && format.thinking).then_some(opened), show_reasoning: args.show_reasoning };
     with_engine!(args.engine, &files, 1, |engine| generate(engine, request, &files, output))
+}
+
+/// The grammar of `--json-schema` or `--grammar`, with the flag it came from.
+fn grammar_spec(args: &RunArgs) -> Result<Option<(GrammarSpec, &'static str)>> {
+    if let Some(path) = &args.json_schema {
+        let text = std::fs::read_to_string(path).with_context(|| format!("--json-schema: cannot read {}", path.display()))?;
+        let schema = serde_json::from_str(&text).with_context(|| format!("--json-schema: {} is not JSON", path.display()))?;
+        return Ok(Some((GrammarSpec::JsonSchema(schema), "--json-schema")));
+    }
+    if let Some(path) = &args.grammar {
+        let text = std::fs::read_to_string(path).with_context(|| format!("--grammar: cannot read {}", path.display()))?;
+        return Ok(Some((GrammarSpec::Lark(text), "--grammar")));
+    }
+    Ok(None)
 }
 
 /// How the result is written.
 struct Output {
     json: bool,
     stops: Vec<String>,
+    /// A thinking model's chat reply: split off the reasoning (`Some(opened_in_prompt)`).
+    reasoning: Option<bool>,
+    show_reasoning: bool,
+}
+
+/// A chat reply's text, split: the reasoning and the answer.
+struct SplitText {
+    splitter: Option<ReasoningSplitter>,
+    reasoning: String,
+    answer: String,
+    /// Reasoning was printed: a blank line goes before the answer.
+    reasoning_printed: bool,
+}
+
+impl SplitText {
+    /// Adds text; returns what to print (the answer, and the reasoning when shown).
+    fn push(&mut self, text: &str, show_reasoning: bool, finish: bool) -> String {
+        let Some(splitter) = self.splitter.as_mut() else {
+            self.answer.push_str(text);
+            return text.to_string();
+        };
+        let mut parts = splitter.push(text);
+        if finish {
+            parts.extend(splitter.finish());
+        }
+        let terminal = std::io::stdout().is_terminal();
+        let mut printed = String::new();
+        for part in parts {
+            match part {
+                ReasoningPart::Reasoning(t) => {
+                    self.reasoning.push_str(&t);
+                    if show_reasoning {
+                        self.reasoning_printed = true;
+                        printed.push_str(&if terminal { format!("\x1b[2m{t}\x1b[0m") } else { t });
+                    }
+                }
+                ReasoningPart::Content(t) => {
+                    if std::mem::take(&mut self.reasoning_printed) {
+                        printed.push_str("\n\n");
+                    }
+                    self.answer.push_str(&t);
+                    printed.push_str(&t);
+                }
+            }
+        }
+        printed
+    }
 }
 
 /// Runs the request to the end on `engine`, streaming text (or printing one JSON object).
 fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFiles, output: Output) -> Result<()> {
     let json = output.json;
     let start = Instant::now();
+    let request_logprobs = request.logits.logprobs.is_some();
+    let mut split = SplitText { splitter: output.reasoning.map(ReasoningSplitter::new), reasoning: String::new(), answer: String::new(), reasoning_printed: false };
     let id = engine.add_request(request)?;
     let mut decoder = files.tokenizer.stream_decoder(true);
     let mut stops = StopStringMatcher::new(output.stops);
@@ -163,8 +275,9 @@ fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFi
                             let scan = stops.push(&delta);
                             stopped_by_string = scan.stopped;
                             text.push_str(&scan.text);
+                            let printed = split.push(&scan.text, output.show_reasoning, false);
                             if !json {
-                                out.write(&scan.text)?;
+                                out.write(&printed)?;
                             }
                         }
                     }
@@ -179,15 +292,17 @@ fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFi
             }
         }
     }
+    let mut tail = String::new();
     if !stopped_by_string {
         let rest = decoder.flush()?.unwrap_or_default();
         let scan = stops.push(&rest);
-        let tail = if scan.stopped { scan.text } else { scan.text + &stops.finish() };
+        tail = if scan.stopped { scan.text } else { scan.text + &stops.finish() };
         stopped_by_string = scan.stopped;
         text.push_str(&tail);
-        if !json {
-            out.write(&tail)?;
-        }
+    }
+    let printed = split.push(&tail, output.show_reasoning, true);
+    if !json {
+        out.write(&printed)?;
     }
     let end = Instant::now();
     let (reason, summary) = finished.context("the request did not finish")?;
@@ -200,14 +315,30 @@ fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFi
     let k = engine.reported_k(summary.method);
     let spec = summary.spec.to_json(summary.method.name(), k);
     if json {
-        let obj = serde_json::json!({
+        let mut obj = serde_json::json!({
             "text": text,
             "token_ids": generated,
             "finish_reason": reason.as_str(),
-            "usage": {"prompt_tokens": summary.prompt_tokens, "completion_tokens": n},
+            "usage": {"prompt_tokens": summary.prompt_tokens, "completion_tokens": n, "prompt_tokens_details": {"cached_tokens": summary.cached_tokens}},
             "timing": {"ttft_ms": ttft_ms, "decode_tokens_per_s": decode_tps},
             "spec": spec,
         });
+        if output.reasoning.is_some() {
+            obj["reasoning"] = serde_json::Value::String(split.reasoning);
+            obj["content"] = serde_json::Value::String(split.answer);
+        }
+        if request_logprobs {
+            let entries: Vec<serde_json::Value> = summary
+                .logprobs
+                .iter()
+                .take(n)
+                .map(|entry| {
+                    let top: Vec<serde_json::Value> = entry.top.iter().map(|&(token, logprob)| serde_json::json!({"token_id": token, "logprob": logprob})).collect();
+                    serde_json::json!({"token_id": entry.token, "logprob": entry.logprob, "top_logprobs": top})
+                })
+                .collect();
+            obj["logprobs"] = serde_json::Value::Array(entries);
+        }
         out.write(&format!("{}\n", serde_json::to_string_pretty(&obj)?))?;
         return Ok(());
     }

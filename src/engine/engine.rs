@@ -1,6 +1,7 @@
 //! The step loop: schedule -> forward -> sample/verify -> commit -> propose -> emit.
 
-use super::cache::{BlockAllocator, SlotAllocator};
+use super::cache::{BlockPool, PrefixCache, PrefixCacheStats, SlotAllocator};
+use super::logits::grammar::TokenMask;
 use super::metrics::SpecStats;
 use super::request::{FinishReason, Request, RequestEvent, RequestFailure, RequestId, SeqStatus, Sequence, SequenceSummary, SpecMethod};
 use super::scheduler::{Scheduler, SchedulerConfig};
@@ -12,6 +13,7 @@ use crate::backend::sampling::NO_FINITE_LOGIT;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
 use crate::backend::{delta_state_in_place, Backend, BackendError, CacheSpec, GraphInputs, GraphKey, KvDtype, RowKind, RowSampling, StateCommit, StepLimits};
 use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
+use std::collections::HashMap;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum EngineError {
@@ -51,6 +53,8 @@ pub struct EngineConfig {
     pub cuda_graphs: bool,
     /// How the attention cache stores keys and values.
     pub kv_dtype: KvDtype,
+    /// Recurrent-state checkpoints the prefix cache may keep; 0 turns prefix caching off.
+    pub prefix_cache_checkpoints: usize,
 }
 
 impl EngineConfig {
@@ -82,6 +86,7 @@ impl Default for EngineConfig {
             ngram_max: 4,
             cuda_graphs: true,
             kv_dtype: KvDtype::default(),
+            prefix_cache_checkpoints: 64,
         }
     }
 }
@@ -123,8 +128,12 @@ impl<B: Backend> Engine<B> {
         if config.spec == SpecMethod::Mtp && model.mtp.is_none() {
             return Err(EngineError::NoMtpHead);
         }
+        // Checkpoints sit at multiples of the delta-rule chunk, which must be block boundaries.
+        if config.prefix_cache_checkpoints > 0 && !CHUNK.is_multiple_of(config.block_size) {
+            return Err(EngineError::Config(format!("the prefix cache needs a block size that divides {CHUNK}, got {}", config.block_size)));
+        }
         let snapshot_slots = config.snapshot_slots();
-        let spec = CacheSpec { kv_dtype: config.kv_dtype, ..model.cache_spec(config.num_blocks, config.block_size, config.max_num_seqs, snapshot_slots) };
+        let spec = CacheSpec { kv_dtype: config.kv_dtype, checkpoint_slots: config.prefix_cache_checkpoints, ..model.cache_spec(config.num_blocks, config.block_size, config.max_num_seqs, snapshot_slots) };
         let cache = backend.alloc_cache(&spec).map_err(|e: BackendError| EngineError::Config(e.to_string()))?;
         // A step has at most one row per sequence, and every row's table covers at most the context.
         let limits = StepLimits {
@@ -140,8 +149,9 @@ impl<B: Backend> Engine<B> {
                 max_model_len: config.max_model_len,
                 max_generate_tokens: snapshot_slots,
             },
-            BlockAllocator::new(config.num_blocks, config.block_size),
+            BlockPool::new(config.num_blocks, config.block_size),
             SlotAllocator::new(config.max_num_seqs),
+            (config.prefix_cache_checkpoints > 0).then(|| PrefixCache::new(config.prefix_cache_checkpoints)),
         );
         Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default() })
     }
@@ -178,6 +188,7 @@ impl<B: Backend> Engine<B> {
             return Err(EngineError::TokenOutOfRange { id, vocab });
         }
         req.params.validate().map_err(|e| EngineError::Sampling(e.to_string()))?;
+        req.logits.validate(vocab).map_err(EngineError::Sampling)?;
         let total = req.prompt_ids.len() + req.max_tokens;
         if total > self.config.max_model_len {
             return Err(EngineError::ContextExceeded { prompt: req.prompt_ids.len(), max_tokens: req.max_tokens, context: self.config.max_model_len });
@@ -219,6 +230,11 @@ impl<B: Backend> Engine<B> {
         ((b.num_total() - b.num_free(), b.num_total()), (self.scheduler.slots.num_used(), self.scheduler.slots.num_total()))
     }
 
+    /// Prefix-cache counters; `None` when prefix caching is off.
+    pub fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
+        self.scheduler.prefix.as_ref().map(|p| p.stats(&self.scheduler.blocks))
+    }
+
     /// Speculation counters of a request still in flight, for live displays (a finished
     /// request's counters are in its summary and in `stats.spec`).
     pub fn request_spec_stats(&self, id: RequestId) -> Option<&SpecStats> {
@@ -240,6 +256,7 @@ impl<B: Backend> Engine<B> {
         let mut events = Vec::new();
         let scheduled = self.scheduler.schedule(&mut self.seqs);
         self.backend.reset_states(&mut self.cache, &scheduled.fresh_slots);
+        self.backend.restore_checkpoints(&mut self.cache, &scheduled.restores);
         let plan = scheduled.plan;
         if plan.is_empty() {
             // Every queued request is admissible (checked in add_request) and the budget always
@@ -247,30 +264,50 @@ impl<B: Backend> Engine<B> {
             assert!(self.seqs.is_empty(), "scheduler produced no rows with {} requests queued", self.seqs.len());
             return events;
         }
-        let out = self.forward(&plan);
-        // Every logits row is drawn on the backend; only the tokens come back.
-        let sampled = self.backend.sample_rows(&out.logits, &self.row_sampling(&plan));
+        let (out, mut masks) = self.forward_with_masks(&plan);
+        let draws = self.row_sampling(&plan);
+        let host_rows: Vec<bool> = draws.iter().map(|d| d.on_host).collect();
+        let (sampled, host_logits) = self.draw_rows(&out.logits, draws, &host_rows);
+        let vocab = self.model.config.vocab_size;
         self.stats.steps += 1;
         self.stats.forward_tokens += plan.num_tokens() as u64;
 
         let mut finished: Vec<(RequestId, Result<FinishReason, RequestFailure>)> = Vec::new();
         let mut commits: Vec<StateCommit> = Vec::new();
+        let mut checkpoint_saves = Vec::new();
+        let has_mtp_head = self.model.mtp.is_some();
         let mut mtp_items: Vec<(RequestId, MtpCatchUp)> = Vec::new();
         for (row, layout) in plan.rows.iter().zip(&plan.layout.rows) {
             let Some(seq) = self.seqs.iter_mut().find(|s| s.id == row.seq) else { continue };
             let start = seq.num_computed;
             let mut emitted = Vec::new();
+            let mut logprobs = Vec::new();
             let mut committed_now = row.committed;
             let conv_only = delta_state_in_place(layout.kind, layout.num_tokens);
+            // Rows adjusted or read on the host are drawn there, by the same rule.
+            let drawn_on_host = row.logits_start.filter(|&l| host_rows[l]).map(|l| {
+                let rows: Vec<&[f32]> = (l..=l + row.drafts.len()).map(|r| &host_logits[&r][..vocab]).collect();
+                seq.logits.draw(&rows, &row.drafts, &masks.remove(&seq.id).unwrap_or_default(), &seq.params, seq.num_generated() as u64)
+            });
             match (row.kind, row.logits_start) {
                 (RowKind::Prefill, sample) => {
                     seq.num_computed += row.committed;
-                    if let Some(l) = sample {
-                        emitted.push(sampled[l]);
+                    match drawn_on_host {
+                        Some((outcome, row_logprobs)) => {
+                            emitted = outcome.tokens;
+                            logprobs = row_logprobs;
+                        }
+                        None => emitted.extend(sample.map(|l| sampled[l])),
                     }
                 }
                 (RowKind::Generate, Some(l)) => {
-                    let outcome = accept_drafts(&sampled[l..=l + row.drafts.len()], &row.drafts).expect("the plan gives every draft a logits row");
+                    let outcome = match drawn_on_host {
+                        Some((outcome, row_logprobs)) => {
+                            logprobs = row_logprobs;
+                            outcome
+                        }
+                        None => accept_drafts(&sampled[l..=l + row.drafts.len()], &row.drafts).expect("the plan gives every draft a logits row"),
+                    };
                     // Invariant 1: the state at the last accepted token becomes canonical (below,
                     // for every row at once, before the step ends).
                     commits.push(StateCommit { slot: layout.state_slot, snapshot: layout.snapshot_base + row.committed - 1 + outcome.accepted, conv_only });
@@ -306,7 +343,16 @@ impl<B: Backend> Engine<B> {
                 }
             }
             if !new_tokens.is_empty() {
-                events.push(RequestEvent::Tokens { id: seq.id, tokens: new_tokens });
+                seq.logits.commit(&new_tokens);
+                logprobs.truncate(new_tokens.len());
+                seq.logprobs.extend(logprobs.iter().cloned());
+                events.push(RequestEvent::Tokens { id: seq.id, tokens: new_tokens, logprobs, cached_tokens: seq.cached_tokens.unwrap_or(0) });
+            }
+            if row.kind == RowKind::Prefill {
+                // The MTP layer's KV of this piece is written by the catch-up below (propose),
+                // before any later admission can look the blocks up.
+                let draft_kv = !has_mtp_head || (seq.method == SpecMethod::Mtp && self.custom_drafter.is_none() && reason.is_none());
+                checkpoint_saves.extend(self.scheduler.record_prefill(seq, draft_kv));
             }
             match reason {
                 Some(r) => finished.push((seq.id, r)),
@@ -328,6 +374,7 @@ impl<B: Backend> Engine<B> {
             }
         }
 
+        self.backend.save_checkpoints(&mut self.cache, &checkpoint_saves);
         self.backend.commit_states(&mut self.cache, &commits);
         for (id, ending) in finished {
             if let Some(idx) = self.seqs.iter().position(|s| s.id == id) {
@@ -344,30 +391,61 @@ impl<B: Backend> Engine<B> {
         events
     }
 
-    /// The step's forward. A step of decode and verify rows only (each from its one unfed token
-    /// on, every token sampled) has a launch sequence fixed by its row and token counts, so the
-    /// backend may replay it as a graph (see [`GraphKey`]).
-    fn forward(&mut self, plan: &StepPlan) -> ForwardOutput<B> {
-        let generate_only = plan.rows.iter().all(|r| r.kind == RowKind::Generate && r.committed == 1 && r.logits_start.is_some())
-            && plan.logit_rows.len() == plan.num_tokens()
-            && plan.logit_rows.iter().enumerate().all(|(i, &t)| t as usize == i);
-        let (model, backend, cache) = (&self.model, &self.backend, &mut self.cache);
-        if !(self.config.cuda_graphs && generate_only) {
-            return model.forward(backend, &plan.ids.0, &plan.layout, &plan.logit_rows, cache);
+    /// The step's forward, and meanwhile on another thread the grammar masks of the rows that
+    /// have a grammar (they depend only on committed tokens and drafts), by request.
+    fn forward_with_masks(&mut self, plan: &StepPlan) -> (ForwardOutput<B>, HashMap<RequestId, Vec<TokenMask>>) {
+        let constrained: Vec<(RequestId, Vec<u32>)> = plan
+            .rows
+            .iter()
+            .filter(|r| r.logits_start.is_some())
+            .filter(|r| self.seqs.iter().any(|s| s.id == r.seq && s.logits.options.grammar.is_some()))
+            .map(|r| (r.seq, r.drafts.clone()))
+            .collect();
+        if constrained.is_empty() {
+            return (forward(&self.model, &self.backend, &mut self.cache, &self.config, plan), HashMap::new());
         }
-        let inputs = GraphInputs { ids: &plan.ids.0, layout: &plan.layout, logit_rows: &plan.logit_rows, block_size: self.config.block_size };
-        let mut outputs = backend.run_graphed(GraphKey { rows: plan.rows.len(), tokens: plan.num_tokens() }, &inputs, &mut || {
-            let out = model.forward(backend, inputs.ids, inputs.layout, inputs.logit_rows, cache);
-            vec![out.hidden, out.logits]
-        });
-        let logits = outputs.pop().expect("a graphed forward returns hidden and logits");
-        let hidden = outputs.pop().expect("a graphed forward returns hidden and logits");
-        ForwardOutput { hidden, logits }
+        let (model, backend, cache, config, seqs) = (&self.model, &self.backend, &mut self.cache, &self.config, &mut self.seqs);
+        std::thread::scope(|scope| {
+            let masks = scope.spawn(move || {
+                let mut masks = HashMap::new();
+                for (id, drafts) in constrained {
+                    if let Some(seq) = seqs.iter_mut().find(|s| s.id == id) {
+                        masks.insert(id, seq.logits.masks(&drafts));
+                    }
+                }
+                masks
+            });
+            let out = forward(model, backend, cache, config, plan);
+            (out, masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+        })
+    }
+
+    /// Draws every logits row: rows of requests with plain sampling on the backend, the others
+    /// copied to the host (returned by logits row index) for [`LogitsState::draw`].
+    fn draw_rows(&self, logits: &B::Tensor, draws: Vec<RowDraw>, host_rows: &[bool]) -> (Vec<u32>, HashMap<usize, Vec<f32>>) {
+        if !host_rows.iter().any(|&h| h) {
+            let specs: Vec<RowSampling> = draws.into_iter().map(|d| d.sampling).collect();
+            return (self.backend.sample_rows(logits, &specs), HashMap::new());
+        }
+        let (device, host): (Vec<usize>, Vec<usize>) = (0..draws.len()).partition(|&i| !host_rows[i]);
+        let mut sampled = vec![u32::MAX; draws.len()];
+        if !device.is_empty() {
+            let indices: Vec<u32> = device.iter().map(|&i| i as u32).collect();
+            let specs: Vec<RowSampling> = device.iter().map(|&i| draws[i].sampling.clone()).collect();
+            let tokens = self.backend.sample_rows(&self.backend.gather_rows(logits, &indices), &specs);
+            for (&i, token) in device.iter().zip(tokens) {
+                sampled[i] = token;
+            }
+        }
+        let vocab = self.model.config.vocab_size;
+        let copied = self.backend.logits_rows_to_host(logits, &host);
+        let host_logits = host.iter().enumerate().map(|(k, &i)| (i, copied[k * vocab..(k + 1) * vocab].to_vec())).collect();
+        (sampled, host_logits)
     }
 
     /// How to draw each logits row of `plan`: a prefill row that samples predicts the request's
     /// next output position; a generate row's rows predict consecutive positions from there.
-    fn row_sampling(&self, plan: &StepPlan) -> Vec<RowSampling> {
+    fn row_sampling(&self, plan: &StepPlan) -> Vec<RowDraw> {
         let mut rows = Vec::with_capacity(plan.logit_rows.len());
         for row in plan.rows.iter() {
             if row.logits_start.is_none() {
@@ -377,7 +455,8 @@ impl<B: Backend> Engine<B> {
             let seq = self.seqs.iter().find(|s| s.id == row.seq).expect("a planned row belongs to a live sequence");
             let first = seq.num_generated() as u64;
             let count = if row.kind == RowKind::Prefill { 1 } else { row.drafts.len() + 1 };
-            rows.extend((0..count as u64).map(|i| RowSampling { params: seq.params.clone(), position: first + i }));
+            let on_host = seq.logits.needs_host();
+            rows.extend((0..count as u64).map(|i| RowDraw { sampling: RowSampling { params: seq.params.clone(), position: first + i }, on_host }));
         }
         rows
     }
@@ -405,6 +484,7 @@ impl<B: Backend> Engine<B> {
             }
         }
         if mtp_items.is_empty() || self.custom_drafter.is_some() {
+            self.keep_valid_drafts();
             return;
         }
         // MTP chains write KV up to k positions past the committed length: make sure blocks exist.
@@ -429,6 +509,16 @@ impl<B: Backend> Engine<B> {
                 seq.drafts = d;
             }
         }
+        self.keep_valid_drafts();
+    }
+
+    /// Cuts each grammar-constrained request's drafts where its grammar stops allowing them:
+    /// such a draft would be rejected, and verifying what follows it is wasted work.
+    fn keep_valid_drafts(&mut self) {
+        for seq in self.seqs.iter_mut().filter(|s| !s.drafts.is_empty() && s.logits.options.grammar.is_some()) {
+            let valid = seq.logits.valid_drafts(&seq.drafts);
+            seq.drafts.truncate(valid);
+        }
     }
 
     /// Runs every queued request to completion, returning events in order.
@@ -447,5 +537,31 @@ fn finished_event(seq: Sequence, reason: FinishReason) -> RequestEvent {
 }
 
 fn summary(seq: Sequence) -> SequenceSummary {
-    SequenceSummary { prompt_tokens: seq.prompt_len, generated: seq.tokens[seq.prompt_len..].to_vec(), spec: seq.spec, method: seq.method }
+    SequenceSummary { prompt_tokens: seq.prompt_len, generated: seq.tokens[seq.prompt_len..].to_vec(), logprobs: seq.logprobs, spec: seq.spec, method: seq.method, cached_tokens: seq.cached_tokens.unwrap_or(0) }
+}
+
+/// How one logits row is drawn: by `sampling`, on the backend unless `on_host`.
+struct RowDraw {
+    sampling: RowSampling,
+    on_host: bool,
+}
+
+/// The step's forward. A step of decode and verify rows only (each from its one unfed token on,
+/// every token sampled) has a launch sequence fixed by its row and token counts, so the backend
+/// may replay it as a graph (see [`GraphKey`]).
+fn forward<B: Backend>(model: &Qwen35<B>, backend: &B, cache: &mut B::Cache, config: &EngineConfig, plan: &StepPlan) -> ForwardOutput<B> {
+    let generate_only = plan.rows.iter().all(|r| r.kind == RowKind::Generate && r.committed == 1 && r.logits_start.is_some())
+        && plan.logit_rows.len() == plan.num_tokens()
+        && plan.logit_rows.iter().enumerate().all(|(i, &t)| t as usize == i);
+    if !(config.cuda_graphs && generate_only) {
+        return model.forward(backend, &plan.ids.0, &plan.layout, &plan.logit_rows, cache);
+    }
+    let inputs = GraphInputs { ids: &plan.ids.0, layout: &plan.layout, logit_rows: &plan.logit_rows, block_size: config.block_size };
+    let mut outputs = backend.run_graphed(GraphKey { rows: plan.rows.len(), tokens: plan.num_tokens() }, &inputs, &mut || {
+        let out = model.forward(backend, inputs.ids, inputs.layout, inputs.logit_rows, cache);
+        vec![out.hidden, out.logits]
+    });
+    let logits = outputs.pop().expect("a graphed forward returns hidden and logits");
+    let hidden = outputs.pop().expect("a graphed forward returns hidden and logits");
+    ForwardOutput { hidden, logits }
 }

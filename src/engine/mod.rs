@@ -3,6 +3,7 @@
 pub mod cache;
 #[allow(clippy::module_inception)]
 pub mod engine;
+pub mod logits;
 pub mod metrics;
 pub mod plan;
 pub mod request;

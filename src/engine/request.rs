@@ -1,5 +1,8 @@
 //! Requests, their per-sequence state, stop conditions and the events the engine emits.
 
+use super::cache::blocks::NodeId;
+use super::logits::logprobs::TokenLogprob;
+use super::logits::{LogitsOptions, LogitsState};
 use super::metrics::SpecStats;
 use crate::backend::sampling::SamplingParams;
 
@@ -45,6 +48,15 @@ pub struct Request {
     pub stop_token_ids: Vec<u32>,
     /// Overrides the engine's speculation method for this request.
     pub spec: Option<SpecMethod>,
+    /// Penalties, logit bias, grammar, log probabilities (none by default).
+    pub logits: LogitsOptions,
+}
+
+impl Request {
+    /// A request with no speculation override and nothing asked of its logits.
+    pub fn new(prompt_ids: Vec<u32>, params: SamplingParams, max_tokens: usize, stop_token_ids: Vec<u32>) -> Self {
+        Request { prompt_ids, params, max_tokens, stop_token_ids, spec: None, logits: LogitsOptions::default() }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -78,8 +90,9 @@ pub enum RequestFailure {
 /// What a step produced for one request.
 #[derive(Debug, Clone)]
 pub enum RequestEvent {
-    /// Newly generated tokens, in order.
-    Tokens { id: RequestId, tokens: Vec<u32> },
+    /// Newly generated tokens, in order, with their log probabilities when the request asked,
+    /// and the prompt tokens the request took from the prefix cache.
+    Tokens { id: RequestId, tokens: Vec<u32>, logprobs: Vec<TokenLogprob>, cached_tokens: usize },
     Finished { id: RequestId, reason: FinishReason, output: SequenceSummary },
     /// The request ended with an error; `output` holds what it generated before.
     Failed { id: RequestId, error: RequestFailure, output: SequenceSummary },
@@ -90,14 +103,27 @@ pub enum RequestEvent {
 pub struct SequenceSummary {
     pub prompt_tokens: usize,
     pub generated: Vec<u32>,
+    /// Log probabilities of the generated tokens, when the request asked.
+    pub logprobs: Vec<TokenLogprob>,
     pub spec: SpecStats,
     pub method: SpecMethod,
+    /// Prompt tokens served from the prefix cache (at the request's first admission).
+    pub cached_tokens: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqStatus {
     Waiting,
     Running,
+}
+
+/// How a newly admitted sequence's recurrent state starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FreshState {
+    /// Zeroed: the prompt is computed from its first token.
+    Zero,
+    /// Copied from this prefix-cache checkpoint.
+    Checkpoint(usize),
 }
 
 /// A request in flight.
@@ -122,10 +148,22 @@ pub struct Sequence {
     pub spec: SpecStats,
     /// Order of admission, for choosing whom to preempt (the newest first).
     pub admitted_at: u64,
+    /// Penalties, bias, grammar and log probabilities of this request.
+    pub logits: LogitsState,
+    /// Log probabilities of the generated tokens so far, when asked for.
+    pub logprobs: Vec<TokenLogprob>,
+    /// Set at admission, taken when the step's state resets and restores are laid out.
+    pub fresh_state: Option<FreshState>,
+    /// Prefix-cache node of each leading block of `block_table` found in or registered with
+    /// the cache, in order.
+    pub cache_nodes: Vec<NodeId>,
+    /// Prompt tokens the first admission took from the prefix cache (`None` before it).
+    pub cached_tokens: Option<usize>,
 }
 
 impl Sequence {
     pub fn new(id: RequestId, req: Request, method: SpecMethod) -> Self {
+        let logits = LogitsState::new(req.logits, &req.prompt_ids);
         Sequence {
             id,
             prompt_len: req.prompt_ids.len(),
@@ -141,6 +179,11 @@ impl Sequence {
             drafts: Vec::new(),
             spec: SpecStats::default(),
             admitted_at: 0,
+            logits,
+            logprobs: Vec::new(),
+            fresh_state: None,
+            cache_nodes: Vec::new(),
+            cached_tokens: None,
         }
     }
 
@@ -170,5 +213,7 @@ impl Sequence {
         self.state_slot = None;
         self.drafts.clear();
         self.status = SeqStatus::Waiting;
+        self.fresh_state = None;
+        self.cache_nodes.clear();
     }
 }

@@ -4,13 +4,15 @@
 //! Order within a step: running sequences that generate (decode or verify rows), then running
 //! sequences still prefilling, then newly admitted ones. Prompt pieces end at multiples of the
 //! delta-rule chunk size (or at the prompt's end), so a prompt's chunks are the same however
-//! the steps cut it (DESIGN Invariant 3).
+//! the steps cut it (DESIGN Invariant 3). With the prefix cache on, an admitted sequence
+//! resumes from the longest cached prefix of its prompt, and a piece also ends at the prompt's
+//! checkpoint position (see [`super::cache::prefix`]).
 
-use super::cache::{BlockAllocator, SlotAllocator};
+use super::cache::{checkpoint_position, BlockPool, PrefixCache, SlotAllocator};
 use super::plan::StepPlan;
-use super::request::{SeqStatus, Sequence};
+use super::request::{FreshState, SeqStatus, Sequence, SpecMethod};
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
-use crate::backend::RowKind;
+use crate::backend::{RowKind, StateCheckpoint};
 
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
@@ -24,33 +26,63 @@ pub struct SchedulerConfig {
 
 pub struct Scheduler {
     pub config: SchedulerConfig,
-    pub blocks: BlockAllocator,
+    pub blocks: BlockPool,
     pub slots: SlotAllocator,
+    /// `None` when prefix caching is off.
+    pub prefix: Option<PrefixCache>,
     admissions: u64,
     /// Number of preemptions so far (for metrics and tests).
     pub preemptions: u64,
 }
 
-/// Sequences newly given a state slot this step: their recurrent state must be zeroed.
+/// The step's rows, and the state slots newly given to sequences: zeroed (`fresh_slots`) or
+/// copied from a prefix-cache checkpoint (`restores`) before the forward.
 pub struct Scheduled {
     pub plan: StepPlan,
     pub fresh_slots: Vec<usize>,
+    pub restores: Vec<StateCheckpoint>,
 }
 
 impl Scheduler {
-    pub fn new(config: SchedulerConfig, blocks: BlockAllocator, slots: SlotAllocator) -> Self {
+    pub fn new(config: SchedulerConfig, blocks: BlockPool, slots: SlotAllocator, prefix: Option<PrefixCache>) -> Self {
         assert!(config.max_num_batched_tokens >= CHUNK, "token budget must be at least {CHUNK}");
-        Scheduler { config, blocks, slots, admissions: 0, preemptions: 0 }
+        Scheduler { config, blocks, slots, prefix, admissions: 0, preemptions: 0 }
     }
 
-    /// Prompt tokens to prefill now, given the budget left.
-    fn prefill_piece(seq: &Sequence, budget: usize) -> usize {
+    /// Prompt tokens to prefill now, given the budget left. With `cut_at_checkpoint`, a piece
+    /// that would run past the prompt's checkpoint position ends there, so that the state at
+    /// that position exists to be cached.
+    fn prefill_piece(seq: &Sequence, budget: usize, cut_at_checkpoint: bool) -> usize {
         let start = seq.num_computed;
-        let remaining = seq.prompt_len - start;
-        if remaining <= budget {
-            return remaining;
+        let mut end = if seq.prompt_len - start <= budget { seq.prompt_len } else { (start + budget) / CHUNK * CHUNK };
+        let checkpoint = checkpoint_position(seq.prompt_len);
+        if cut_at_checkpoint && start < checkpoint && checkpoint < end {
+            end = checkpoint;
         }
-        ((start + budget) / CHUNK * CHUNK).saturating_sub(start)
+        end.saturating_sub(start)
+    }
+
+    /// A newly admitted sequence resumes from the longest cached prefix of its prompt, if any.
+    fn resume_from_cache(&mut self, seq: &mut Sequence) {
+        seq.fresh_state = Some(FreshState::Zero);
+        let hit = self.prefix.as_mut().and_then(|prefix| prefix.lookup(&mut self.blocks, &seq.tokens[..seq.prompt_len], seq.method == SpecMethod::Mtp));
+        let cached = hit.as_ref().map_or(0, |h| h.blocks.len() * self.blocks.block_size());
+        seq.cached_tokens.get_or_insert(cached);
+        if let Some(hit) = hit {
+            seq.block_table = hit.blocks;
+            seq.cache_nodes = hit.nodes;
+            seq.num_computed = cached;
+            seq.fresh_state = Some(FreshState::Checkpoint(hit.checkpoint));
+        }
+    }
+
+    /// After a prefill piece of `seq` ran: its cacheable blocks join the prefix cache, and if
+    /// the piece ended at a checkpoint position, the checkpoint its state must be copied to now
+    /// is returned. `draft_kv`: the blocks hold the MTP layer's KV of their positions.
+    pub fn record_prefill(&mut self, seq: &mut Sequence, draft_kv: bool) -> Option<StateCheckpoint> {
+        let prefix = self.prefix.as_mut()?;
+        let checkpoint = prefix.record_prefill(&mut self.blocks, &seq.tokens[..seq.prompt_len], seq.num_computed, &seq.block_table, &mut seq.cache_nodes, draft_kv)?;
+        Some(StateCheckpoint { slot: seq.state_slot.expect("a prefilled sequence has a state slot"), checkpoint })
     }
 
     /// Frees the cache of `seq` and sends it back to waiting, to be recomputed.
@@ -89,8 +121,8 @@ impl Scheduler {
         let mut budget = self.config.max_num_batched_tokens;
         let mut plan = StepPlan::default();
         let mut scheduled: Vec<usize> = Vec::new();
-        let mut fresh_slots = Vec::new();
         let mut snapshot_cursor = 0usize;
+        let cut_at_checkpoint = self.prefix.is_some();
 
         let mut running: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].status == SeqStatus::Running).collect();
         running.sort_by_key(|&i| seqs[i].admitted_at);
@@ -138,7 +170,7 @@ impl Scheduler {
                 if active >= self.config.max_num_seqs {
                     break;
                 }
-                if Self::prefill_piece(&seqs[i], budget) == 0 {
+                if Self::prefill_piece(&seqs[i], budget, cut_at_checkpoint) == 0 {
                     break;
                 }
                 let Ok(slot) = self.slots.allocate() else { break };
@@ -146,16 +178,15 @@ impl Scheduler {
                 seqs[i].status = SeqStatus::Running;
                 self.admissions += 1;
                 seqs[i].admitted_at = self.admissions;
-                fresh_slots.push(slot);
+                self.resume_from_cache(&mut seqs[i]);
             } else if seqs[i].status != SeqStatus::Running || !seqs[i].in_prefill() {
                 continue;
             }
-            let piece = Self::prefill_piece(&seqs[i], budget);
+            let piece = Self::prefill_piece(&seqs[i], budget, cut_at_checkpoint);
             if piece == 0 {
                 continue;
             }
             if !self.reserve(seqs, i, seqs[i].num_computed + piece, &scheduled) {
-                fresh_slots.retain(|&s| seqs.iter().any(|q| q.state_slot == Some(s)));
                 continue;
             }
             // Sample only at the prompt's end, and only if nothing was generated before a preemption.
@@ -165,7 +196,19 @@ impl Scheduler {
             budget -= piece;
             scheduled.push(i);
         }
-        Scheduled { plan, fresh_slots }
+        // Slots of sequences admitted this step and still running (a preempted one dropped its
+        // own); the state is set up before the forward even if no row ran yet.
+        let mut fresh_slots = Vec::new();
+        let mut restores = Vec::new();
+        for seq in seqs.iter_mut().filter(|s| s.status == SeqStatus::Running) {
+            let slot = seq.state_slot.expect("a running sequence has a state slot");
+            match seq.fresh_state.take() {
+                Some(FreshState::Zero) => fresh_slots.push(slot),
+                Some(FreshState::Checkpoint(checkpoint)) => restores.push(StateCheckpoint { slot, checkpoint }),
+                None => {}
+            }
+        }
+        Scheduled { plan, fresh_slots, restores }
     }
 
     /// Returns a finished sequence's cache.

@@ -10,6 +10,8 @@
 //! request and frees its cache, which is how a client that disconnects releases its work.
 
 use crate::backend::Backend;
+use crate::engine::cache::PrefixCacheStats;
+use crate::engine::logits::logprobs::TokenLogprob;
 use crate::engine::metrics::SpecStats;
 use crate::engine::request::{FinishReason, Request, RequestEvent, RequestFailure, RequestId, SequenceSummary, SpecMethod};
 use crate::engine::{Engine, EngineError};
@@ -43,8 +45,9 @@ pub enum GenerationEvent {
     Accepted,
     /// The engine refused the request (too long, invalid parameters, ...); nothing else follows.
     Rejected(EngineError),
-    /// Tokens produced by one step, with the request's speculation counters so far.
-    Tokens { tokens: Vec<u32>, spec: SpecStats },
+    /// Tokens produced by one step (with their log probabilities when the request asked), the
+    /// request's speculation counters so far and the prompt tokens it took from the prefix cache.
+    Tokens { tokens: Vec<u32>, logprobs: Vec<TokenLogprob>, spec: SpecStats, cached_tokens: usize },
     Finished { reason: FinishReason, summary: SequenceSummary },
     /// The request ended with an error after it started (the others go on).
     Failed { error: RequestFailure, summary: SequenceSummary },
@@ -76,6 +79,8 @@ pub struct EngineSnapshot {
     pub state_slots_total: usize,
     /// Speculation counters of finished requests plus those in flight.
     pub spec: SpecStats,
+    /// Prefix-cache counters; `None` when prefix caching is off.
+    pub prefix_cache: Option<PrefixCacheStats>,
     pub steps: u64,
     pub preemptions: u64,
     pub generated_tokens: u64,
@@ -383,12 +388,12 @@ impl<B: Backend> WorkerLoop<B> {
         let mut gone = Vec::new();
         for event in events {
             match event {
-                RequestEvent::Tokens { id, tokens } => {
+                RequestEvent::Tokens { id, tokens, logprobs, cached_tokens } => {
                     self.counters.generated_tokens += tokens.len() as u64;
                     self.rate.record(tokens.len());
                     let Some(live) = self.live.get(&id) else { continue };
                     let spec = self.engine.request_spec_stats(id).cloned().unwrap_or_default();
-                    if live.events.send(GenerationEvent::Tokens { tokens, spec }).is_err() {
+                    if live.events.send(GenerationEvent::Tokens { tokens, logprobs, spec, cached_tokens }).is_err() {
                         gone.push(id);
                     }
                 }
@@ -433,6 +438,7 @@ impl<B: Backend> WorkerLoop<B> {
             state_slots_used: slots_used,
             state_slots_total: slots_total,
             spec,
+            prefix_cache: self.engine.prefix_cache_stats(),
             steps: self.engine.stats.steps,
             preemptions: self.engine.preemptions(),
             tokens_per_second: self.rate.per_second(Instant::now()),

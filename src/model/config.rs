@@ -5,6 +5,7 @@
 //! (`qwen3_next`) are flat. Every family is mapped onto [`ModelConfig`].
 
 use crate::backend::shapes::{LinearAttnShape, MoeShape};
+use crate::model::weights::online::OnlineQuantization;
 use crate::model::weights::quantized::QuantizationConfig;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -84,6 +85,8 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// How the checkpoint's quantized linears are stored (`quantization_config`), if any are.
     pub quantization: Option<QuantizationConfig>,
+    /// Quantization of float linears at load (`--quantization`), if asked for.
+    pub online_quantization: Option<OnlineQuantization>,
 }
 
 impl ModelConfig {
@@ -254,6 +257,7 @@ fn parse_text_config(family: ModelFamily, model_type: &str, text: &Value, root: 
         key_head_dim: size("linear_key_head_dim")?,
         value_head_dim: size("linear_value_head_dim")?,
         conv_kernel: at_least_one(path, "linear_conv_kernel_dim", f.usize_or("linear_conv_kernel_dim", 4)?)?,
+        out_heads_tiled: false,
     };
     if !linear.num_value_heads.is_multiple_of(linear.num_key_heads) {
         return Err(invalid(
@@ -328,6 +332,7 @@ fn parse_text_config(family: ModelFamily, model_type: &str, text: &Value, root: 
         eos_token_ids,
         bos_token_id: f.token_ids("bos_token_id").first().copied(),
         quantization: QuantizationConfig::from_json(root.get("quantization_config")).map_err(|reason| ConfigError::Quantization { path: path.into(), reason })?,
+        online_quantization: None,
     })
 }
 

@@ -15,6 +15,11 @@ static WEIGHTS: &[u8] = include_bytes!("../../models/kestrel-coder/model.safeten
 static TOKENIZER: &[u8] = include_bytes!("../../models/kestrel-coder/tokenizer.json");
 static TOKENIZER_CONFIG: &[u8] = include_bytes!("../../models/kestrel-coder/tokenizer_config.json");
 
+/// The embedded model's tokenizer alone.
+pub fn tokenizer() -> Result<Tokenizer, ModelError> {
+    Ok(Tokenizer::from_bytes(TOKENIZER, Some(TOKENIZER_CONFIG))?)
+}
+
 pub fn open() -> Result<ModelFiles, ModelError> {
     let source = format!("{NAME} (embedded)");
     let mut config = ModelConfig::from_json_str(CONFIG, Path::new("kestrel-coder/config.json"))?;

@@ -185,9 +185,13 @@ pub fn dummy_store(config: &ModelConfig, seed: u64) -> Result<WeightStore, Dummy
     }
     let mut largest = 0;
     for (name, shape) in &p.matrices {
-        let bytes = shape.iter().product::<usize>() * 2;
+        // In the format `--quantization` asks for (the backend fills them in it), else bf16.
+        let cols = shape.last().copied().unwrap_or(0);
+        let dtype = config.online_quantization.and_then(|q| q.target(name, cols, config.num_layers())).unwrap_or(Dtype::BF16);
+        let elems = shape.iter().product::<usize>();
+        let bytes = dtype.row_bytes(cols).map_or(elems * 2, |r| r * (elems / cols.max(1)));
         largest = largest.max(bytes);
-        tensors.insert(name.clone(), TensorEntry { dtype: Dtype::BF16, shape: shape.clone(), file: 1, start: 0, end: bytes });
+        tensors.insert(name.clone(), TensorEntry { dtype, shape: shape.clone(), file: 1, start: 0, end: bytes });
     }
     let files = vec![
         (PathBuf::from("dummy/vectors"), read_only_map(&vector_bytes, vector_bytes.len())?),

@@ -103,6 +103,17 @@ impl ModelFiles {
     }
 }
 
+/// The tokenizer of a model without its weights: from a GGUF file (a vocab-only one is enough),
+/// an HF directory's tokenizer files, or the embedded default model when `path` is `None`.
+pub fn open_tokenizer(path: Option<&Path>) -> Result<Tokenizer, ModelError> {
+    match path {
+        None => default_model::tokenizer(),
+        Some(p) if !p.exists() => Err(ModelError::NotFound(p.to_path_buf())),
+        Some(p) if p.is_file() => Ok(Tokenizer::from_bpe_vocab(&gguf::open_vocab(p)?, p)?),
+        Some(p) => Ok(Tokenizer::from_dir(p)?),
+    }
+}
+
 /// Stop tokens are the union of config.json's, the tokenizer config's and generation_config.json's.
 pub(crate) fn merge_eos(config: &mut ModelConfig, ids: &[u32]) {
     for &id in ids {

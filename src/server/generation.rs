@@ -1,11 +1,13 @@
 //! What the completion endpoints share: submitting to the engine worker, turning its events into
 //! response pieces, and the SSE body of a streamed response.
 
-use crate::engine::worker::{Generation, GenerationEvent};
 use super::error::ApiError;
+use super::generation_options::choice_seed;
 use super::output_text::OutputText;
-use super::tool_calls::OutputPiece;
 use super::ServerState;
+use crate::chat_format::OutputPiece;
+use crate::engine::logits::logprobs::TokenLogprob;
+use crate::engine::worker::{Generation, GenerationEvent};
 use crate::engine::request::{FinishReason, Request};
 use crate::engine::EngineError;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -16,15 +18,25 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-/// Queues a request and waits until the engine accepted it, so that a refusal becomes an HTTP
-/// error before any streamed byte is sent.
-pub async fn start(state: &ServerState, request: Request, prompt_param: &str) -> Result<Generation, ApiError> {
-    let mut generation = state.engine.submit(request).map_err(|_| ApiError::engine_unavailable())?;
-    match generation.next().await {
-        Some(GenerationEvent::Accepted) => Ok(generation),
-        Some(GenerationEvent::Rejected(err)) => Err(refusal(err, prompt_param)),
-        Some(_) | None => Err(ApiError::engine_unavailable()),
+/// Queues `choices` copies of `request` (choice `i` with its own seed, choice 0 with the
+/// request's) so that they share the engine's steps, and waits until every one was accepted, so
+/// that a refusal becomes an HTTP error before any streamed byte is sent.
+pub async fn start_choices(state: &ServerState, request: Request, choices: usize, prompt_param: &str) -> Result<Vec<Generation>, ApiError> {
+    let mut pending = Vec::with_capacity(choices);
+    for index in 0..choices {
+        let mut choice = request.clone();
+        choice.params.seed = choice_seed(request.params.seed, index);
+        pending.push(state.engine.submit(choice).map_err(|_| ApiError::engine_unavailable())?);
     }
+    let mut started = Vec::with_capacity(choices);
+    for mut generation in pending {
+        match generation.next().await {
+            Some(GenerationEvent::Accepted) => started.push(generation),
+            Some(GenerationEvent::Rejected(err)) => return Err(refusal(err, prompt_param)),
+            Some(_) | None => return Err(ApiError::engine_unavailable()),
+        }
+    }
+    Ok(started)
 }
 
 /// The engine's reasons for refusing a request, as the API reports them.
@@ -51,50 +63,66 @@ fn refusal(err: EngineError, prompt_param: &str) -> ApiError {
 pub struct Ending {
     pub finish_reason: &'static str,
     pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
 }
 
-/// Runs a generation to its end, handing each output piece to `emit`. Returns `None` when
+/// What one engine event added to a choice: its pieces, and the log probabilities of the
+/// tokens that made them (when asked for; tokens after a stop string are not counted).
+#[derive(Debug, Default)]
+pub struct Emitted {
+    pub pieces: Vec<OutputPiece>,
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+/// Runs a generation to its end, handing what each event adds to `emit`. Returns `None` when
 /// `client_gone` resolved first; the request is then cancelled as `generation` is dropped.
 pub async fn drive(
     mut generation: Generation,
     output: &mut OutputText<'_>,
     client_gone: impl Future<Output = ()>,
-    mut emit: impl FnMut(OutputPiece),
+    mut emit: impl FnMut(Emitted),
 ) -> Result<Option<Ending>, ApiError> {
     tokio::pin!(client_gone);
+    // Every way out of the loop that reaches the end sets it.
+    let mut cached_tokens;
     let engine_reason = loop {
         let event = tokio::select! {
             event = generation.next() => event,
             () = &mut client_gone => return Ok(None),
         };
         match event {
-            Some(GenerationEvent::Tokens { tokens, .. }) => {
-                for piece in output.push_tokens(&tokens).map_err(|err| ApiError::internal(format!("cannot decode the output: {err}")))? {
-                    emit(piece);
-                }
+            Some(GenerationEvent::Tokens { tokens, mut logprobs, cached_tokens: cached, .. }) => {
+                cached_tokens = cached;
+                let before = output.tokens_used();
+                let pieces = output.push_tokens(&tokens).map_err(|err| ApiError::internal(format!("cannot decode the output: {err}")))?;
+                logprobs.truncate(output.tokens_used() - before);
+                emit(Emitted { pieces, logprobs });
                 if output.stopped_by_string() {
                     // The rest would be thrown away: free the engine for other requests now.
                     generation.cancel();
                     break FinishReason::Stop;
                 }
             }
-            Some(GenerationEvent::Finished { reason, .. }) => break reason,
+            Some(GenerationEvent::Finished { reason, summary }) => {
+                cached_tokens = summary.cached_tokens;
+                break reason;
+            }
             // The request alone failed: an error for this client, the server goes on.
             Some(GenerationEvent::Failed { error, .. }) => return Err(ApiError::generation_failed(error.to_string())),
             Some(GenerationEvent::Accepted) | Some(GenerationEvent::Rejected(_)) => {}
             None => return Err(ApiError::engine_unavailable()),
         }
     };
-    for piece in output.finish().map_err(|err| ApiError::internal(format!("cannot decode the output: {err}")))? {
-        emit(piece);
-    }
+    let pieces = output.finish().map_err(|err| ApiError::internal(format!("cannot decode the output: {err}")))?;
+    emit(Emitted { pieces, logprobs: Vec::new() });
     let finish_reason = match engine_reason {
         FinishReason::Length => "length",
         _ if output.tool_calls_seen() > 0 => "tool_calls",
         // Abort only comes from our own cancel after a stop string; a cancelled client is gone.
         FinishReason::Stop | FinishReason::Abort => "stop",
     };
-    Ok(Some(Ending { finish_reason, completion_tokens: output.tokens_used() }))
+    Ok(Some(Ending { finish_reason, completion_tokens: output.tokens_used(), cached_tokens }))
 }
 
 /// An SSE response fed by `events`; the body ends when the sender is dropped.
@@ -129,10 +157,19 @@ pub fn unix_seconds() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-pub fn usage_json(prompt_tokens: usize, completion_tokens: usize) -> serde_json::Value {
+/// The `usage` object of a request whose choices ended as `endings`: the prompt counts once,
+/// the completions add up, and `prompt_tokens_details.cached_tokens` is the prompt tokens every
+/// choice took from the prefix cache (the fewest over the choices).
+pub fn usage_json<'a>(prompt_tokens: usize, endings: impl IntoIterator<Item = &'a Ending>) -> serde_json::Value {
+    let (mut completion_tokens, mut cached_tokens) = (0, None::<usize>);
+    for ending in endings {
+        completion_tokens += ending.completion_tokens;
+        cached_tokens = Some(cached_tokens.map_or(ending.cached_tokens, |c| c.min(ending.cached_tokens)));
+    }
     serde_json::json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens.unwrap_or(0)},
     })
 }

@@ -1,14 +1,25 @@
-//! Generated tokens to response pieces: streaming detokenization, then stop strings, then (when the
-//! request offered tools) tool-call parsing. The same path serves streamed and whole responses, so
-//! both always say the same thing.
+//! Generated tokens to response pieces: streaming detokenization, then stop strings, then (for a
+//! thinking model) the reasoning split, then (when the request offered tools) tool-call parsing
+//! of the answer. The same path serves streamed and whole responses, so both always say the
+//! same thing.
 
+use crate::chat_format::{OutputPiece, ReasoningPart, ReasoningSplitter, ToolCallParser, ToolSchemas};
 use crate::tokenizer::stop_strings::StopStringMatcher;
-use super::tool_calls::{OutputPiece, ToolCallParser};
 use crate::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
+
+/// How the text of a chat answer is read.
+#[derive(Debug, Default)]
+pub struct OutputParsing {
+    /// Split reasoning off: `Some(opened_in_prompt)` for a thinking model.
+    pub reasoning: Option<bool>,
+    /// Parse tool calls in the answer, typed by these schemas.
+    pub tool_calls: Option<ToolSchemas>,
+}
 
 pub struct OutputText<'t> {
     decoder: StreamDecoder<'t>,
     stops: StopStringMatcher,
+    reasoning: Option<ReasoningSplitter>,
     tool_calls: Option<ToolCallParser>,
     /// Tokens that contributed to the output (those after a stop string do not).
     tokens_used: usize,
@@ -16,11 +27,12 @@ pub struct OutputText<'t> {
 }
 
 impl<'t> OutputText<'t> {
-    pub fn new(tokenizer: &'t Tokenizer, stop_strings: Vec<String>, parse_tool_calls: bool) -> Self {
+    pub fn new(tokenizer: &'t Tokenizer, stop_strings: Vec<String>, parsing: OutputParsing) -> Self {
         OutputText {
             decoder: tokenizer.stream_decoder(true),
             stops: StopStringMatcher::new(stop_strings),
-            tool_calls: parse_tool_calls.then(ToolCallParser::new),
+            reasoning: parsing.reasoning.map(ReasoningSplitter::new),
+            tool_calls: parsing.tool_calls.map(ToolCallParser::new),
             tokens_used: 0,
             stopped_by_string: false,
         }
@@ -51,13 +63,13 @@ impl<'t> OutputText<'t> {
             }
         }
         let held = if self.stopped_by_string { String::new() } else { self.stops.finish() };
-        match self.tool_calls.as_mut() {
-            Some(parser) => {
-                pieces.extend(parser.push(&held));
-                pieces.extend(parser.finish());
-            }
-            None if !held.is_empty() => pieces.push(OutputPiece::Text(held)),
-            None => {}
+        let mut parts = self.split_reasoning(&held);
+        if let Some(splitter) = self.reasoning.as_mut() {
+            parts.extend(splitter.finish());
+        }
+        self.parse_answer(parts, &mut pieces);
+        if let Some(parser) = self.tool_calls.as_mut() {
+            pieces.extend(parser.finish());
         }
         Ok(pieces)
     }
@@ -80,9 +92,27 @@ impl<'t> OutputText<'t> {
         if scan.text.is_empty() {
             return;
         }
-        match self.tool_calls.as_mut() {
-            Some(parser) => pieces.extend(parser.push(&scan.text)),
-            None => pieces.push(OutputPiece::Text(scan.text)),
+        let parts = self.split_reasoning(&scan.text);
+        self.parse_answer(parts, pieces);
+    }
+
+    fn split_reasoning(&mut self, text: &str) -> Vec<ReasoningPart> {
+        match self.reasoning.as_mut() {
+            Some(splitter) => splitter.push(text),
+            None if text.is_empty() => Vec::new(),
+            None => vec![ReasoningPart::Content(text.to_string())],
+        }
+    }
+
+    fn parse_answer(&mut self, parts: Vec<ReasoningPart>, pieces: &mut Vec<OutputPiece>) {
+        for part in parts {
+            match part {
+                ReasoningPart::Reasoning(text) => pieces.push(OutputPiece::Reasoning(text)),
+                ReasoningPart::Content(text) => match self.tool_calls.as_mut() {
+                    Some(parser) => pieces.extend(parser.push(&text)),
+                    None => pieces.push(OutputPiece::Text(text)),
+                },
+            }
         }
     }
 }

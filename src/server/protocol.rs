@@ -1,8 +1,9 @@
 //! The OpenAI request bodies this server accepts, and their checks.
 //!
-//! Fields the engine cannot honour (several choices, log probabilities, penalties, structured
-//! output) are refused with a 400 that names them, rather than ignored: a client that asked for
-//! them would otherwise get an answer that silently differs from what it requested.
+//! Fields the engine cannot honour (`best_of`, `suffix`, non-text content parts) are refused
+//! with a 400 that names them, rather than ignored: a client that asked for them would otherwise
+//! get an answer that silently differs from what it requested. What penalties, logit bias,
+//! grammars and log probabilities turn into is in [`super::generation_options`].
 
 use super::error::{ApiError, RequestBody};
 use crate::backend::sampling::{seed_from_signed, top_k_from_signed, SamplingParams};
@@ -37,7 +38,19 @@ pub struct GenerationFields {
     pub stop: Option<StopField>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    /// vLLM's and Hugging Face's name; `repeat_penalty` is llama.cpp's.
+    pub repetition_penalty: Option<f32>,
+    pub repeat_penalty: Option<f32>,
     pub logit_bias: Option<Value>,
+    /// Keep generating past the end-of-sequence token (to `max_tokens`).
+    pub ignore_eos: Option<bool>,
+    /// `{"type": "text" | "json_object" | "json_schema", ...}`.
+    pub response_format: Option<Value>,
+    /// Extension: a grammar in llguidance's Lark syntax the output must follow.
+    pub grammar: Option<String>,
+    /// vLLM's: name tokens in log probabilities `token_id:ID` rather than by their text.
+    #[serde(default)]
+    pub return_tokens_as_token_ids: bool,
     /// Kestrel extension: the speculation method of this request (`none`, `ngram`, `mtp`).
     pub spec: Option<String>,
 }
@@ -63,7 +76,8 @@ pub struct ChatCompletionRequest {
     pub tool_choice: Option<Value>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
-    pub response_format: Option<Value>,
+    /// Further chat-template variables, e.g. `{"enable_thinking": false}`.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(flatten)]
     pub fields: GenerationFields,
 }
@@ -75,6 +89,8 @@ pub struct RequestMessage {
     pub content: Option<MessageContent>,
     pub tool_calls: Option<Value>,
     pub name: Option<String>,
+    pub reasoning_content: Option<String>,
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -155,19 +171,6 @@ impl GenerationFields {
     /// else the model's recommendation in `defaults`, else OpenAI's (temperature 1, no filter).
     /// `default_seed` is used when the request names none (or -1), so unseeded requests differ.
     pub fn sampling(&self, default_seed: u64, defaults: &SamplingDefaults) -> Result<SamplingParams, ApiError> {
-        if let Some(n) = self.n {
-            if n != 1 {
-                return Err(ApiError::invalid_param("n", format!("n must be 1 (got {n}); send separate requests for more choices")));
-            }
-        }
-        for (name, value) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
-            if value.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::invalid_param(name, format!("{name} is not supported")));
-            }
-        }
-        if self.logit_bias.as_ref().is_some_and(|bias| !bias.is_null() && bias.as_object().is_none_or(|map| !map.is_empty())) {
-            return Err(ApiError::invalid_param("logit_bias", "logit_bias is not supported"));
-        }
         let refused = |err: crate::backend::sampling::SamplingError| ApiError::invalid_param(err.field(), err.to_string());
         let top_k = match self.top_k {
             Some(k) => top_k_from_signed(k).map_err(refused)?,
@@ -218,14 +221,6 @@ pub fn max_tokens(requested: Option<i64>, param: &str, default: usize) -> Result
 
 impl ChatCompletionRequest {
     pub fn check_unsupported(&self) -> Result<(), ApiError> {
-        if self.logprobs == Some(true) || self.top_logprobs.is_some_and(|n| n > 0) {
-            return Err(ApiError::invalid_param("logprobs", "log probabilities are not supported"));
-        }
-        if let Some(format) = &self.response_format {
-            if format.get("type").and_then(Value::as_str) != Some("text") {
-                return Err(ApiError::invalid_param("response_format", "only response_format {\"type\": \"text\"} is supported"));
-            }
-        }
         if self.messages.is_empty() {
             return Err(ApiError::invalid_param("messages", "messages must not be empty"));
         }
@@ -292,7 +287,7 @@ fn tool_name(index: usize, tool: &Value) -> Result<&str, ApiError> {
 }
 
 impl RequestMessage {
-    fn to_chat_message(&self, index: usize) -> Result<ChatMessage, ApiError> {
+    pub fn to_chat_message(&self, index: usize) -> Result<ChatMessage, ApiError> {
         let param = format!("messages[{index}]");
         let role = match self.role.as_str() {
             "system" | "user" | "assistant" | "tool" => self.role.clone(),
@@ -317,19 +312,27 @@ impl RequestMessage {
                 text
             }
         };
-        let tool_calls = self.tool_calls.clone().filter(|calls| !calls.is_null());
-        Ok(ChatMessage { role, content, tool_calls, name: self.name.clone() })
+        let tool_calls = self.tool_calls.clone().filter(|calls| !calls.is_null()).map(arguments_as_objects);
+        Ok(ChatMessage { role, content, tool_calls, name: self.name.clone(), reasoning_content: self.reasoning_content.clone(), tool_call_id: self.tool_call_id.clone() })
     }
+}
+
+/// OpenAI clients send a call's arguments as a JSON string; chat templates (Qwen3.5's iterates
+/// `arguments|items`) expect the object, as transformers passes it. Arguments that are not a
+/// JSON object stay as they are.
+fn arguments_as_objects(mut calls: Value) -> Value {
+    for call in calls.as_array_mut().into_iter().flatten() {
+        let function = call.get_mut("function").filter(|f| f.is_object());
+        let Some(arguments) = function.and_then(|f| f.get_mut("arguments")) else { continue };
+        if let Some(Value::Object(object)) = arguments.as_str().and_then(|text| serde_json::from_str(text).ok()) {
+            *arguments = Value::Object(object);
+        }
+    }
+    calls
 }
 
 impl CompletionRequest {
     pub fn check_unsupported(&self) -> Result<(), ApiError> {
-        if self.echo == Some(true) {
-            return Err(ApiError::invalid_param("echo", "echo is not supported"));
-        }
-        if self.logprobs.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(ApiError::invalid_param("logprobs", "log probabilities are not supported"));
-        }
         if self.best_of.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid_param("best_of", "best_of must be 1"));
         }
@@ -404,8 +407,6 @@ mod tests {
             (serde_json::json!({"model": "m", "temperature": 3.0}), "temperature"),
             (serde_json::json!({"model": "m", "top_p": 0.0}), "top_p"),
             (serde_json::json!({"model": "m", "top_k": -5}), "top_k"),
-            (serde_json::json!({"model": "m", "n": 2}), "n"),
-            (serde_json::json!({"model": "m", "presence_penalty": 0.5}), "presence_penalty"),
             (serde_json::json!({"model": "m", "min_p": 1.5}), "min_p"),
         ] {
             let err = fields(body).sampling(0, &no_defaults()).expect_err("refused");
@@ -436,7 +437,7 @@ mod tests {
         let messages = request.chat_messages().expect("valid");
         assert_eq!(messages[0].content, "ab");
         assert_eq!(messages[1].content, "");
-        assert!(messages[1].tool_calls.is_some());
+        assert_eq!(messages[1].tool_calls, Some(serde_json::json!([{"type": "function", "function": {"name": "f", "arguments": {}}}])), "arguments reach the template as an object");
     }
 
     fn chat(body: serde_json::Value) -> ChatCompletionRequest {

@@ -1,7 +1,7 @@
 //! The route table, the API-key check, and the small read-only endpoints.
 
 use super::error::ApiError;
-use super::{chat, completions, ServerState};
+use super::{chat, completions, tokenize, ServerState};
 use crate::engine::metrics::prometheus_text;
 use axum::extract::{Path, Request, State};
 use axum::http::{header, StatusCode, Uri};
@@ -23,6 +23,8 @@ pub fn router(state: ServerState) -> Router {
         .route("/v1/models/{model}", get(get_model))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
     let app = Router::new()
@@ -94,10 +96,12 @@ async fn get_model(State(state): State<ServerState>, Path(model): Path<String>) 
     }
 }
 
-/// Prometheus text: the speculation counters (with per-position acceptance), engine gauges and
-/// request counters.
+/// Prometheus text: the speculation counters (with per-position acceptance), engine gauges,
+/// request counters and the prefix cache's hit rate and cached tokens.
 async fn metrics(State(state): State<ServerState>) -> Result<Response, ApiError> {
     let snapshot = state.engine.snapshot();
+    // All zeros when prefix caching is off.
+    let cache = snapshot.prefix_cache.clone().unwrap_or_default();
     let gauges = [
         ("kestrel_requests_running", "Requests in the running batch.", snapshot.running as f64),
         ("kestrel_requests_waiting", "Requests queued for admission.", snapshot.waiting as f64),
@@ -109,6 +113,11 @@ async fn metrics(State(state): State<ServerState>) -> Result<Response, ApiError>
         ("kestrel_spec_acceptance_rate", "Accepted drafts over drafted tokens.", snapshot.spec.acceptance_rate()),
         ("kestrel_spec_mean_acceptance_length", "Tokens per draft step, the bonus token included.", snapshot.spec.mean_acceptance_length()),
         ("kestrel_engine_alive", "1 while the engine worker runs.", if snapshot.alive { 1.0 } else { 0.0 }),
+        ("kestrel_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache over prompt tokens looked up.", cache.hit_rate()),
+        ("kestrel_prefix_cache_checkpoints", "Recurrent-state checkpoints the prefix cache holds.", cache.checkpoints as f64),
+        ("kestrel_prefix_cache_checkpoint_capacity", "Recurrent-state checkpoints the prefix cache may hold.", cache.checkpoint_capacity as f64),
+        ("kestrel_prefix_cache_blocks", "KV blocks registered in the prefix cache.", cache.cached_blocks as f64),
+        ("kestrel_prefix_cache_shared_blocks", "KV blocks held by more than one running request.", cache.shared_blocks as f64),
     ];
     let mut text = prometheus_text(&snapshot.spec, &gauges).map_err(|err| ApiError::internal(err.to_string()))?;
     let counters = [
@@ -120,6 +129,11 @@ async fn metrics(State(state): State<ServerState>) -> Result<Response, ApiError>
         ("kestrel_requests_finished_total", "Requests finished, cancelled ones included.", snapshot.requests_finished),
         ("kestrel_requests_cancelled_total", "Requests cancelled (client gone or stop string).", snapshot.requests_cancelled),
         ("kestrel_requests_failed_total", "Requests ended by an error after they started.", snapshot.requests_failed),
+        ("kestrel_prefix_cache_queries_total", "Admissions that looked for a cached prefix.", cache.queries),
+        ("kestrel_prefix_cache_hits_total", "Admissions that resumed from a cached prefix.", cache.hits),
+        ("kestrel_prefix_cache_queried_tokens_total", "Prompt tokens of the admissions that looked for a cached prefix.", cache.queried_tokens),
+        ("kestrel_prefix_cache_cached_tokens_total", "Prompt tokens served from the prefix cache instead of being computed.", cache.cached_tokens),
+        ("kestrel_prefix_cache_evicted_checkpoints_total", "Checkpoints evicted to make room for newer ones.", cache.evicted_checkpoints),
     ];
     for (name, help, value) in counters {
         // Writing into a String cannot fail.

@@ -43,6 +43,14 @@ fn split_regex(pre: &str) -> Option<&'static str> {
     }
 }
 
+/// The normalizer of the Hugging Face tokenizer a pre-tokenizer name stands for.
+fn normalizer(pre: &str) -> Json {
+    match pre {
+        "qwen35" => Json::Null,
+        _ => json!({"type": "NFC"}),
+    }
+}
+
 /// A byte-level BPE vocabulary in llama.cpp's terms.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct BpeVocab {
@@ -69,8 +77,10 @@ impl Tokenizer {
     /// user-defined ones (e.g. `<think>`) plain added tokens, as in the Hugging Face tokenizer
     /// llama.cpp's converter read them from. Unused tokens (the converter's `[PAD{id}]` fillers
     /// for ids past the real vocabulary) are left out, so those ids decode as unknown, as they do
-    /// with the original tokenizer. Text is NFC-normalized first, as Qwen's tokenizer.json does
-    /// (llama.cpp itself does not normalize; the two agree on NFC input).
+    /// with the original tokenizer. Qwen2 / Qwen3 text is NFC-normalized first, as their
+    /// tokenizer.json does (llama.cpp itself does not normalize; the two agree on NFC input);
+    /// Qwen3.5's tokenizer.json has no normalizer (its split regex keeps combining marks in
+    /// words instead), and llama.cpp's `qwen35` test vectors tokenize decomposed text as it is.
     pub fn from_bpe_vocab(vocab: &BpeVocab, origin: &Path) -> Result<Self, TokenizerError> {
         let invalid = |message: String| TokenizerError::InvalidVocab { origin: origin.to_path_buf(), message };
         let regex = split_regex(&vocab.pre).ok_or_else(|| invalid(format!("pre-tokenizer `{}` is not supported (supported: qwen2, qwen35)", vocab.pre)))?;
@@ -125,7 +135,7 @@ impl Tokenizer {
             "truncation": null,
             "padding": null,
             "added_tokens": added,
-            "normalizer": {"type": "NFC"},
+            "normalizer": normalizer(&vocab.pre),
             "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
                 {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
                 byte_level,

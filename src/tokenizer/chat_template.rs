@@ -38,6 +38,13 @@ pub struct ChatMessage {
     pub tool_calls: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// The reasoning of an earlier assistant turn (thinking models' templates put it back
+    /// between `<think>` tags, or leave it out, as they were trained).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    /// The call a tool message answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -47,6 +54,8 @@ impl ChatMessage {
             content: content.into(),
             tool_calls: None,
             name: None,
+            reasoning_content: None,
+            tool_call_id: None,
         }
     }
 
@@ -95,9 +104,12 @@ fn raise_exception(message: String) -> Result<Value, Error> {
 }
 
 /// A model's chat templates, compiled once, ready to render conversations.
+#[derive(Clone)]
 pub(crate) struct ChatTemplate {
     environment: Environment<'static>,
     template_names: Vec<String>,
+    /// The source of each template, by the index of its name.
+    sources: Vec<String>,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -140,7 +152,9 @@ impl ChatTemplate {
         environment.add_filter("tojson", tojson_filter);
 
         let mut template_names = Vec::new();
+        let mut template_sources = Vec::new();
         for (name, source) in sources.templates {
+            template_sources.push(source.clone());
             environment
                 .add_template_owned(name.clone(), source)
                 .map_err(|err| TokenizerError::ChatTemplateSyntax {
@@ -153,6 +167,7 @@ impl ChatTemplate {
         Ok(ChatTemplate {
             environment,
             template_names,
+            sources: template_sources,
             bos_token,
             eos_token,
         })
@@ -185,11 +200,22 @@ impl ChatTemplate {
         }
     }
 
+    /// The source of the template a conversation with (or without) tools is rendered by.
+    pub fn source(&self, has_tools: bool) -> Result<&str, TokenizerError> {
+        let name = self.select_template_name(has_tools)?;
+        let index = self.template_names.iter().position(|n| n == name).expect("a selected name is one of the names");
+        Ok(&self.sources[index])
+    }
+
+    /// Renders a conversation. `extra` holds further template variables (transformers'
+    /// `chat_template_kwargs`, e.g. `enable_thinking`); they cannot replace the variables set
+    /// here.
     pub fn render(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
         tools: Option<&serde_json::Value>,
+        extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, TokenizerError> {
         let name = self.select_template_name(tools.is_some())?;
         let template =
@@ -202,6 +228,9 @@ impl ChatTemplate {
         // transformers passes `tools=None` when there are none, so `tools` is
         // always defined; the special tokens appear only when the model has them.
         let mut variables: BTreeMap<&str, Value> = BTreeMap::new();
+        for (key, value) in extra {
+            variables.insert(key.as_str(), Value::from(Serde(value)));
+        }
         variables.insert("messages", Value::from(Serde(messages)));
         variables.insert("add_generation_prompt", Value::from(add_generation_prompt));
         variables.insert(

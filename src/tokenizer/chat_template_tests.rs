@@ -332,3 +332,61 @@ fn qwen3_template_with_tools_and_tool_calls_matches_jinja2() {
 fn qwen3_template_multi_turn_with_thinking_matches_jinja2() {
     assert_qwen3_renders_like_jinja2("conversation_multi_turn");
 }
+
+fn qwen35_fixture_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/qwen35")
+}
+
+/// Renders a conversation fixture with the real Qwen3.5 template (llama.cpp's
+/// models/templates/Qwen3.5-4B.jinja) and compares with jinja2's output (written by
+/// `render_reference.py`) byte for byte. Content given as a list of text parts is joined, as
+/// the server does before the template sees it.
+fn assert_qwen35_renders_like_jinja2(name: &str) {
+    let dir = qwen35_fixture_dir();
+    let source = std::fs::read_to_string(dir.join("chat_template.jinja")).expect("Qwen3.5 template fixture");
+    let conversation: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join(format!("{name}.json"))).expect("conversation fixture")).expect("conversation is JSON");
+    let expected = std::fs::read_to_string(dir.join(format!("{name}.expected.txt"))).expect("expected render");
+    let mut messages = conversation["messages"].clone();
+    for message in messages.as_array_mut().expect("a list of messages") {
+        if let Some(parts) = message["content"].as_array() {
+            let text: String = parts.iter().filter_map(|p| p["text"].as_str()).collect();
+            message["content"] = serde_json::Value::String(text);
+        }
+    }
+    let messages: Vec<ChatMessage> = serde_json::from_value(messages).expect("messages deserialize");
+    let kwargs = conversation.get("chat_template_kwargs").and_then(|k| k.as_object()).cloned().unwrap_or_default();
+    let config = serde_json::json!({"eos_token": "<|im_end|>", "chat_template": source}).to_string();
+    let tokenizer = Tokenizer::from_bytes(tiny_bpe_tokenizer_json().as_bytes(), Some(config.as_bytes())).expect("tiny tokenizer with the Qwen3.5 template loads");
+    let add_generation_prompt = conversation["add_generation_prompt"].as_bool().expect("flag");
+    let rendered = tokenizer.apply_chat_template_with(&messages, add_generation_prompt, conversation.get("tools"), &kwargs).expect("renders");
+    assert_eq!(rendered, expected);
+}
+
+#[test]
+fn qwen35_template_with_tools_tool_calls_and_results_matches_jinja2() {
+    assert_qwen35_renders_like_jinja2("conversation_tools");
+}
+
+#[test]
+fn qwen35_template_with_thinking_off_matches_jinja2() {
+    assert_qwen35_renders_like_jinja2("conversation_thinking_off");
+}
+
+#[test]
+fn qwen35_template_multi_turn_with_earlier_reasoning_matches_jinja2() {
+    assert_qwen35_renders_like_jinja2("conversation_multi_turn_reasoning");
+}
+
+#[test]
+fn qwen35_template_reasoning_of_tool_turns_matches_jinja2() {
+    assert_qwen35_renders_like_jinja2("conversation_tool_turn_reasoning");
+}
+
+#[test]
+fn template_kwargs_cannot_replace_the_conversation() {
+    let template = "{{ messages | length }} {{ enable_thinking }}";
+    let tokenizer = tiny_tokenizer_with_template(template);
+    let kwargs = serde_json::json!({"messages": [], "enable_thinking": false});
+    let rendered = tokenizer.apply_chat_template_with(&[ChatMessage::user("x")], false, None, kwargs.as_object().expect("object")).expect("renders");
+    assert_eq!(rendered, "1 False");
+}

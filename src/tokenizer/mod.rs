@@ -12,12 +12,13 @@ mod config;
 mod python_json;
 pub mod stop_strings;
 mod stream;
+mod token_bytes;
 mod strftime;
 
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
-mod tiny_bpe_fixture;
+pub(crate) mod tiny_bpe_fixture;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -27,6 +28,7 @@ use tokenizers::AddedToken;
 pub use bpe_vocab::BpeVocab;
 pub use chat_template::ChatMessage;
 pub use stream::StreamDecoder;
+pub use token_bytes::TokenBytes;
 
 use chat_template::{ChatTemplate, ChatTemplateSources, DEFAULT_TEMPLATE_NAME};
 use config::TokenizerConfig;
@@ -105,7 +107,7 @@ pub enum TokenizerError {
 
 /// A model's tokenizer with its chat template. Immutable after loading, so one
 /// instance behind an `Arc` serves every request.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// Counted once: `tokenizers` rebuilds the whole vocabulary map to count it.
@@ -310,11 +312,29 @@ impl Tokenizer {
         add_generation_prompt: bool,
         tools: Option<&serde_json::Value>,
     ) -> Result<String, TokenizerError> {
+        self.apply_chat_template_with(messages, add_generation_prompt, tools, &serde_json::Map::new())
+    }
+
+    /// [`Self::apply_chat_template`] with further template variables (`chat_template_kwargs`
+    /// in the OpenAI-compatible API, e.g. `{"enable_thinking": false}`).
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, TokenizerError> {
         let template = self
             .chat_template
             .as_ref()
             .ok_or(TokenizerError::NoChatTemplate)?;
-        template.render(messages, add_generation_prompt, tools)
+        template.render(messages, add_generation_prompt, tools, extra)
+    }
+
+    /// The source of the chat template a conversation with (or without) tools is rendered
+    /// by; its conventions (tool-call syntax, reasoning blocks) are read from it.
+    pub fn chat_template_source(&self, has_tools: bool) -> Option<&str> {
+        self.chat_template.as_ref().and_then(|template| template.source(has_tools).ok())
     }
 
     pub fn stream_decoder(&self, skip_special_tokens: bool) -> StreamDecoder<'_> {

@@ -3,6 +3,7 @@
 
 use super::keys::{action_for, parse_command, Action, Command};
 use super::state::{ChatView, Entry, ReplyStats, Settings, Speaker, Status, GENERATING_HINT, HELP_TEXT, IDLE_HINT, QUIT_HINT};
+use crate::chat_format::{prompt_opens_reasoning, ChatFormat, ReasoningPart, ReasoningSplitter};
 use crate::engine::request::{FinishReason, Request, SpecMethod};
 use crate::backend::sampling::SamplingParams;
 use crate::model::ModelFiles;
@@ -28,6 +29,8 @@ struct ActiveReply {
     generated: Vec<u32>,
     /// Index of the reply's entry in the transcript.
     entry: usize,
+    /// A thinking model's reply: `Some(opened_in_prompt)`, its reasoning is split off.
+    reasoning: Option<bool>,
 }
 
 pub struct App {
@@ -168,6 +171,10 @@ impl App {
                 self.view.settings.temperature = t;
                 self.view.note(if t == 0.0 { "Temperature 0: greedy decoding.".to_string() } else { format!("Temperature {t}.") });
             }
+            Command::Reasoning => {
+                self.view.show_reasoning = !self.view.show_reasoning;
+                self.view.note(if self.view.show_reasoning { "Reasoning is shown." } else { "Reasoning is folded." });
+            }
             Command::Help => self.view.note(HELP_TEXT),
             Command::Quit => self.quit = true,
         }
@@ -178,13 +185,13 @@ impl App {
     fn start_reply(&mut self) -> Result<(), String> {
         let context = self.engine.info().max_model_len;
         let mut first_turn = 0;
-        let (prompt_ids, dropped) = loop {
+        let (prompt_ids, dropped, opened) = loop {
             let mut messages: Vec<ChatMessage> = self.options.system_prompt.iter().map(ChatMessage::system).collect();
             messages.extend_from_slice(&self.conversation[first_turn..]);
             let text = self.files.tokenizer.apply_chat_template(&messages, true, None).map_err(|err| format!("cannot apply the chat template: {err}"))?;
             let ids = self.files.tokenizer.encode(&text, false).map_err(|err| format!("cannot tokenize the conversation: {err}"))?;
             if ids.len() < context {
-                break (ids, first_turn);
+                break (ids, first_turn, prompt_opens_reasoning(&text));
             }
             // Keep the newest message; older turns go in user/assistant pairs.
             if self.conversation.len() - first_turn <= 1 {
@@ -205,10 +212,11 @@ impl App {
             seed: self.options.sampling.seed.wrapping_add(self.replies_started),
             ..self.options.sampling.clone()
         };
-        let request = Request { prompt_ids, params, max_tokens, stop_token_ids: self.files.chat_stop_token_ids(), spec: Some(self.view.settings.spec) };
+        let request = Request { spec: Some(self.view.settings.spec), ..Request::new(prompt_ids, params, max_tokens, self.files.chat_stop_token_ids()) };
         let generation = self.engine.submit(request).map_err(|err| err.to_string())?;
         self.view.transcript.push(Entry::new(Speaker::Assistant, ""));
-        self.active = Some(ActiveReply { generation, generated: Vec::new(), entry: self.view.transcript.len() - 1 });
+        let reasoning = ChatFormat::of(&self.files.tokenizer, false).thinking.then_some(opened);
+        self.active = Some(ActiveReply { generation, generated: Vec::new(), entry: self.view.transcript.len() - 1, reasoning });
         self.view.reply = Some(ReplyStats::new(self.view.settings.spec, prompt_tokens, Instant::now()));
         self.view.generating = true;
         self.view.status = Status::Hint(GENERATING_HINT.into());
@@ -239,12 +247,13 @@ impl App {
                     self.view.generating = false;
                     self.view.error(format!("the engine refused the message: {err}"));
                 }
-                GenerationEvent::Tokens { tokens, spec } => {
+                GenerationEvent::Tokens { tokens, spec, cached_tokens, .. } => {
                     active.generated.extend_from_slice(&tokens);
                     if let Some(stats) = self.view.reply.as_mut() {
                         stats.first_token_at.get_or_insert_with(Instant::now);
                         stats.tokens = active.generated.len();
                         stats.spec = spec;
+                        stats.cached_tokens = Some(cached_tokens);
                     }
                     self.refresh_reply_text();
                 }
@@ -252,6 +261,7 @@ impl App {
                     if let Some(stats) = self.view.reply.as_mut() {
                         stats.spec = summary.spec;
                         stats.tokens = summary.generated.len();
+                        stats.cached_tokens = Some(summary.cached_tokens);
                     }
                     self.end_reply(Some(reason));
                 }
@@ -264,13 +274,32 @@ impl App {
         }
     }
 
-    /// The reply's text so far. Decoding everything again each time keeps multi-token
-    /// characters right; a character still incomplete shows up on the next token.
+    /// The reply's text so far, its reasoning apart. Decoding everything again each time keeps
+    /// multi-token characters right; a character still incomplete shows up on the next token.
     fn refresh_reply_text(&mut self) {
         let Some(active) = self.active.as_ref() else { return };
-        match self.files.tokenizer.decode(&active.generated, true) {
-            Ok(text) => self.view.transcript[active.entry].text = text.trim_end_matches('\u{FFFD}').to_string(),
-            Err(err) => self.view.status = Status::Error(format!("cannot decode the reply: {err}")),
+        let text = match self.files.tokenizer.decode(&active.generated, true) {
+            Ok(text) => text.trim_end_matches('\u{FFFD}').to_string(),
+            Err(err) => {
+                self.view.status = Status::Error(format!("cannot decode the reply: {err}"));
+                return;
+            }
+        };
+        let entry = &mut self.view.transcript[active.entry];
+        match active.reasoning {
+            None => entry.text = text,
+            Some(opened) => {
+                let mut splitter = ReasoningSplitter::new(opened);
+                let mut parts = splitter.push(&text);
+                parts.extend(splitter.finish());
+                (entry.reasoning, entry.text) = (String::new(), String::new());
+                for part in parts {
+                    match part {
+                        ReasoningPart::Reasoning(t) => entry.reasoning.push_str(&t),
+                        ReasoningPart::Content(t) => entry.text.push_str(&t),
+                    }
+                }
+            }
         }
     }
 
@@ -278,6 +307,7 @@ impl App {
         self.refresh_reply_text();
         let Some(active) = self.active.take() else { return };
         let text = self.view.transcript[active.entry].text.clone();
+        let reasoning = self.view.transcript[active.entry].reasoning.clone();
         self.view.transcript[active.entry].ending = match reason {
             Some(FinishReason::Abort) => Some("stopped"),
             Some(FinishReason::Length) => Some("token limit"),
@@ -285,7 +315,9 @@ impl App {
         };
         // A stopped or cut reply stays in the conversation: the next message follows what was shown.
         if reason.is_some() {
-            self.conversation.push(ChatMessage::assistant(text));
+            let mut reply = ChatMessage::assistant(text);
+            reply.reasoning_content = (!reasoning.is_empty()).then_some(reasoning);
+            self.conversation.push(reply);
         } else {
             self.conversation.pop();
         }

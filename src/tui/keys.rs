@@ -68,6 +68,8 @@ pub enum Command {
     Clear,
     Spec(SpecMethod),
     Temperature(f32),
+    /// Show or fold replies' reasoning.
+    Reasoning,
     Help,
     Quit,
 }
@@ -84,6 +86,7 @@ pub fn parse_command(text: &str) -> Option<Result<Command, String>> {
     }
     let command = match (name, argument) {
         ("clear", None) => Ok(Command::Clear),
+        ("reasoning", None) | ("think", None) => Ok(Command::Reasoning),
         ("help", None) | ("?", None) => Ok(Command::Help),
         ("quit", None) | ("exit", None) => Ok(Command::Quit),
         ("spec", Some(method)) => method.parse().map(Command::Spec),
@@ -132,6 +135,7 @@ mod tests {
         assert_eq!(parse_command("/clear"), Some(Ok(Command::Clear)));
         assert_eq!(parse_command(" /spec ngram "), Some(Ok(Command::Spec(SpecMethod::Ngram))));
         assert_eq!(parse_command("/temp 0.7"), Some(Ok(Command::Temperature(0.7))));
+        assert_eq!(parse_command("/reasoning"), Some(Ok(Command::Reasoning)));
         for bad in ["/temp hot", "/temp 3", "/temp NaN", "/spec fast", "/spec", "/frobnicate", "/clear now please"] {
             assert!(matches!(parse_command(bad), Some(Err(_))), "{bad}");
         }

@@ -104,6 +104,13 @@ pub fn panel_lines(reply: Option<&ReplyStats>, spec_tokens: usize, current_metho
     lines.push((Keep::Detail, Line::from(vec![label("engine tok/s"), value(format!("{:.1}", snapshot.tokens_per_second))])));
     if let Some(r) = reply {
         lines.push((Keep::Detail, Line::from(vec![label("tokens"), value(format!("{} + {}", r.prompt_tokens, r.tokens))])));
+        // The prompt tokens this turn did not compute again: the conversation so far, mostly.
+        let cached = match r.cached_tokens {
+            Some(n) if r.prompt_tokens > 0 => format!("{n} ({:.0}%)", 100.0 * n as f64 / r.prompt_tokens as f64),
+            Some(n) => n.to_string(),
+            None => "—".to_string(),
+        };
+        lines.push((Keep::Detail, Line::from(vec![label("cached"), value(cached)])));
     }
 
     lines.push((Keep::Spacer, Line::default()));
@@ -115,6 +122,11 @@ pub fn panel_lines(reply: Option<&ReplyStats>, spec_tokens: usize, current_metho
     let kv_bar = bar(kv_fraction, inner_width.saturating_sub(LABEL_WIDTH).max(4));
     lines.push((Keep::Detail, Line::from(vec![Span::raw(" ".repeat(LABEL_WIDTH)), Span::styled(kv_bar, Style::default().fg(Color::Yellow))])));
     lines.push((Keep::Always, Line::from(vec![label("state slots"), value(format!("{}/{}", snapshot.state_slots_used, snapshot.state_slots_total))])));
+    let prefix_cache = match &snapshot.prefix_cache {
+        Some(c) => format!("{:.0}% hit, {} ckpt", 100.0 * c.hit_rate(), c.checkpoints),
+        None => "off".to_string(),
+    };
+    lines.push((Keep::Detail, Line::from(vec![label("prefix cache"), value(prefix_cache)])));
     if !snapshot.alive {
         lines.insert(0, (Keep::Always, Line::from(Span::styled("engine stopped", Style::default().fg(Color::Red)))));
     }

@@ -19,13 +19,15 @@ pub enum Speaker {
 pub struct Entry {
     pub speaker: Speaker,
     pub text: String,
+    /// A thinking model's reasoning before its answer (shown dimmed, folded unless asked for).
+    pub reasoning: String,
     /// Set on an assistant reply that Ctrl-C cut short, or that hit the token limit.
     pub ending: Option<&'static str>,
 }
 
 impl Entry {
     pub fn new(speaker: Speaker, text: impl Into<String>) -> Self {
-        Entry { speaker, text: text.into(), ending: None }
+        Entry { speaker, text: text.into(), reasoning: String::new(), ending: None }
     }
 }
 
@@ -48,12 +50,14 @@ pub struct ReplyStats {
     pub finished_at: Option<Instant>,
     pub tokens: usize,
     pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache (known once the engine admitted the request).
+    pub cached_tokens: Option<usize>,
     pub spec: SpecStats,
 }
 
 impl ReplyStats {
     pub fn new(method: SpecMethod, prompt_tokens: usize, submitted_at: Instant) -> Self {
-        ReplyStats { method, submitted_at, first_token_at: None, finished_at: None, tokens: 0, prompt_tokens, spec: SpecStats::default() }
+        ReplyStats { method, submitted_at, first_token_at: None, finished_at: None, tokens: 0, prompt_tokens, cached_tokens: None, spec: SpecStats::default() }
     }
 
     pub fn ttft(&self) -> Option<Duration> {
@@ -87,6 +91,8 @@ pub struct ChatView {
     pub reply: Option<ReplyStats>,
     pub settings: Settings,
     pub generating: bool,
+    /// Unfold every reply's reasoning (`/reasoning` toggles it).
+    pub show_reasoning: bool,
 }
 
 impl ChatView {
@@ -100,6 +106,7 @@ impl ChatView {
             reply: None,
             settings,
             generating: false,
+            show_reasoning: false,
         }
     }
 
@@ -126,6 +133,7 @@ Commands:
   /clear               forget the conversation
   /spec none|ngram|mtp speculation method for the next replies
   /temp T              sampling temperature (0 = greedy)
+  /reasoning           show or fold the reasoning of thinking models
   /help                this text
   /quit                leave (also Esc, Ctrl-D, or Ctrl-C when idle, pressed twice)
 Keys:

@@ -62,12 +62,32 @@ pub fn transcript_lines(view: &ChatView, width: usize) -> Vec<Line<'static>> {
             Speaker::Error => Style::default().fg(Color::Red),
             _ => Style::default(),
         };
-        let text = if entry.text.is_empty() && view.generating && index + 1 == count { "…" } else { entry.text.as_str() };
-        lines.extend(wrap(text, width).into_iter().map(|line| Line::from(Span::styled(line, style))));
+        let replying = view.generating && index + 1 == count;
+        if !entry.reasoning.is_empty() {
+            lines.extend(reasoning_lines(&entry.reasoning, width, view.show_reasoning || (replying && entry.text.is_empty())));
+        }
+        let text = if entry.text.is_empty() && replying && entry.reasoning.is_empty() { "…" } else { entry.text.as_str() };
+        if !text.is_empty() || entry.reasoning.is_empty() {
+            lines.extend(wrap(text, width).into_iter().map(|line| Line::from(Span::styled(line, style))));
+        }
         if let Some(ending) = entry.ending {
             lines.push(Line::from(Span::styled(format!("[{ending}]"), Style::default().fg(Color::DarkGray).add_modifier(Modifier::ITALIC))));
         }
     }
+    lines
+}
+
+/// A reply's reasoning: dimmed in full while the model is still thinking or when asked for,
+/// otherwise folded into one line.
+fn reasoning_lines(reasoning: &str, width: usize, unfolded: bool) -> Vec<Line<'static>> {
+    let dim = Style::default().fg(Color::DarkGray).add_modifier(Modifier::DIM);
+    let wrapped = wrap(reasoning, width.saturating_sub(2).max(1));
+    if !unfolded {
+        let summary = format!("▸ reasoning, {} lines (/reasoning shows it)", wrapped.len());
+        return vec![Line::from(Span::styled(truncate_to_width(&summary, width), dim.add_modifier(Modifier::ITALIC)))];
+    }
+    let mut lines = vec![Line::from(Span::styled("▾ reasoning", dim.add_modifier(Modifier::ITALIC)))];
+    lines.extend(wrapped.into_iter().map(|line| Line::from(Span::styled(format!("│ {line}"), dim))));
     lines
 }
 

@@ -3,6 +3,7 @@
 use super::panel::PANEL_WIDTH;
 use super::state::{ChatView, Entry, ReplyStats, Settings, Speaker};
 use super::view::{draw, wrap, MIN_WIDTH_FOR_PANEL};
+use crate::engine::cache::PrefixCacheStats;
 use crate::engine::metrics::SpecStats;
 use crate::engine::request::SpecMethod;
 use crate::engine::worker::EngineSnapshot;
@@ -34,9 +35,12 @@ fn snapshot() -> EngineSnapshot {
 }
 
 fn render(view: &mut ChatView, width: u16, height: u16) -> Vec<String> {
+    render_with(view, width, height, &snapshot())
+}
+
+fn render_with(view: &mut ChatView, width: u16, height: u16, snapshot: &EngineSnapshot) -> Vec<String> {
     let mut terminal = Terminal::new(TestBackend::new(width, height)).expect("test terminal");
-    let snapshot = snapshot();
-    terminal.draw(|frame| draw(frame, view, &snapshot)).expect("draws");
+    terminal.draw(|frame| draw(frame, view, snapshot)).expect("draws");
     let buffer = terminal.backend().buffer();
     (0..height).map(|y| (0..width).map(|x| buffer.cell((x, y)).map_or(" ", |cell| cell.symbol())).collect::<String>()).collect()
 }
@@ -134,4 +138,35 @@ fn a_short_panel_keeps_acceptance_speed_and_cache_figures() {
     for needle in ["acceptance   50.0%", " 3 ", "TTFT", "KV cache", "state slots"] {
         assert!(text.contains(needle), "missing {needle:?} in\n{text}");
     }
+}
+
+#[test]
+fn reasoning_is_dimmed_and_folded_unless_asked_for() {
+    let mut view = view_with_reply();
+    view.transcript[1].reasoning = "The user greets me.\nI should greet back.".into();
+    let text = render(&mut view, 100, 32).join("\n");
+    assert!(text.contains("▸ reasoning, 2 lines (/reasoning shows it)"), "{text}");
+    assert!(!text.contains("I should greet back") && text.contains("The kestrel hovers"), "{text}");
+    view.show_reasoning = true;
+    let text = render(&mut view, 100, 32).join("\n");
+    assert!(text.contains("▾ reasoning") && text.contains("│ I should greet back."), "{text}");
+    // While the model is still thinking (no answer yet) the reasoning shows as it streams.
+    view.show_reasoning = false;
+    view.transcript[1].text.clear();
+    view.generating = true;
+    let text = render(&mut view, 100, 32).join("\n");
+    assert!(text.contains("│ The user greets me."), "{text}");
+}
+
+#[test]
+fn panel_shows_the_prompt_tokens_served_from_the_prefix_cache() {
+    let mut view = view_with_reply();
+    let text = render(&mut view, 100, 40).join("\n");
+    assert!(text.contains("cached       —"), "not yet admitted: {text}");
+    assert!(text.contains("prefix cache off"), "{text}");
+    view.reply.as_mut().expect("a reply").cached_tokens = Some(9);
+    let stats = PrefixCacheStats { queries: 4, hits: 2, queried_tokens: 1000, cached_tokens: 600, checkpoints: 3, checkpoint_capacity: 64, ..Default::default() };
+    let text = render_with(&mut view, 100, 40, &EngineSnapshot { prefix_cache: Some(stats), ..snapshot() }).join("\n");
+    assert!(text.contains("cached       9 (75%)"), "{text}");
+    assert!(text.contains("prefix cache 60% hit, 3 ckpt"), "{text}");
 }

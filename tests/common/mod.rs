@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod conversation;
+
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
 use kestrel::engine::request::{Request, RequestEvent, RequestId, SpecMethod};
@@ -54,7 +56,7 @@ pub fn engine(model: Qwen35<CpuBackend>, config: EngineConfig) -> Engine<CpuBack
 }
 
 pub fn request(prompt: &[u32], max_tokens: usize, params: SamplingParams, spec: Option<SpecMethod>) -> Request {
-    Request { prompt_ids: prompt.to_vec(), params, max_tokens, stop_token_ids: Vec::new(), spec }
+    Request { spec, ..Request::new(prompt.to_vec(), params, max_tokens, Vec::new()) }
 }
 
 /// Runs requests through an engine, adding request `i` after `arrival_steps[i]` steps; returns

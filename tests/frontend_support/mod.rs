@@ -4,7 +4,7 @@
 
 pub mod scripted_model;
 
-use scripted_model::{chain, write_scripted_model};
+use scripted_model::{chain, script_chains, write_scripted_model, Script};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -20,6 +20,30 @@ pub const CHAT_REPLY_TOKENS: usize = 13;
 pub const TOOL_CALL_TEXT: &str = "<tool_call>{\"name\":\"get_weather\",\"arguments\":{\"days\":3}}</tool_call>";
 /// The newline token: every ChatML generation prompt ends with it.
 const NEWLINE_TOKEN: u32 = 198;
+/// `<|im_start|>assistant`: the tokens before the newline of a ChatML generation prompt.
+const ASSISTANT: [u32; 2] = [151_644, 77_091];
+/// The tokens before the last newline(s) of a thinking template's generation prompt: `\n<think>`
+/// with thinking on (Qwen3.5's), `\n\n</think>` with thinking off (`<think>\n\n</think>\n\n`).
+const THINKING_ON: [u32; 2] = [198, 151_667];
+const THINKING_OFF: [u32; 2] = [271, 151_668];
+/// `\n\n`: the generation prompt of a thinking template with thinking turned off ends with it.
+const BLANK_LINE_TOKEN: u32 = 271;
+/// `<|im_end|>`, the end of an assistant turn.
+const END_OF_TURN_TOKEN: u32 = 151_645;
+
+/// The thinking model's reasoning, then its answer (a sentence, then a JSON tool call).
+pub const THINKING_REASONING: &str = "The user wants the weather.\nI will call get_weather.";
+pub const THINKING_ANSWER: &str = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"days\": 3}}\n</tool_call>";
+/// Its answer when the template's thinking is turned off.
+pub const THINKING_OFF_ANSWER: &str = "Sure, here it is.";
+/// The Qwen3.5-template model's reasoning and its XML tool calls.
+pub const XML_REASONING: &str = "I need the weather for San Francisco.";
+pub const XML_TOOL_CALLS: &str = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=filters>\n{\"rain\": {\"min\": 0.5}, \"hours\": [6, 18], \"alerts\": true, \"station\": None}\n</parameter>\n<parameter=note>\nfirst line\nsecond line\n</parameter>\n</function>\n</tool_call>";
+pub const XML_THINKING_OFF_ANSWER: &str = "No tool is needed for that.";
+
+pub fn qwen35_template() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/qwen35/chat_template.jinja")
+}
 /// The NaN chat model embeds this word's tokens as NaN: a message holding it meets NaN logits.
 pub const POISON_WORD: &str = "nightshade";
 
@@ -50,7 +74,7 @@ pub fn chat_model() -> &'static Path {
     DIR.get_or_init(|| {
         let dir = models_root().join("kestrel-chat-test");
         let tokenizer = kestrel::tokenizer::Tokenizer::from_dir(&qwen3_tokenizer_dir()).expect("Qwen3 tokenizer loads");
-        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &chain(&tokenizer, NEWLINE_TOKEN, CHAT_REPLY, true), 11, &[]);
+        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &chain(&tokenizer, ASSISTANT, NEWLINE_TOKEN, CHAT_REPLY), 11, &[]);
         dir
     })
 }
@@ -61,13 +85,13 @@ pub fn nan_chat_model() -> &'static Path {
     DIR.get_or_init(|| {
         let dir = models_root().join("kestrel-nan-chat-test");
         let tokenizer = kestrel::tokenizer::Tokenizer::from_dir(&qwen3_tokenizer_dir()).expect("Qwen3 tokenizer loads");
-        let transitions = chain(&tokenizer, NEWLINE_TOKEN, CHAT_REPLY, true);
+        let transitions = chain(&tokenizer, ASSISTANT, NEWLINE_TOKEN, CHAT_REPLY);
         let mut poisoned = tokenizer.encode(POISON_WORD, false).expect("encodes");
         poisoned.extend(tokenizer.encode(&format!(" {POISON_WORD}"), false).expect("encodes"));
         // A message without the word must not touch them: the template's own tokens and the reply are clean.
         let clean = tokenizer.apply_chat_template(&[kestrel::tokenizer::ChatMessage::user("Tell me about kestrels.")], true, None).expect("template renders");
         let mut clean_ids = tokenizer.encode(&clean, false).expect("encodes");
-        clean_ids.extend(transitions.iter().flat_map(|t| [t.from, t.to]));
+        clean_ids.extend(transitions.iter().flat_map(|t| t.context.into_iter().chain([t.from, t.to])));
         assert!(poisoned.iter().all(|t| !clean_ids.contains(t)), "{POISON_WORD:?} shares tokens with a clean conversation");
         write_scripted_model(&dir, &qwen3_tokenizer_dir(), &transitions, 11, &poisoned);
         dir
@@ -80,7 +104,45 @@ pub fn tool_model() -> &'static Path {
     DIR.get_or_init(|| {
         let dir = models_root().join("kestrel-tool-test");
         let tokenizer = kestrel::tokenizer::Tokenizer::from_dir(&qwen3_tokenizer_dir()).expect("Qwen3 tokenizer loads");
-        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &chain(&tokenizer, NEWLINE_TOKEN, &format!("{TOOL_CALL_TEXT}<|im_end|>"), false), 12, &[]);
+        let script = Script { context: ASSISTANT, start: NEWLINE_TOKEN, text: TOOL_CALL_TEXT, end: Some(END_OF_TURN_TOKEN) };
+        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &script_chains(&tokenizer, &[script]), 12, &[]);
+        dir
+    })
+}
+
+/// A thinking model with the real Qwen3 template: with thinking on it reasons in a `<think>`
+/// block it opens itself, then answers with a sentence and a JSON tool call; with thinking off
+/// (the template then writes an empty block) it answers with a sentence.
+pub fn thinking_model() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = models_root().join("kestrel-thinking-test");
+        let tokenizer = kestrel::tokenizer::Tokenizer::from_dir(&qwen3_tokenizer_dir()).expect("Qwen3 tokenizer loads");
+        let on = format!("<think>\n{THINKING_REASONING}\n</think>\n\n{THINKING_ANSWER}");
+        let scripts = [
+            Script { context: ASSISTANT, start: NEWLINE_TOKEN, text: &on, end: Some(END_OF_TURN_TOKEN) },
+            Script { context: THINKING_OFF, start: BLANK_LINE_TOKEN, text: THINKING_OFF_ANSWER, end: Some(END_OF_TURN_TOKEN) },
+        ];
+        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &script_chains(&tokenizer, &scripts), 13, &[]);
+        dir
+    })
+}
+
+/// A model with the real Qwen3.5 template (its generation prompt opens the `<think>` block): it
+/// reasons, closes the block and calls two tools in the XML form, with several parameters, a
+/// nested JSON value, a multi-line string and Python's `None`.
+pub fn xml_tool_model() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = models_root().join("kestrel-xml-tool-test");
+        let tokenizer = kestrel::tokenizer::Tokenizer::from_dir(&qwen3_tokenizer_dir()).expect("Qwen3 tokenizer loads");
+        let on = format!("{XML_REASONING}\n</think>\n\n{XML_TOOL_CALLS}");
+        let scripts = [
+            Script { context: THINKING_ON, start: NEWLINE_TOKEN, text: &on, end: Some(END_OF_TURN_TOKEN) },
+            Script { context: THINKING_OFF, start: BLANK_LINE_TOKEN, text: XML_THINKING_OFF_ANSWER, end: Some(END_OF_TURN_TOKEN) },
+        ];
+        write_scripted_model(&dir, &qwen3_tokenizer_dir(), &script_chains(&tokenizer, &scripts), 14, &[]);
+        std::fs::copy(qwen35_template(), dir.join("chat_template.jinja")).expect("the Qwen3.5 template is copied");
         dir
     })
 }

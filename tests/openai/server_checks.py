@@ -18,10 +18,11 @@ import time
 import urllib.parse
 
 try:
+    import jsonschema
     import openai
 except ImportError:
-    sys.exit("the `openai` package is missing: python3 -m pip install --target target/test-assets/py openai "
-             "and put that folder on PYTHONPATH (bash .ci/run does both)")
+    sys.exit("the `openai` and `jsonschema` packages are missing: python3 -m pip install --target target/test-assets/py "
+             "openai jsonschema and put that folder on PYTHONPATH (bash .ci/run does both)")
 
 CHECKS = {}
 
@@ -267,8 +268,8 @@ def errors(ctx):
     status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, "max_tokens": 100000}))
     assert_error(status, body, 400, want_param="max_tokens", want_code="context_length_exceeded")
 
-    for field, value in (("temperature", 5.0), ("temperature", -1), ("top_p", 0.0), ("max_tokens", 0), ("n", 2), ("top_k", -3),
-                         ("min_p", 1.5), ("presence_penalty", 1.0), ("spec", "telepathy")):
+    for field, value in (("temperature", 5.0), ("temperature", -1), ("top_p", 0.0), ("max_tokens", 0), ("n", 0), ("top_k", -3),
+                         ("min_p", 1.5), ("presence_penalty", 5.0), ("spec", "telepathy")):
         status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, field: value}))
         assert_error(status, body, 400, want_param=field)
     status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, "messages": [{"role": "wizard", "content": "x"}]}))
@@ -527,6 +528,407 @@ def disconnect(ctx):
     assert metrics["kestrel_kv_blocks_used"] == 0, metrics
 
 
+# --- Generation features: structured outputs, forced tool calls, log probabilities, choices,
+# penalties, reasoning. Each compares the speculation methods: tokens and log probabilities must
+# be bitwise the same with spec none, ngram and mtp.
+
+SPECS = ("none", "ngram", "mtp")
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "address", "tags", "active"],
+    "additionalProperties": False,
+}
+
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                       "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a zone", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}, "required": ["zone"], "additionalProperties": False}}},
+]
+
+
+def chat_choices(response):
+    """What a chat response says, without its random ids: per choice the message, tool calls,
+    log probabilities and finish reason."""
+    out = []
+    for choice in response.choices:
+        message = choice.message
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        logprobs = choice.logprobs.model_dump() if choice.logprobs else None
+        out.append((choice.index, message.content, getattr(message, "reasoning_content", None), calls, logprobs, choice.finish_reason))
+    return out
+
+
+def completion_choices(response):
+    return [(c.index, c.text, c.logprobs.model_dump() if c.logprobs else None, c.finish_reason) for c in response.choices]
+
+
+def across_specs(run):
+    """`run(spec)` for every speculation method; all must give the same answer, which is returned."""
+    answers = {spec: run(spec) for spec in SPECS}
+    for spec in SPECS[1:]:
+        assert answers[spec] == answers["none"], f"spec {spec} changed the output:\n{answers[spec]}\nnone:\n{answers['none']}"
+    return answers["none"]
+
+
+@check
+def json_schema(ctx):
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    for seed in range(20):
+        def run(spec):
+            response = ctx.client.chat.completions.create(
+                model=ctx.model, messages=messages, response_format=response_format, temperature=1.0, seed=seed, max_tokens=400,
+                logprobs=True, top_logprobs=2, extra_body={"spec": spec})
+            return chat_choices(response)
+        [(_, content, _, _, logprobs, finish)] = across_specs(run) if seed < 3 else run("none")
+        assert finish == "stop", (seed, finish, content)
+        value = json.loads(content)
+        jsonschema.validate(value, PERSON_SCHEMA)
+        assert len(logprobs["content"]) > 0
+    # The same through a stream, and a plain JSON object.
+    stream = ctx.client.chat.completions.create(model=ctx.model, messages=messages, response_format=response_format, temperature=1.0, seed=3,
+                                                max_tokens=400, stream=True)
+    content, _, finish, _, _ = collect_chat_stream(stream)
+    assert finish == "stop"
+    jsonschema.validate(json.loads(content), PERSON_SCHEMA)
+    response = ctx.client.chat.completions.create(model=ctx.model, messages=messages, response_format={"type": "json_object"}, temperature=0, max_tokens=24)
+    assert response.choices[0].message.content.startswith("{"), response.choices[0].message.content
+
+
+@check
+def grammar(ctx):
+    lark = 'start: answer "."\nanswer: "yes" | "no" | "maybe " NUMBER\nNUMBER: /[0-9]{1,3}/'
+    seen = set()
+    for seed in range(6):
+        def run(spec):
+            response = ctx.client.completions.create(model=ctx.model, prompt="Is it raining?", temperature=1.0, seed=seed, max_tokens=16,
+                                                     extra_body={"grammar": lark, "spec": spec})
+            return completion_choices(response)
+        [(_, text, _, finish)] = across_specs(run)
+        assert finish == "stop", (text, finish)
+        assert text in ("yes.", "no.") or (text.startswith("maybe ") and text[6:-1].isdigit() and text.endswith(".")), text
+        seen.add(text)
+    response = ctx.client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=16,
+                                                  extra_body={"grammar": lark})
+    assert response.choices[0].message.content in ("yes.", "no.") or response.choices[0].message.content.startswith("maybe "), response.choices[0].message.content
+
+
+def tool_by_name(name):
+    return next(t["function"] for t in WEATHER_TOOLS if t["function"]["name"] == name)
+
+
+@check
+def forced_tool_calls(ctx):
+    messages = [{"role": "user", "content": "What should I wear tomorrow?"}]
+    for choice, seeds in (("required", range(4)), ({"type": "function", "function": {"name": "get_time"}}, range(2))):
+        for seed in seeds:
+            def run(spec):
+                response = ctx.client.chat.completions.create(
+                    model=ctx.model, messages=messages, tools=WEATHER_TOOLS, tool_choice=choice, temperature=1.0, seed=seed, max_tokens=200,
+                    logprobs=True, extra_body={"spec": spec})
+                return chat_choices(response)
+            [(_, content, _, calls, _, finish)] = across_specs(run)
+            assert finish == "tool_calls", (finish, content, calls)
+            assert len(calls) == 1, calls
+            name, arguments = calls[0]
+            if isinstance(choice, dict):
+                assert name == "get_time", name
+            jsonschema.validate(json.loads(arguments), tool_by_name(name)["parameters"])
+    stream = ctx.client.chat.completions.create(model=ctx.model, messages=messages, tools=WEATHER_TOOLS, tool_choice="required", temperature=1.0,
+                                                seed=1, max_tokens=200, stream=True)
+    _, calls, finish, _, _ = collect_chat_stream(stream)
+    assert finish == "tool_calls" and len(calls) == 1, (finish, calls)
+    jsonschema.validate(json.loads(calls[0]["arguments"]), tool_by_name(calls[0]["name"])["parameters"])
+
+
+@check
+def forced_xml_tool_call(ctx):
+    """On the Qwen3.5-template model the forced call is XML; it reasons first, freely."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "days", "unit"]}}}]
+    messages = [{"role": "user", "content": "Weather in San Francisco?"}]
+
+    def run(spec):
+        response = ctx.client.chat.completions.create(
+            model=ctx.model, messages=messages, tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            temperature=0, max_tokens=200, logprobs=True, extra_body={"spec": spec})
+        return chat_choices(response)
+    [(_, content, reasoning, calls, _, finish)] = across_specs(run)
+    assert reasoning == ctx.args.expect_reasoning, reasoning
+    assert finish == "tool_calls" and content is None, (finish, content)
+    assert len(calls) == 1 and calls[0][0] == "get_weather", calls
+    jsonschema.validate(json.loads(calls[0][1]), tools[0]["function"]["parameters"])
+
+
+@check
+def logprobs(ctx):
+    prompt = [1000, 2000, 3000, 4000]
+    def run(spec):
+        response = ctx.client.completions.create(model=ctx.model, prompt=prompt, temperature=1.0, seed=11, max_tokens=16, logprobs=5,
+                                                 extra_body={"spec": spec, "return_tokens_as_token_ids": True})
+        return completion_choices(response)
+    [(_, text, logprobs, _)] = across_specs(run)
+    assert len(logprobs["tokens"]) == 16 and all(t.startswith("token_id:") for t in logprobs["tokens"]), logprobs["tokens"]
+    tokens = [int(t.split(":")[1]) for t in logprobs["tokens"]]
+    tops = [{int(k.split(":")[1]): v for k, v in top.items()} for top in logprobs["top_logprobs"]]
+    for top in tops:
+        values = list(top.values())
+        assert len(top) == 5 and values == sorted(values, reverse=True), top
+    # Rust recomputes the logits of these positions and compares.
+    print("LOGPROBS_JSON " + json.dumps({"prompt": prompt, "tokens": tokens, "token_logprobs": logprobs["token_logprobs"],
+                                          "top_logprobs": [list(t.items()) for t in tops]}), flush=True)
+    # The same tokens streamed, and as text.
+    stream = ctx.client.completions.create(model=ctx.model, prompt=prompt, temperature=1.0, seed=11, max_tokens=16, logprobs=5, stream=True)
+    streamed_text, streamed_logprobs = "", []
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed_text += c.text
+            if c.logprobs:
+                streamed_logprobs += c.logprobs.token_logprobs
+    assert streamed_text == text and streamed_logprobs == logprobs["token_logprobs"], (streamed_text, text)
+    # Chat: entries with bytes and alternatives, streamed the same as whole.
+    messages = [{"role": "user", "content": "Tell me about kestrels."}]
+    def run_chat(spec):
+        return chat_choices(ctx.client.chat.completions.create(model=ctx.model, messages=messages, temperature=0.7, seed=2, max_tokens=20,
+                                                               logprobs=True, top_logprobs=3, extra_body={"spec": spec}))
+    [(_, content, _, _, chat_logprobs, _)] = across_specs(run_chat)
+    entries = chat_logprobs["content"]
+    assert len(entries) == 20 and bytes(b for e in entries for b in e["bytes"]).decode() == content, content
+    assert all(len(e["top_logprobs"]) == 3 and e["logprob"] <= 0 for e in entries)
+    stream = ctx.client.chat.completions.create(model=ctx.model, messages=messages, temperature=0.7, seed=2, max_tokens=20, logprobs=True,
+                                                top_logprobs=3, stream=True)
+    streamed = [e.model_dump() for chunk in stream for c in chunk.choices if c.logprobs for e in c.logprobs.content or []]
+    assert streamed == entries
+
+
+@check
+def choices(ctx):
+    prompt = [1000, 2000, 3000]
+    def run(spec, n):
+        return completion_choices(ctx.client.completions.create(model=ctx.model, prompt=prompt, temperature=1.0, seed=21, max_tokens=16, n=n,
+                                                                logprobs=1, extra_body={"spec": spec}))
+    four = across_specs(lambda spec: run(spec, 4))
+    one = across_specs(lambda spec: run(spec, 1))
+    assert [c[0] for c in four] == [0, 1, 2, 3]
+    assert four[0][1:] == one[0][1:], (four[0], one[0])
+    assert len({c[1] for c in four}) > 1, "four choices with their own seeds should not all agree"
+    # Chat, streamed: each choice's deltas carry its index; together they equal the whole answer.
+    messages = [{"role": "user", "content": "Hi"}]
+    whole = ctx.client.chat.completions.create(model=ctx.model, messages=messages, temperature=1.0, seed=4, max_tokens=12, n=3)
+    stream = ctx.client.chat.completions.create(model=ctx.model, messages=messages, temperature=1.0, seed=4, max_tokens=12, n=3, stream=True,
+                                                stream_options={"include_usage": True})
+    texts, finishes, usage = {}, {}, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {c.index: c.message.content for c in whole.choices}, (texts, whole.choices)
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert usage.completion_tokens == 36 == whole.usage.completion_tokens, usage
+
+
+# Twelve tokens lifted far above the rest by logit_bias: the output is drawn among them, so
+# it repeats itself, and penalties (which act after the bias) decide how much.
+CANDIDATES = {str(token): 100 for token in range(5000, 5012)}
+
+
+def generated_ids(ctx, spec="none", temperature=1.0, logit_bias=None, **sampling):
+    response = ctx.client.completions.create(
+        model=ctx.model, prompt=[1000, 2000, 3000], temperature=temperature, seed=1, max_tokens=48, logprobs=0,
+        extra_body={"spec": spec, "return_tokens_as_token_ids": True, "logit_bias": CANDIDATES if logit_bias is None else logit_bias, **sampling})
+    return [int(t.split(":")[1]) for t in response.choices[0].logprobs.tokens]
+
+
+def repeats(ids):
+    return len(ids) - len(set(ids))
+
+
+@check
+def penalties(ctx):
+    plain = generated_ids(ctx)
+    assert set(plain) <= {int(t) for t in CANDIDATES}, plain
+    # Positive presence and frequency penalties repeat less, negative ones more.
+    for field in ("presence_penalty", "frequency_penalty"):
+        discouraged = across_specs(lambda spec: generated_ids(ctx, spec, **{field: 2.0}))
+        encouraged = across_specs(lambda spec: generated_ids(ctx, spec, **{field: -2.0}))
+        assert repeats(discouraged) < repeats(plain) < repeats(encouraged), (field, repeats(discouraged), repeats(plain), repeats(encouraged))
+    discouraged = across_specs(lambda spec: generated_ids(ctx, spec, repetition_penalty=1.3))
+    assert repeats(discouraged) < repeats(plain), (repeats(discouraged), repeats(plain))
+    assert generated_ids(ctx, repeat_penalty=1.3) == discouraged, "repeat_penalty is repetition_penalty's other name"
+    # Greedy, the frequency penalty spreads the output over every candidate.
+    assert len(set(generated_ids(ctx, temperature=0, frequency_penalty=2.0))) == len(CANDIDATES)
+    # logit_bias: -100 bans a token, +100 all but forces it.
+    free = generated_ids(ctx, temperature=0, logit_bias={})
+    assert free[0] not in generated_ids(ctx, temperature=0, logit_bias={str(free[0]): -100})
+    assert generated_ids(ctx, temperature=0, logit_bias={"42": 100})[:3] == [42, 42, 42]
+    # A bias that makes the end of the turn certain ends it at once, unless ignore_eos.
+    end = {"151645": 100}
+    response = ctx.client.completions.create(model=ctx.model, prompt="x", temperature=0, max_tokens=10, logit_bias=end)
+    assert response.choices[0].finish_reason == "stop" and response.usage.completion_tokens == 0, response
+    response = ctx.client.completions.create(model=ctx.model, prompt="x", temperature=0, max_tokens=10, logit_bias=end, extra_body={"ignore_eos": True})
+    assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 10, response
+
+
+@check
+def reasoning(ctx):
+    """A thinking model on the Qwen3 template: reasoning apart from the answer, whole and streamed."""
+    reasoning_text, answer = ctx.args.expect_reasoning, ctx.args.expect_answer
+    messages = [{"role": "user", "content": "What is the weather?"}]
+    for tools, want_content, want_calls, want_finish in (
+            (None, answer, [], "stop"),
+            (WEATHER_TOOLS, answer[:answer.index("\n<tool_call>")], [("get_weather", {"days": 3})], "tool_calls")):
+        extra = {"tools": tools} if tools else {}
+        response = ctx.client.chat.completions.create(model=ctx.model, messages=messages, temperature=0, max_tokens=200, **extra)
+        message = response.choices[0].message
+        assert message.reasoning_content == reasoning_text, repr(message.reasoning_content)
+        assert message.content == want_content, repr(message.content)
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []] == want_calls, message.tool_calls
+        assert response.choices[0].finish_reason == want_finish
+        stream = ctx.client.chat.completions.create(model=ctx.model, messages=messages, temperature=0, max_tokens=200, stream=True, **extra)
+        streamed_reasoning, content, calls, finish = "", "", [], None
+        for chunk in stream:
+            for c in chunk.choices:
+                streamed_reasoning += getattr(c.delta, "reasoning_content", None) or ""
+                content += c.delta.content or ""
+                calls += [(t.function.name, json.loads(t.function.arguments)) for t in c.delta.tool_calls or []]
+                finish = c.finish_reason or finish
+        assert (streamed_reasoning, content, calls, finish) == (reasoning_text, want_content, want_calls, want_finish)
+    # A stop string ends the answer; the reasoning before it stays.
+    response = ctx.client.chat.completions.create(model=ctx.model, messages=messages, temperature=0, max_tokens=200, stop=["<tool_call>"])
+    assert response.choices[0].message.content == answer[:answer.index("<tool_call>")]
+    assert response.choices[0].message.reasoning_content == reasoning_text
+    # Thinking off: the template writes an empty block, and the model answers at once.
+    response = ctx.client.chat.completions.create(model=ctx.model, messages=messages, temperature=0, max_tokens=200,
+                                                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert response.choices[0].message.content == ctx.args.expect_off_answer, response.choices[0].message
+    assert getattr(response.choices[0].message, "reasoning_content", None) is None
+    assert response.usage.prompt_tokens == ctx.args.expect_off_prompt_tokens, response.usage
+    # An earlier turn's reasoning goes back to the template, which drops it (this template keeps
+    # only the reasoning after the last user message).
+    history = messages + [{"role": "assistant", "content": answer, "reasoning_content": reasoning_text}, {"role": "user", "content": "And tomorrow?"}]
+    response = ctx.client.chat.completions.create(model=ctx.model, messages=history, temperature=0, max_tokens=200)
+    assert response.choices[0].message.reasoning_content == reasoning_text
+
+
+@check
+def xml_tool_calls(ctx):
+    """The Qwen3.5 template: reasoning opened by the prompt, then XML tool calls with typed arguments."""
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer"}, "filters": {"type": "object"}, "note": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": ["string", "null"]}}}}},
+    ]
+    # Python's None inside the object is null; the multi-line string keeps its inner newline.
+    want = [("get_weather", {"city": "San Francisco", "days": 3, "filters": {"rain": {"min": 0.5}, "hours": [6, 18], "alerts": True, "station": None},
+                             "note": "first line\nsecond line"})]
+    messages = [{"role": "user", "content": "Weather in San Francisco?"}]
+    response = ctx.client.chat.completions.create(model=ctx.model, messages=messages, tools=tools, temperature=0, max_tokens=300)
+    message = response.choices[0].message
+    assert message.reasoning_content == ctx.args.expect_reasoning, repr(message.reasoning_content)
+    assert message.content is None, repr(message.content)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == want, message.tool_calls
+    assert response.choices[0].finish_reason == "tool_calls"
+    stream = ctx.client.chat.completions.create(model=ctx.model, messages=messages, tools=tools, temperature=0, max_tokens=300, stream=True)
+    content, calls, finish, _, _ = collect_chat_stream(stream)
+    assert content == "" and finish == "tool_calls", (content, finish)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == want, calls
+    # The calls go back through the template as the model wrote them, typed values and all.
+    followup = messages + [
+        {"role": "assistant", "content": None, "reasoning_content": message.reasoning_content,
+         "tool_calls": [c.model_dump() for c in message.tool_calls]},
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"},
+    ]
+    status, _, body = ctx.raw("POST", "/tokenize", body=json.dumps({"model": ctx.model, "messages": followup, "tools": tools}))
+    assert status == 200, body
+    status, _, text = ctx.raw("POST", "/detokenize", body=json.dumps({"tokens": json.loads(body)["tokens"]}))
+    prompt = json.loads(text)["prompt"]
+    assert "<parameter=filters>\n{\"rain\": {\"min\": 0.5}, \"hours\": [6, 18], \"alerts\": true, \"station\": null}\n</parameter>" in prompt, prompt
+    assert "<parameter=note>\nfirst line\nsecond line\n</parameter>" in prompt, prompt
+    # Without thinking, the answer is plain text.
+    response = ctx.client.chat.completions.create(model=ctx.model, messages=messages, tools=tools, temperature=0, max_tokens=100,
+                                                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert response.choices[0].message.content == ctx.args.expect_off_answer, response.choices[0].message
+    assert not response.choices[0].message.tool_calls
+
+
+@check
+def tokenize(ctx):
+    status, _, body = ctx.raw("POST", "/tokenize", body=json.dumps({"model": ctx.model, "prompt": "Hello world", "return_token_strs": True}))
+    assert status == 200, body
+    result = json.loads(body)
+    assert result["tokens"] == [9707, 1879] and result["count"] == 2 and result["token_strs"] == ["Hello", " world"], result
+    assert result["max_model_len"] > 0
+    status, _, body = ctx.raw("POST", "/detokenize", body=json.dumps({"model": ctx.model, "tokens": [9707, 1879]}))
+    assert status == 200 and json.loads(body) == {"prompt": "Hello world"}, body
+    status, _, body = ctx.raw("POST", "/tokenize", body=json.dumps({"messages": [{"role": "user", "content": "Hi"}]}))
+    result = json.loads(body)
+    assert status == 200 and result["count"] == ctx.args.expect_hi_prompt_tokens, (body, ctx.args.expect_hi_prompt_tokens)
+    status, _, body = ctx.raw("POST", "/detokenize", body=json.dumps({"tokens": [999999999]}))
+    assert_error(status, body, 400, want_param="tokens")
+    status, _, body = ctx.raw("POST", "/tokenize", body=json.dumps({}))
+    assert_error(status, body, 400, want_param="prompt")
+    status, _, body = ctx.raw("POST", "/tokenize", body=json.dumps({"model": "other", "prompt": "x"}))
+    assert_error(status, body, 400, want_param="model")
+
+
+@check
+def generation_errors(ctx):
+    chat_path = "/v1/chat/completions"
+    good = {"model": ctx.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}}}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"grammar": "start: undefined_rule"}, "grammar"),
+        ({"tools": WEATHER_TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch_rocket"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logit_bias": {"not-a-token": 5}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"n": 100}, "n"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ]
+    for extra, param in cases:
+        status, _, body = ctx.raw("POST", chat_path, body=json.dumps({**good, **extra}))
+        assert_error(status, body, 400, want_param=param)
+    status, _, body = ctx.raw("POST", "/v1/completions", body=json.dumps({"model": ctx.model, "prompt": "x", "logprobs": 21}))
+    assert_error(status, body, 400, want_param="logprobs")
+    try:
+        ctx.client.chat.completions.create(model=ctx.model, messages=good["messages"], max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}})
+        raise AssertionError("an uncompilable schema was accepted")
+    except openai.BadRequestError as err:
+        assert err.status_code == 400 and "response_format" in str(err), err
+    # After all of that the server still answers, grammars included.
+    response = ctx.client.chat.completions.create(model=ctx.model, messages=good["messages"], max_tokens=40, temperature=0,
+                                                  response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["ok"]}}})
+    assert response.choices[0].message.content == '"ok"', response.choices[0].message.content
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", required=True)
@@ -536,6 +938,11 @@ def main():
     parser.add_argument("--expect-tool-text", default="")
     parser.add_argument("--expect-tool-prompt-tokens", type=int, default=0)
     parser.add_argument("--body-limit", type=int, default=65536)
+    parser.add_argument("--expect-reasoning", default="")
+    parser.add_argument("--expect-answer", default="")
+    parser.add_argument("--expect-off-answer", default="")
+    parser.add_argument("--expect-off-prompt-tokens", type=int, default=0)
+    parser.add_argument("--expect-hi-prompt-tokens", type=int, default=0)
     parser.add_argument("--allowed-origin", default="")
     parser.add_argument("--poison-word", default="")
     parser.add_argument("checks", nargs="+", choices=sorted(CHECKS))

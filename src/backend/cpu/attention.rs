@@ -3,9 +3,9 @@
 //! back from the cache (every position, the step's own included, so a query sees the same
 //! stored keys and values whichever step wrote them).
 
+use super::pool::ThreadPool;
 use super::{CpuCache, CpuTensor};
 use crate::backend::{AttentionDims, BatchLayout, RowLayout};
-use rayon::prelude::*;
 
 /// Token -> (row, offset in row) for a layout.
 pub(super) fn token_rows(layout: &BatchLayout) -> Vec<(usize, usize)> {
@@ -46,6 +46,7 @@ fn sigmoid(x: f32) -> f32 {
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gated_attention(
+    pool: &ThreadPool,
     q_gate: &CpuTensor,
     k: &CpuTensor,
     v: &CpuTensor,
@@ -58,7 +59,7 @@ pub(super) fn gated_attention(
 ) -> CpuTensor {
     assert_eq!(k.cols, d.num_kv_heads * d.head_dim);
     write_keys_and_values(k, v, k_norm, d, layout, cache, layer);
-    attend(q_gate, q_norm, d, layout, cache, layer)
+    attend(pool, q_gate, q_norm, d, layout, cache, layer)
 }
 
 /// Keys normed and rotated, then K and V written at each token's cache slot.
@@ -106,7 +107,7 @@ fn first_visible_position(row: &RowLayout) -> usize {
 /// rotation when keys are stored rotated), one (token, head) per task, keys visited in
 /// position order. A rotated value format sums values in the rotated space and un-rotates the
 /// sum once.
-pub(super) fn attend(q_gate: &CpuTensor, q_norm: &[f32], d: &AttentionDims, layout: &BatchLayout, cache: &CpuCache, layer: usize) -> CpuTensor {
+pub(super) fn attend(pool: &ThreadPool, q_gate: &CpuTensor, q_norm: &[f32], d: &AttentionDims, layout: &BatchLayout, cache: &CpuCache, layer: usize) -> CpuTensor {
     let t = q_gate.rows;
     let (nq, nkv, hd) = (d.num_heads, d.num_kv_heads, d.head_dim);
     assert_eq!(q_gate.cols, nq * 2 * hd);
@@ -116,15 +117,12 @@ pub(super) fn attend(q_gate: &CpuTensor, q_norm: &[f32], d: &AttentionDims, layo
     let key_rotation = kv.key.rotation();
     let value_rotation = kv.value.rotation();
 
-    // Queries and gates: per head the projection holds [query (D) | gate (D)].
+    // Queries: per head the projection holds [query (D) | gate (D)].
     let mut q = vec![0.0f32; t * nq * hd];
-    let mut gate = vec![0.0f32; t * nq * hd];
-    q.par_chunks_mut(nq * hd).zip(gate.par_chunks_mut(nq * hd)).enumerate().for_each(|(ti, (qrow, grow))| {
+    pool.rows_mut(&mut q, nq * hd, nq * (hd + d.rotary_dim * 8), &|ti, qrow| {
         for h in 0..nq {
-            let src = &q_gate.data[ti * nq * 2 * hd + h * 2 * hd..][..2 * hd];
             let qh = &mut qrow[h * hd..(h + 1) * hd];
-            qh.copy_from_slice(&src[..hd]);
-            grow[h * hd..(h + 1) * hd].copy_from_slice(&src[hd..]);
+            qh.copy_from_slice(&q_gate.data[ti * nq * 2 * hd + h * 2 * hd..][..hd]);
             rms_norm_in_place(qh, q_norm, d.eps);
             rope_in_place(qh, positions[ti], d.rotary_dim, d.rope_theta);
             if let Some(r) = key_rotation {
@@ -132,12 +130,14 @@ pub(super) fn attend(q_gate: &CpuTensor, q_norm: &[f32], d: &AttentionDims, layo
             }
         }
     });
+    let gate_of = |ti: usize, h: usize| &q_gate.data[ti * nq * 2 * hd + h * 2 * hd + hd..][..hd];
 
     let bs = cache.spec.block_size;
     let scale = 1.0 / (hd as f32).sqrt();
     let group = nq / nkv;
     let mut out = vec![0.0f32; t * nq * hd];
-    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+    let longest = positions.iter().max().map_or(0, |&p| p as usize + 1);
+    pool.rows_mut(&mut out, hd, longest * hd * 2, &|idx, o| {
         let (ti, h) = (idx / nq, idx % nq);
         let (ri, _) = rows[ti];
         let row = &layout.rows[ri];
@@ -150,7 +150,7 @@ pub(super) fn attend(q_gate: &CpuTensor, q_norm: &[f32], d: &AttentionDims, layo
         let mut scores = Vec::with_capacity(ctx - first);
         for p in first..ctx {
             kv.read_key(layer, slot(p), kvh, &mut stored);
-            scores.push(super::matmul::dot(qh, &stored) * scale);
+            scores.push(super::dot::dot(qh, &stored) * scale);
         }
         let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         let mut denom = 0.0f32;
@@ -168,8 +168,7 @@ pub(super) fn attend(q_gate: &CpuTensor, q_norm: &[f32], d: &AttentionDims, layo
         if let Some(r) = value_rotation {
             r.unrotate(o);
         }
-        let g = &gate[ti * nq * hd + h * hd..][..hd];
-        for (oj, gj) in o.iter_mut().zip(g) {
+        for (oj, gj) in o.iter_mut().zip(gate_of(ti, h)) {
             *oj *= sigmoid(*gj);
         }
     });

@@ -4,10 +4,11 @@
 //! Recurrent state per value head is `S[i][j]`, i over the key dim and j over the value dim
 //! (the Hugging Face layout), in f32.
 
+use super::pool::ThreadPool;
 use super::{CpuCache, CpuTensor};
-use crate::backend::{delta_state_in_place, BatchLayout, RowKind};
 use crate::backend::shapes::LinearAttnShape;
-use rayon::prelude::*;
+use crate::backend::{delta_state_in_place, BatchLayout, RowKind};
+use std::sync::Mutex;
 
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
 
@@ -53,7 +54,7 @@ struct HeadResult {
     states: Vec<f32>,
 }
 
-pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, layout: &BatchLayout, cache: &mut CpuCache, layer: usize) -> CpuTensor {
+pub(super) fn gated_delta_net(pool: &ThreadPool, inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, layout: &BatchLayout, cache: &mut CpuCache, layer: usize) -> CpuTensor {
     let t = inp.mixed.rows;
     let conv_dim = cfg.conv_dim();
     let kw = cfg.conv_kernel;
@@ -73,7 +74,7 @@ pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, 
         win[..conv_len].copy_from_slice(&cache.conv[layer][row.state_slot * conv_len..][..conv_len]);
         win[conv_len..].copy_from_slice(&inp.mixed.data[row.token_start * conv_dim..(row.token_start + n) * conv_dim]);
         let out = &mut conv_out[row.token_start * conv_dim..(row.token_start + n) * conv_dim];
-        out.par_chunks_mut(conv_dim).enumerate().for_each(|(i, o)| {
+        pool.rows_mut(out, conv_dim, conv_dim * kw, &|i, o| {
             for (c, oc) in o.iter_mut().enumerate() {
                 let mut acc = 0.0f32;
                 for j in 0..kw {
@@ -120,9 +121,7 @@ pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, 
     // 3. Delta rule, one task per (row, value head).
     let tasks: Vec<(usize, usize)> = (0..layout.rows.len()).flat_map(|ri| (0..nv).map(move |h| (ri, h))).collect();
     let rec = &cache.rec[layer];
-    let results: Vec<HeadResult> = tasks
-        .par_iter()
-        .map(|&(ri, h)| {
+    let run = |&(ri, h): &(usize, usize)| {
             let row = &layout.rows[ri];
             let kh = h / r;
             let seq = HeadSeq { q: &q, k: &k, v: &v, g: &g, beta: &beta, key_dim, value_dim: cfg.value_dim(), nv, dk, dv, kh, h, token_start: row.token_start, n: row.num_tokens };
@@ -134,8 +133,21 @@ pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, 
                 }
                 RowKind::Generate => recurrent_delta_rule(&seq, &mut state),
             }
-        })
-        .collect();
+    };
+    // Each task's cost grows with its tokens' count and the state size.
+    let work = layout.num_tokens() * nv * head_len * 4;
+    let results: Vec<HeadResult> = if work < super::pool::SHARED_WORK || tasks.len() == 1 {
+        tasks.iter().map(run).collect()
+    } else {
+        let slots: Vec<Mutex<Option<HeadResult>>> = tasks.iter().map(|_| Mutex::new(None)).collect();
+        pool.split(tasks.len(), 1, &|range| {
+            for i in range {
+                let r = run(&tasks[i]);
+                *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+            }
+        });
+        slots.into_iter().map(|s| s.into_inner().unwrap_or_else(|e| e.into_inner()).expect("every task ran")).collect()
+    };
 
     // 4. States back to the cache; outputs through the gated RMSNorm.
     let mut core = vec![0.0f32; t * cfg.value_dim()];
@@ -157,8 +169,17 @@ pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, 
             core[(row.token_start + i) * cfg.value_dim() + h * dv..][..dv].copy_from_slice(&res.out[i * dv..(i + 1) * dv]);
         }
     }
+    // Output head slot `idx % nv` of each token holds value head `src[idx % nv]`.
+    let src: Vec<usize> = {
+        let mut s = vec![0; nv];
+        for h in 0..nv {
+            s[cfg.out_head(h)] = h;
+        }
+        s
+    };
     let mut out = vec![0.0f32; t * cfg.value_dim()];
-    out.par_chunks_mut(dv).enumerate().for_each(|(idx, o)| {
+    pool.rows_mut(&mut out, dv, dv * 8, &|slot, o| {
+        let idx = slot - slot % nv + src[slot % nv];
         let x = &core[idx * dv..(idx + 1) * dv];
         let zz = &inp.z.data[idx * dv..(idx + 1) * dv];
         let ms = x.iter().map(|v| v * v).sum::<f32>() / dv as f32;
@@ -168,6 +189,22 @@ pub(super) fn gated_delta_net(inp: &GdnInputs, cfg: &LinearAttnShape, eps: f32, 
         }
     });
     CpuTensor { data: out, rows: t, cols: cfg.value_dim() }
+}
+
+/// `y -= a * x`, element by element.
+#[inline(always)]
+fn sub_scaled(y: &mut [f32], a: f32, x: &[f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi -= a * xi;
+    }
+}
+
+/// `y += a * x`, element by element.
+#[inline(always)]
+fn add_scaled(y: &mut [f32], a: f32, x: &[f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += a * xi;
+    }
 }
 
 /// One value head's inputs over one row.
@@ -209,6 +246,24 @@ impl HeadSeq<'_> {
 
 /// Token-by-token form; the state after every token is kept as a snapshot.
 fn recurrent_delta_rule(s: &HeadSeq, state: &mut [f32]) -> HeadResult {
+    #[cfg(target_arch = "x86_64")]
+    if super::dot::avx2::available() {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { recurrent_delta_rule_avx2(s, state) };
+    }
+    recurrent_delta_rule_body(s, state)
+}
+
+/// The same code compiled for AVX2: its loops are element-wise or accumulate in a fixed order,
+/// never reassociated nor fused, so the wider build gives the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn recurrent_delta_rule_avx2(s: &HeadSeq, state: &mut [f32]) -> HeadResult {
+    recurrent_delta_rule_body(s, state)
+}
+
+#[inline(always)]
+fn recurrent_delta_rule_body(s: &HeadSeq, state: &mut [f32]) -> HeadResult {
     let (dk, dv) = (s.dk, s.dv);
     let mut out = vec![0.0f32; s.n * dv];
     let mut states = Vec::with_capacity(s.n * dk * dv);
@@ -250,6 +305,23 @@ fn recurrent_delta_rule(s: &HeadSeq, state: &mut [f32]) -> HeadResult {
 
 /// Chunked (WY) form over chunks aligned to absolute positions; updates `state` in place.
 fn chunked_delta_rule(s: &HeadSeq, state: &mut [f32], start_position: usize) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if super::dot::avx2::available() {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { chunked_delta_rule_avx2(s, state, start_position) };
+    }
+    chunked_delta_rule_body(s, state, start_position)
+}
+
+/// The same code compiled for AVX2 (same bits, as for the recurrent form).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn chunked_delta_rule_avx2(s: &HeadSeq, state: &mut [f32], start_position: usize) -> Vec<f32> {
+    chunked_delta_rule_body(s, state, start_position)
+}
+
+#[inline(always)]
+fn chunked_delta_rule_body(s: &HeadSeq, state: &mut [f32], start_position: usize) -> Vec<f32> {
     let (dk, dv) = (s.dk, s.dv);
     let mut out = vec![0.0f32; s.n * dv];
     let mut i0 = 0;
@@ -262,6 +334,13 @@ fn chunked_delta_rule(s: &HeadSeq, state: &mut [f32], start_position: usize) -> 
         for l in 0..len {
             acc += s.g(i0 + l);
             gam[l] = acc;
+        }
+        // exp(gam_l - gam_m) for m <= l, used twice below.
+        let mut decay = vec![0.0f32; len * len];
+        for l in 0..len {
+            for m in 0..=l {
+                decay[l * len + m] = (gam[l] - gam[m]).exp();
+            }
         }
         // Forward substitution for U = (I+A)^-1 (beta v) and W = (I+A)^-1 (beta exp(gam) k),
         // A[l][m] = beta_l (k_l . k_m) exp(gam_l - gam_m) for m < l.
@@ -276,27 +355,19 @@ fn chunked_delta_rule(s: &HeadSeq, state: &mut [f32], start_position: usize) -> 
             for a in 0..dk {
                 w[l * dk + a] = bl * el * kl[a];
             }
+            let (u_prev, u_l) = u.split_at_mut(l * dv);
+            let (w_prev, w_l) = w.split_at_mut(l * dk);
             for m in 0..l {
-                let coeff = bl * super::matmul::dot(kl, s.k(i0 + m)) * (gam[l] - gam[m]).exp();
-                let (ul, um) = (l * dv, m * dv);
-                for j in 0..dv {
-                    u[ul + j] -= coeff * u[um + j];
-                }
-                let (wl, wm) = (l * dk, m * dk);
-                for a in 0..dk {
-                    w[wl + a] -= coeff * w[wm + a];
-                }
+                let coeff = bl * super::dot::dot(kl, s.k(i0 + m)) * decay[l * len + m];
+                sub_scaled(&mut u_l[..dv], coeff, &u_prev[m * dv..(m + 1) * dv]);
+                sub_scaled(&mut w_l[..dk], coeff, &w_prev[m * dk..(m + 1) * dk]);
             }
         }
         // V' = U - W S
         let mut vp = u;
         for l in 0..len {
             for a in 0..dk {
-                let wa = w[l * dk + a];
-                let srow = &state[a * dv..(a + 1) * dv];
-                for j in 0..dv {
-                    vp[l * dv + j] -= wa * srow[j];
-                }
+                sub_scaled(&mut vp[l * dv..(l + 1) * dv], w[l * dk + a], &state[a * dv..(a + 1) * dv]);
             }
         }
         // O_l = exp(gam_l) q_l^T S + sum_{m<=l} (q_l . k_m) exp(gam_l - gam_m) V'_m
@@ -305,17 +376,11 @@ fn chunked_delta_rule(s: &HeadSeq, state: &mut [f32], start_position: usize) -> 
             let o = &mut out[(i0 + l) * dv..(i0 + l + 1) * dv];
             let el = gam[l].exp();
             for a in 0..dk {
-                let qa = ql[a] * el;
-                let srow = &state[a * dv..(a + 1) * dv];
-                for j in 0..dv {
-                    o[j] += qa * srow[j];
-                }
+                add_scaled(o, ql[a] * el, &state[a * dv..(a + 1) * dv]);
             }
             for m in 0..=l {
-                let coeff = super::matmul::dot(ql, s.k(i0 + m)) * (gam[l] - gam[m]).exp();
-                for j in 0..dv {
-                    o[j] += coeff * vp[m * dv + j];
-                }
+                let coeff = super::dot::dot(ql, s.k(i0 + m)) * decay[l * len + m];
+                add_scaled(o, coeff, &vp[m * dv..(m + 1) * dv]);
             }
         }
         // S = exp(gam_last) S + sum_m exp(gam_last - gam_m) k_m (x) V'_m
@@ -326,13 +391,9 @@ fn chunked_delta_rule(s: &HeadSeq, state: &mut [f32], start_position: usize) -> 
         }
         for m in 0..len {
             let km = s.k(i0 + m);
-            let f = (last - gam[m]).exp();
+            let f = decay[(len - 1) * len + m];
             for a in 0..dk {
-                let ka = km[a] * f;
-                let srow = &mut state[a * dv..(a + 1) * dv];
-                for j in 0..dv {
-                    srow[j] += ka * vp[m * dv + j];
-                }
+                add_scaled(&mut state[a * dv..(a + 1) * dv], km[a] * f, &vp[m * dv..(m + 1) * dv]);
             }
         }
         i0 += len;

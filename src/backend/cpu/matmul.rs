@@ -1,57 +1,29 @@
-//! Row-independent matrix products over weights stored in any dense dtype.
+//! Row-independent matrix products over weights stored in any dtype, read in place.
 //!
-//! Every output element is one fixed-order dot product of an activation row with a weight row,
-//! so a row's result never depends on how many rows share the call (batch invariance).
+//! Every output element is one [`dot`](super::dot) of an activation row with a weight row, in
+//! the reference order, so a row's result never depends on how many rows share the call, how
+//! the threads split the work or which kernels ran it (batch invariance). Threads take
+//! contiguous ranges of weight rows; inside a range the AVX2 path computes tiles of up to four
+//! tokens by up to eight weight rows. Plain float weights (F32, BF16, F16) are read straight
+//! from the memory map for steps of a few tokens; longer steps and the block formats convert a
+//! block of weight rows to f32 once ([`super::dequant`]) and run every token against it.
 
+use super::dequant;
+use super::dot::{dot_scalar, Isa};
+use super::pool::{SharedOut, ThreadPool};
 use crate::backend::weight_bytes::MatrixBytes;
-use rayon::prelude::*;
+use kestrel_quant::Dtype;
+use std::cell::RefCell;
 
-/// Weight rows converted per rayon task; small enough to balance, large enough to amortize.
-const ROWS_PER_TASK: usize = 16;
-
-/// Dot product with eight interleaved accumulators, summed pairwise: a fixed order that the
-/// compiler vectorizes. Where the CPU has AVX, the same code is compiled for it (one 8-wide
-/// register holds the eight accumulators); without fused multiply-adds the two builds round
-/// alike, so results do not depend on the machine's vector width.
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if avx_available() {
-        // SAFETY: the CPU supports AVX (checked at run time).
-        return unsafe { dot_avx(a, b) };
-    }
-    dot_portable(a, b)
-}
-
-#[cfg(target_arch = "x86_64")]
-fn avx_available() -> bool {
-    static AVX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVX.get_or_init(|| std::arch::is_x86_feature_detected!("avx"))
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx")]
-fn dot_avx(a: &[f32], b: &[f32]) -> f32 {
-    dot_portable(a, b)
-}
-
-#[inline(always)]
-fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0.0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        let (x, y) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let mut tail = 0.0f32;
-    for i in chunks * 8..a.len() {
-        tail += a[i] * b[i];
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
+/// Tokens up to which float weights are read in place (one tile of tokens).
+const DIRECT_TOKENS: usize = 4;
+/// f32 values of converted weight rows a thread keeps at once: for a step of a few tokens, 16
+/// KiB (the rows are written and read back within L1); for longer steps, which read each block
+/// once per four tokens, 64 KiB (within L2).
+const SCRATCH_VALUES_FEW: usize = 4 * 1024;
+const SCRATCH_VALUES_MANY: usize = 16 * 1024;
+/// Multiply-adds below which a matmul runs on the calling thread alone.
+const SERIAL_WORK: usize = 16 * 1024;
 
 /// A weight as the CPU reads it: one or more parts stacked by rows, each read straight from
 /// the memory map (stacking never copies the weights).
@@ -92,93 +64,284 @@ pub fn weight_row(w: &CpuMatrix, mut r: usize, out: &mut [f32]) {
     panic!("weight row past the matrix's {} rows", w.rows);
 }
 
+/// What the matmul does with each result: store it, or add it to what the output holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Store {
+    Set,
+    Add,
+}
+
 /// `x [t, in] @ w^T` with `w [out, in]`, giving `[t, out]`.
-pub fn matmul(x: &[f32], t: usize, w: &CpuMatrix) -> Vec<f32> {
-    let (out, inn) = (w.rows, w.cols);
-    assert_eq!(x.len(), t * inn, "matmul: activation has {} values, expected {t}x{inn}", x.len());
-    let tasks = out.div_ceil(ROWS_PER_TASK);
-    let parts: Vec<Vec<f32>> = (0..tasks)
-        .into_par_iter()
-        .map(|task| {
-            let (o0, o1) = (task * ROWS_PER_TASK, ((task + 1) * ROWS_PER_TASK).min(out));
-            let mut row = vec![0.0f32; inn];
-            let mut res = vec![0.0f32; (o1 - o0) * t];
-            for o in o0..o1 {
-                weight_row(w, o, &mut row);
-                for ti in 0..t {
-                    res[(o - o0) * t + ti] = dot(&x[ti * inn..(ti + 1) * inn], &row);
-                }
-            }
-            res
-        })
-        .collect();
-    let mut y = vec![0.0f32; t * out];
-    for (task, part) in parts.iter().enumerate() {
-        let o0 = task * ROWS_PER_TASK;
-        let n = part.len() / t.max(1);
-        for j in 0..n {
-            for ti in 0..t {
-                y[ti * out + o0 + j] = part[j * t + ti];
-            }
-        }
-    }
+pub fn matmul(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatrix) -> Vec<f32> {
+    let mut y = vec![0.0f32; t * w.rows];
+    matmul_into(pool, isa, x, t, w, &mut y, Store::Set);
     y
 }
 
+/// `y (store) x [t, in] @ w^T` into `y [t, out]`.
+pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatrix, y: &mut [f32], store: Store) {
+    let (out, k) = (w.rows, w.cols);
+    assert_eq!(x.len(), t * k, "matmul: activation has {} values, expected {t}x{k}", x.len());
+    assert_eq!(y.len(), t * out, "matmul: output has {} values, expected {t}x{out}", y.len());
+    if t == 0 || out == 0 {
+        return;
+    }
+    let y_out = SharedOut::new(y);
+    let job = |rows: std::ops::Range<usize>| {
+        // Each part of a stacked weight in turn, over the rows of the range it holds.
+        let mut first = 0;
+        for part in &w.parts {
+            let (a, b) = (rows.start.max(first), rows.end.min(first + part.rows));
+            if a < b {
+                let dst = Dst { y: y_out, ldy: out, col0: first, store };
+                part_rows(isa, x, t, part, a - first, b - first, &dst);
+            }
+            first += part.rows;
+        }
+    };
+    if t * out * k <= SERIAL_WORK {
+        job(0..out);
+    } else {
+        pool.split(out, 8, &job);
+    }
+}
+
+/// Where results go: column `col0 + r` of the `[t, ldy]` output for local weight row `r`.
+struct Dst {
+    y: SharedOut,
+    ldy: usize,
+    col0: usize,
+    store: Store,
+}
+
+impl Dst {
+    /// Stores `v` as token `i`'s value of local weight row `r`.
+    ///
+    /// # Safety
+    /// The calling share owns weight row `r`'s column of the output.
+    #[inline(always)]
+    unsafe fn put(&self, i: usize, r: usize, v: f32) {
+        let at = i * self.ldy + self.col0 + r;
+        unsafe {
+            match self.store {
+                Store::Set => self.y.write(at, v),
+                Store::Add => {
+                    let cell = self.y.slice(at, 1);
+                    cell[0] += v;
+                }
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// Converted weight rows of the current block, per thread.
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Rows `r0..r1` of one part against every token.
+fn part_rows(isa: Isa, x: &[f32], t: usize, part: &MatrixBytes, r0: usize, r1: usize, dst: &Dst) {
+    let k = part.cols;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && t <= DIRECT_TOKENS {
+        use super::dot::avx2::{Bf16Rows, F16Rows, F32Rows};
+        let (base, row_bytes) = (part.bytes().as_ptr(), part.row_bytes());
+        // SAFETY: AVX2 is available (the backend checked it when choosing `isa`); the loaders
+        // read rows r0..r1 of this part, which lie inside its bytes.
+        match part.dtype {
+            Dtype::F32 => return unsafe { avx2_rows(x, t, &F32Rows { base, row_bytes }, k, r0, r1, dst) },
+            Dtype::BF16 => return unsafe { avx2_rows(x, t, &Bf16Rows { base, row_bytes }, k, r0, r1, dst) },
+            Dtype::F16 => return unsafe { avx2_rows(x, t, &F16Rows { base, row_bytes }, k, r0, r1, dst) },
+            _ => {}
+        }
+    }
+    let values = if t <= DIRECT_TOKENS { SCRATCH_VALUES_FEW } else { SCRATCH_VALUES_MANY };
+    // Whole tiles of rows (eight, the widest), however long the rows are.
+    let block = (values / k.max(1)).max(1).next_multiple_of(8);
+    SCRATCH.with_borrow_mut(|scratch| {
+        let mut b0 = r0;
+        while b0 < r1 {
+            let b1 = (b0 + block).min(r1);
+            scratch.resize((b1 - b0) * k, 0.0);
+            dequant::rows(isa, part, b0, b1, scratch);
+            let sub = Dst { y: dst.y, ldy: dst.ldy, col0: dst.col0 + b0, store: dst.store };
+            match isa {
+                Isa::Scalar => scalar_rows(x, t, scratch, k, b1 - b0, &sub),
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX2 is available; the loader reads the block just converted.
+                Isa::Avx2 => unsafe {
+                    let rows = super::dot::avx2::F32Rows { base: scratch.as_ptr() as *const u8, row_bytes: 4 * k };
+                    avx2_rows(x, t, &rows, k, 0, b1 - b0, &sub)
+                },
+            }
+            b0 = b1;
+        }
+    });
+}
+
+/// Every token against converted rows `0..n` of `w` (`[n, k]` f32).
+fn scalar_rows(x: &[f32], t: usize, w: &[f32], k: usize, n: usize, dst: &Dst) {
+    for r in 0..n {
+        let wr = &w[r * k..(r + 1) * k];
+        for i in 0..t {
+            // SAFETY: this share owns the block's columns.
+            unsafe { dst.put(i, r, dot_scalar(&x[i * k..(i + 1) * k], wr)) };
+        }
+    }
+}
+
+/// Every token against rows `r0..r1` of a loader, in tiles (`dst` numbers rows as the loader
+/// does).
+///
+/// # Safety
+/// AVX2 and F16C are available; rows `r0..r1` lie inside the loader's matrix.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn avx2_rows<W: super::dot::avx2::Lanes>(x: &[f32], t: usize, w: &W, k: usize, r0: usize, r1: usize, dst: &Dst) {
+    let mut i0 = 0;
+    while i0 < t {
+        let mr = (t - i0).min(4);
+        let nr = match mr {
+            1 => 8,
+            2 | 3 => 4,
+            _ => 2,
+        };
+        let xi = x[i0 * k..].as_ptr();
+        let mut r = r0;
+        while r < r1 {
+            let n = if r1 - r >= nr { nr } else { 1 };
+            let mut res = [0.0f32; 16];
+            // SAFETY: rows r..r + n and tokens i0..i0 + mr exist; `res` holds mr * n values.
+            unsafe { tile_dyn(mr, n, xi, k, w, r, res.as_mut_ptr()) };
+            for i in 0..mr {
+                for j in 0..n {
+                    // SAFETY: this share owns rows r0..r1's columns.
+                    unsafe { dst.put(i0 + i, r + j, res[i * n + j]) };
+                }
+            }
+            r += n;
+        }
+        i0 += mr;
+    }
+}
+
+/// [`avx2::tile`](super::dot::avx2::tile) for a tile shape chosen at run time; `out` gets
+/// `mr * nr` values, token-major.
+///
+/// # Safety
+/// As for `tile`; (mr, nr) is one of the shapes [`avx2_rows`] uses.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tile_dyn<W: super::dot::avx2::Lanes>(mr: usize, nr: usize, x: *const f32, k: usize, w: &W, r: usize, out: *mut f32) {
+    use super::dot::avx2::tile;
+    unsafe {
+        match (mr, nr) {
+            (1, 8) => tile::<1, 8, W>(x, k, w, r, k, out, 8),
+            (2, 4) => tile::<2, 4, W>(x, k, w, r, k, out, 4),
+            (3, 4) => tile::<3, 4, W>(x, k, w, r, k, out, 4),
+            (4, 2) => tile::<4, 2, W>(x, k, w, r, k, out, 2),
+            (1, 1) => tile::<1, 1, W>(x, k, w, r, k, out, 1),
+            (2, 1) => tile::<2, 1, W>(x, k, w, r, k, out, 1),
+            (3, 1) => tile::<3, 1, W>(x, k, w, r, k, out, 1),
+            (4, 1) => tile::<4, 1, W>(x, k, w, r, k, out, 1),
+            _ => unreachable!("no {mr}x{nr} tile"),
+        }
+    }
+}
 #[cfg(test)]
 mod tests {
+    use super::super::dequant::tests::{random_matrix, FORMATS};
+    use super::super::dot::dot;
     use super::*;
 
-    fn naive(x: &[f32], t: usize, w: &[f32], out: usize, inn: usize) -> Vec<f32> {
-        let mut y = vec![0.0; t * out];
-        for i in 0..t {
-            for o in 0..out {
-                y[i * out + o] = (0..inn).map(|k| x[i * inn + k] as f64 * w[o * inn + k] as f64).sum::<f64>() as f32;
+    fn random(n: usize, seed: &mut u64) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 3.0
+            })
+            .collect()
+    }
+
+    /// The reference: each element the scalar dot product of the rows.
+    fn reference(x: &[f32], t: usize, w: &CpuMatrix) -> Vec<f32> {
+        let mut y = vec![0.0; t * w.rows];
+        let mut row = vec![0.0; w.cols];
+        for o in 0..w.rows {
+            weight_row(w, o, &mut row);
+            for i in 0..t {
+                y[i * w.rows + o] = dot_scalar(&x[i * w.cols..(i + 1) * w.cols], &row);
             }
         }
         y
     }
 
-    /// The AVX build of the dot product rounds exactly as the portable one.
-    #[test]
-    fn dot_is_the_same_with_and_without_avx() {
-        let mut seed = 12345u64;
-        let mut next = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 3.0
-        };
-        for len in [1, 7, 8, 9, 64, 255, 1000] {
-            let a: Vec<f32> = (0..len).map(|_| next()).collect();
-            let b: Vec<f32> = (0..len).map(|_| next()).collect();
-            assert_eq!(dot(&a, &b).to_bits(), dot_portable(&a, &b).to_bits(), "length {len}");
+    fn assert_bits(got: &[f32], want: &[f32], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert_eq!(g.to_bits(), w.to_bits(), "{what}: element {i}: {g} against {w}");
         }
     }
 
+    /// Every format, every token count, scalar and SIMD kernels, 1 to 3 threads: the bits of
+    /// the scalar reference, and a token's row the same alone as among the others.
     #[test]
-    fn matches_naive_and_is_row_independent() {
-        let (t, out, inn) = (5, 37, 19);
-        let x: Vec<f32> = (0..t * inn).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
-        let wv: Vec<f32> = (0..out * inn).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.05).collect();
-        let w = CpuMatrix::from(MatrixBytes::from_f32(wv.clone(), out, inn));
-        let y = matmul(&x, t, &w);
-        for (a, b) in y.iter().zip(naive(&x, t, &wv, out, inn)) {
-            assert!((a - b).abs() < 1e-5);
+    fn every_path_gives_the_reference_bits() {
+        let mut seed = 99u64;
+        let pools = [ThreadPool::new(1), ThreadPool::new(2), ThreadPool::new(3)];
+        for dtype in FORMATS {
+            // 77 rows: tiles of 8, 4 and 2 with remainders; 512 columns: two k-quant blocks.
+            let (out, k) = (77, 512);
+            let w = CpuMatrix::from(random_matrix(dtype, out, k, &mut seed));
+            for t in [1, 2, 3, 4, 5, 9, 17] {
+                let x = random(t * k, &mut seed);
+                let want = reference(&x, t, &w);
+                for pool in &pools {
+                    for isa in [Isa::Scalar, Isa::detect()] {
+                        let what = format!("{dtype}, {t} tokens, {} threads, {isa:?}", pool.threads());
+                        let y = matmul(pool, isa, &x, t, &w);
+                        assert_bits(&y, &want, &what);
+                        let alone = matmul(pool, isa, &x[(t - 1) * k..], 1, &w);
+                        assert_bits(&alone, &want[(t - 1) * out..], &format!("{what}, last token alone"));
+                    }
+                }
+            }
         }
-        // Row 2 alone gives bitwise the same values as inside the batch.
-        let alone = matmul(&x[2 * inn..3 * inn], 1, &w);
-        assert_eq!(&y[2 * out..3 * out], &alone[..]);
+    }
+
+    /// Columns that are not a multiple of the lane count take the tail path on every kernel.
+    #[test]
+    fn ragged_columns_and_accumulation() {
+        let mut seed = 5u64;
+        let pool = ThreadPool::new(2);
+        for k in [1, 7, 19, 37] {
+            let (t, out) = (6, 29);
+            let x = random(t * k, &mut seed);
+            let w = CpuMatrix::from(MatrixBytes::from_f32(random(out * k, &mut seed), out, k));
+            let want = reference(&x, t, &w);
+            for isa in [Isa::Scalar, Isa::detect()] {
+                assert_bits(&matmul(&pool, isa, &x, t, &w), &want, &format!("k {k} {isa:?}"));
+                let base = random(t * out, &mut seed);
+                let mut acc = base.clone();
+                matmul_into(&pool, isa, &x, t, &w, &mut acc, Store::Add);
+                let added: Vec<f32> = base.iter().zip(&want).map(|(a, b)| a + b).collect();
+                assert_bits(&acc, &added, &format!("k {k} {isa:?} added"));
+            }
+        }
+        assert_eq!(dot(&[2.0], &[3.0]), 6.0);
     }
 
     #[test]
     fn stacked_parts_read_as_one_matrix() {
+        let pool = ThreadPool::new(2);
         let (t, inn) = (3, 24);
         let x: Vec<f32> = (0..t * inn).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
         let part = |rows: usize, salt: usize| MatrixBytes::from_f32((0..rows * inn).map(|i| (((i + salt) * 5 % 11) as f32 - 5.0) * 0.05).collect(), rows, inn);
         let (a, b, c) = (part(5, 0), part(1, 3), part(7, 8));
         let stacked = CpuMatrix::stacked(&[a.clone(), b.clone(), c.clone()]).unwrap();
         assert_eq!((stacked.rows, stacked.cols), (13, inn));
-        let y = matmul(&x, t, &stacked);
-        let parts: Vec<Vec<f32>> = [a, b, c].into_iter().map(|m| matmul(&x, t, &CpuMatrix::from(m))).collect();
+        let y = matmul(&pool, Isa::detect(), &x, t, &stacked);
+        let parts: Vec<Vec<f32>> = [a, b, c].into_iter().map(|m| matmul(&pool, Isa::detect(), &x, t, &CpuMatrix::from(m))).collect();
         for ti in 0..t {
             let want: Vec<f32> = parts.iter().flat_map(|p| p[ti * p.len() / t..(ti + 1) * p.len() / t].to_vec()).collect();
             assert_eq!(&y[ti * 13..(ti + 1) * 13], &want[..]);

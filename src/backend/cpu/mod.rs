@@ -1,17 +1,24 @@
-//! The CPU reference backend: f32 maths, multithreaded with rayon, every row computed
-//! independently of the others.
+//! The CPU reference backend: f32 maths, every row computed independently of the others, on
+//! a persistent pool of threads ([`pool`]) with SIMD kernels chosen at run time ([`dot::Isa`])
+//! that give the same bits as the scalar reference on every machine.
 
 mod attention;
+mod dequant;
+pub mod dot;
 pub mod gdn;
 pub mod kv_store;
 pub mod matmul;
+pub mod pool;
 
-use super::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, StateCommit};
+use super::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, StateCheckpoint, StateCommit};
 use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
 use kv_store::KvStore;
+pub use dot::Isa;
 pub use matmul::CpuMatrix;
-use rayon::prelude::*;
+use matmul::Store;
+use pool::{SharedOut, ThreadPool};
+use std::sync::Mutex;
 
 /// A `[rows, cols]` f32 activation.
 #[derive(Clone, Debug)]
@@ -33,14 +40,28 @@ pub struct CpuCache {
     pub rec: Vec<Vec<f32>>,
     pub conv_snap: Vec<Vec<f32>>,
     pub rec_snap: Vec<Vec<f32>>,
+    /// Per prefix-cache checkpoint: every linear layer's conv window then delta-rule state,
+    /// layer after layer. Allocated on first use, so an unused budget costs no memory.
+    pub checkpoints: Vec<Vec<f32>>,
 }
 
-#[derive(Default)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    pool: ThreadPool,
+    isa: Isa,
+    /// `--load-format dummy`: the seed of the next random matrix, while uploads make them.
+    random_weights: Mutex<Option<u64>>,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl CpuBackend {
+    /// A backend on every core the process may use, with the widest kernels the CPU has.
     pub fn new() -> Self {
-        CpuBackend
+        Self::with_threads(default_threads())
     }
 
     /// The attention part of [`Backend::gated_attention`] alone: every token's query heads
@@ -48,12 +69,94 @@ impl CpuBackend {
     /// already holds, the step's own keys and values included; nothing is written. The GPU
     /// tests check a device's reads of its own cache against it.
     pub fn attention_over_cache(&self, q_gate: &CpuTensor, q_norm: &[f32], dims: &AttentionDims, layout: &BatchLayout, cache: &CpuCache, attention_layer: usize) -> CpuTensor {
-        attention::attend(q_gate, q_norm, dims, layout, cache, attention_layer)
+        attention::attend(&self.pool, q_gate, q_norm, dims, layout, cache, attention_layer)
     }
+
+    /// A backend on `threads` threads (at least one), with the widest kernels the CPU has.
+    pub fn with_threads(threads: usize) -> Self {
+        Self::with_options(threads, Isa::detect())
+    }
+
+    /// A backend on `threads` threads running `isa`'s kernels (the tests compare them; every
+    /// choice gives the same bits). `isa` must be one the CPU runs ([`Isa::detect`] or
+    /// [`Isa::Scalar`]).
+    pub fn with_options(threads: usize, isa: Isa) -> Self {
+        CpuBackend { pool: ThreadPool::new(threads), isa, random_weights: Mutex::new(None) }
+    }
+
+    /// Threads each op runs on.
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+}
+
+impl CpuBackend {
+    /// The seed of the next random matrix, if uploads make random ones; each matrix gets its
+    /// own stream (as on the GPU, so both backends build the same dummy model).
+    fn random_seed(&self) -> Option<u64> {
+        let mut s = self.random_weights.lock().unwrap_or_else(|p| p.into_inner());
+        let seed = *s;
+        *s = seed.map(|v| v.wrapping_add(0x9E37_79B9_7F4A_7C15));
+        seed
+    }
+
+    /// A `[rows, cols]` bf16 matrix of uniform values in `[-scale, scale)` with `scale =
+    /// sqrt(3 / cols)` (standard deviation 1/sqrt(cols), so activations keep their size layer
+    /// to layer), each a hash of `(seed, index)`: the values of the CUDA backend's
+    /// `fill_random_bf16`.
+    fn random_matrix(&self, rows: usize, cols: usize, seed: u64) -> Result<CpuMatrix, BackendError> {
+        let n = rows.checked_mul(cols).ok_or_else(|| BackendError::Invalid(format!("a {rows}x{cols} matrix")))?;
+        let mut bytes: Vec<u8> = Vec::new();
+        bytes.try_reserve_exact(2 * n).map_err(|_| BackendError::OutOfMemory(format!("{} MiB of random weights", (2 * n) >> 20)))?;
+        bytes.resize(2 * n, 0);
+        let scale = (3.0 / cols.max(1) as f32).sqrt();
+        let out = SharedOut::new(&mut bytes);
+        let per_chunk = 1 << 16;
+        self.pool.split(n.div_ceil(per_chunk), 1, &|chunks| {
+            let (a, b) = (chunks.start * per_chunk, (chunks.end * per_chunk).min(n));
+            // SAFETY: the chunk ranges are disjoint.
+            let dst = unsafe { out.slice(2 * a, 2 * (b - a)) };
+            for (i, d) in (a..b).zip(dst.chunks_exact_mut(2)) {
+                let mut z = seed.wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^= z >> 31;
+                let u = (z >> 40) as f32 * (1.0 / 16_777_216.0);
+                d.copy_from_slice(&half::bf16::from_f32((2.0 * u - 1.0) * scale).to_le_bytes());
+            }
+        });
+        let m = MatrixBytes { data: crate::backend::weight_bytes::SharedBytes::from_vec(bytes), start: 0, dtype: kestrel_quant::Dtype::BF16, rows, cols };
+        Ok(CpuMatrix::from(m))
+    }
+}
+
+/// The cores this process may run on.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// The columns of `y` cut into consecutive parts of `widths`.
+fn split_cols(y: &CpuTensor, widths: &[usize]) -> Vec<CpuTensor> {
+    let mut start = 0;
+    widths
+        .iter()
+        .map(|&n| {
+            let mut data = Vec::with_capacity(y.rows * n);
+            for row in y.data.chunks(y.cols) {
+                data.extend_from_slice(&row[start..start + n]);
+            }
+            start += n;
+            CpuTensor { data, rows: y.rows, cols: n }
+        })
+        .collect()
 }
 
 impl Backend for CpuBackend {
@@ -67,12 +170,21 @@ impl Backend for CpuBackend {
     }
 
     fn upload_matrix(&self, m: &MatrixBytes) -> Result<CpuMatrix, BackendError> {
-        // Zero-copy: the CPU reads weights straight from the memory map.
-        Ok(CpuMatrix::from(m.clone()))
+        self.upload_stacked(std::slice::from_ref(m))
     }
 
     fn upload_stacked(&self, parts: &[MatrixBytes]) -> Result<CpuMatrix, BackendError> {
-        CpuMatrix::stacked(parts).map_err(BackendError::Invalid)
+        let matrix = CpuMatrix::stacked(parts).map_err(BackendError::Invalid)?;
+        match self.random_seed() {
+            Some(seed) => self.random_matrix(matrix.rows, matrix.cols, seed),
+            // Zero-copy: the CPU reads weights straight from the memory map.
+            None => Ok(matrix),
+        }
+    }
+
+    fn set_random_weights(&self, seed: Option<u64>) -> Result<(), BackendError> {
+        *self.random_weights.lock().unwrap_or_else(|p| p.into_inner()) = seed;
+        Ok(())
     }
 
     fn matrix_rows(&self, w: &CpuMatrix) -> usize {
@@ -102,6 +214,7 @@ impl Backend for CpuBackend {
             rec: alloc(spec.state_slots * rec_len, spec.linear_layers)?,
             conv_snap: alloc(spec.snapshot_slots * conv_len, spec.linear_layers)?,
             rec_snap: alloc(spec.snapshot_slots * rec_len, spec.linear_layers)?,
+            checkpoints: vec![Vec::new(); spec.checkpoint_slots],
             spec: spec.clone(),
         })
     }
@@ -122,25 +235,48 @@ impl Backend for CpuBackend {
     fn embed(&self, table: &CpuMatrix, ids: &[u32]) -> CpuTensor {
         let h = table.cols;
         let mut data = vec![0.0f32; ids.len() * h];
-        data.par_chunks_mut(h).zip(ids.par_iter()).for_each(|(row, &id)| matmul::weight_row(table, id as usize, row));
+        for (row, &id) in data.chunks_mut(h).zip(ids) {
+            matmul::weight_row(table, id as usize, row);
+        }
         CpuTensor { data, rows: ids.len(), cols: h }
     }
 
     fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32) -> CpuTensor {
         assert_eq!(w.len(), x.cols);
         let mut data = x.data.clone();
-        data.par_chunks_mut(x.cols).for_each(|row| {
+        for row in data.chunks_mut(x.cols) {
             let ms = row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32;
             let inv = 1.0 / (ms + eps).sqrt();
             for (v, wi) in row.iter_mut().zip(w) {
                 *v = *v * inv * wi;
             }
-        });
+        }
         CpuTensor { data, rows: x.rows, cols: x.cols }
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuMatrix) -> CpuTensor {
-        CpuTensor { data: matmul::matmul(&x.data, x.rows, w), rows: x.rows, cols: w.rows }
+        CpuTensor { data: matmul::matmul(&self.pool, self.isa, &x.data, x.rows, w), rows: x.rows, cols: w.rows }
+    }
+
+    fn matmul_add(&self, acc: &mut CpuTensor, x: &CpuTensor, w: &CpuMatrix) {
+        assert_eq!((acc.rows, acc.cols), (x.rows, w.rows), "matmul_add: accumulator shape");
+        matmul::matmul_into(&self.pool, self.isa, &x.data, x.rows, w, &mut acc.data, Store::Add);
+    }
+
+    fn matmul_parts(&self, x: &CpuTensor, w: &CpuMatrix, widths: &[usize]) -> Vec<CpuTensor> {
+        let y = self.matmul(x, w);
+        split_cols(&y, widths)
+    }
+
+    fn matmul_swiglu(&self, x: &CpuTensor, w: &CpuMatrix) -> CpuTensor {
+        let y = self.matmul(x, w);
+        let half = y.cols / 2;
+        let mut data = Vec::with_capacity(y.rows * half);
+        for row in y.data.chunks(y.cols) {
+            let (gate, up) = row.split_at(half);
+            data.extend(gate.iter().zip(up).map(|(g, u)| silu(*g) * u));
+        }
+        CpuTensor { data, rows: y.rows, cols: half }
     }
 
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) {
@@ -149,6 +285,7 @@ impl Backend for CpuBackend {
     }
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
+        // The same expression as `matmul_swiglu`'s, so both give the same bits.
         assert_eq!((gate.rows, gate.cols), (up.rows, up.cols));
         let data = gate.data.iter().zip(&up.data).map(|(g, u)| silu(*g) * u).collect();
         CpuTensor { data, rows: gate.rows, cols: gate.cols }
@@ -193,7 +330,7 @@ impl Backend for CpuBackend {
         cache: &mut CpuCache,
         attention_layer: usize,
     ) -> CpuTensor {
-        attention::gated_attention(q_gate, k, v, q_norm, k_norm, dims, layout, cache, attention_layer)
+        attention::gated_attention(&self.pool, q_gate, k, v, q_norm, k_norm, dims, layout, cache, attention_layer)
     }
 
     fn gated_delta_net(
@@ -219,7 +356,7 @@ impl Backend for CpuBackend {
             dt_bias: &params.dt_bias,
             norm_weight: &params.norm_weight,
         };
-        gdn::gated_delta_net(&inputs, cfg, eps, layout, cache, linear_layer)
+        gdn::gated_delta_net(&self.pool, &inputs, cfg, eps, layout, cache, linear_layer)
     }
 
     fn moe_add(&self, acc: &mut CpuTensor, x: &CpuTensor, w: &MoeWeights<Self>, cfg: &MoeShape) {
@@ -302,6 +439,37 @@ impl Backend for CpuBackend {
             if !conv_only {
                 let (src, dst) = (&cache.rec_snap[layer][snapshot * rec_len..][..rec_len], &mut cache.rec[layer][slot * rec_len..][..rec_len]);
                 dst.copy_from_slice(src);
+            }
+        }
+    }
+
+    fn save_checkpoints(&self, cache: &mut CpuCache, copies: &[StateCheckpoint]) {
+        if cache.spec.linear_layers == 0 {
+            return;
+        }
+        let (conv_len, rec_len) = (cache.spec.linear.conv_state_len(), cache.spec.linear.recurrent_state_len());
+        for &StateCheckpoint { slot, checkpoint } in copies {
+            let mut saved = std::mem::take(&mut cache.checkpoints[checkpoint]);
+            saved.clear();
+            for layer in 0..cache.spec.linear_layers {
+                saved.extend_from_slice(&cache.conv[layer][slot * conv_len..][..conv_len]);
+                saved.extend_from_slice(&cache.rec[layer][slot * rec_len..][..rec_len]);
+            }
+            cache.checkpoints[checkpoint] = saved;
+        }
+    }
+
+    fn restore_checkpoints(&self, cache: &mut CpuCache, copies: &[StateCheckpoint]) {
+        if cache.spec.linear_layers == 0 {
+            return;
+        }
+        let (conv_len, rec_len) = (cache.spec.linear.conv_state_len(), cache.spec.linear.recurrent_state_len());
+        for &StateCheckpoint { slot, checkpoint } in copies {
+            let saved = &cache.checkpoints[checkpoint];
+            assert_eq!(saved.len(), cache.spec.linear_layers * (conv_len + rec_len), "restore_checkpoints: checkpoint {checkpoint} was never saved");
+            for (layer, state) in saved.chunks_exact(conv_len + rec_len).enumerate() {
+                cache.conv[layer][slot * conv_len..][..conv_len].copy_from_slice(&state[..conv_len]);
+                cache.rec[layer][slot * rec_len..][..rec_len].copy_from_slice(&state[conv_len..]);
             }
         }
     }

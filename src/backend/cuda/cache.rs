@@ -2,13 +2,13 @@
 //! per attention layer K and V each a data plane `[slot][kv_head][data bytes]` and a parameter
 //! plane `[slot][kv_head][params]` in the cache's KV format (backend/cpu/kv_store.rs); per
 //! linear layer conv windows `[slots, (K-1) * conv_dim]` (oldest input first) and delta-rule states
-//! `[slots, nv, dk * dv]`, each with a snapshot array of the same shape per snapshot slot. A
-//! head's `dk * dv` state elements are in the decode kernel's thread order
-//! ([`recurrent_state_index`]) rather than the CPU's row order.
+//! `[slots, nv, dk * dv]`, each with a snapshot array of the same shape per snapshot slot and
+//! a checkpoint array per prefix-cache checkpoint. A head's `dk * dv` state elements are in
+//! the decode kernel's thread order ([`recurrent_state_index`]) rather than the CPU's row order.
 
 use super::{ck, Arg, CudaBackend};
 use crate::backend::cpu::kv_store::{KvPlanes, KvStore};
-use crate::backend::{BackendError, CacheSpec, StateCommit};
+use crate::backend::{BackendError, CacheSpec, StateCheckpoint, StateCommit};
 use cudarc::driver::CudaSlice;
 use kestrel_quant::kv::VectorFormat;
 
@@ -30,6 +30,8 @@ pub struct CudaCache {
     pub(super) rec: Vec<CudaSlice<f32>>,
     pub(super) conv_snap: Vec<CudaSlice<f32>>,
     pub(super) rec_snap: Vec<CudaSlice<f32>>,
+    pub(super) conv_ckpt: Vec<CudaSlice<f32>>,
+    pub(super) rec_ckpt: Vec<CudaSlice<f32>>,
     /// Base addresses of the per-layer buffers above, for the kernels that commit and reset
     /// the state of every layer in one launch.
     tables: StateTables,
@@ -40,6 +42,8 @@ struct StateTables {
     rec: CudaSlice<u64>,
     conv_snap: CudaSlice<u64>,
     rec_snap: CudaSlice<u64>,
+    conv_ckpt: CudaSlice<u64>,
+    rec_ckpt: CudaSlice<u64>,
 }
 
 /// Largest key/value head dims and conv history the kernels hold in registers.
@@ -73,13 +77,21 @@ pub(super) fn alloc(be: &CudaBackend, spec: &CacheSpec) -> Result<CudaCache, Bac
     let rec_len = |s: &CacheSpec| s.linear.recurrent_state_len();
     let (conv, rec) = (zeros(spec.state_slots * conv_len(spec), spec.linear_layers)?, zeros(spec.state_slots * rec_len(spec), spec.linear_layers)?);
     let (conv_snap, rec_snap) = (zeros(spec.snapshot_slots * conv_len(spec), spec.linear_layers)?, zeros(spec.snapshot_slots * rec_len(spec), spec.linear_layers)?);
+    let (conv_ckpt, rec_ckpt) = (zeros(spec.checkpoint_slots * conv_len(spec), spec.linear_layers)?, zeros(spec.checkpoint_slots * rec_len(spec), spec.linear_layers)?);
     let table = |v: &Vec<CudaSlice<f32>>| -> Result<CudaSlice<u64>, BackendError> {
         let ptrs: Vec<u64> = v.iter().map(|s| be.ptr(s)).collect();
         let ptrs = if ptrs.is_empty() { vec![0] } else { ptrs };
         be.stream.clone_htod(&ptrs).map_err(|e| BackendError::Device(format!("{e:?}")))
     };
-    let tables = StateTables { conv: table(&conv)?, rec: table(&rec)?, conv_snap: table(&conv_snap)?, rec_snap: table(&rec_snap)? };
-    Ok(CudaCache { k, v, kv_tables, conv, rec, conv_snap, rec_snap, tables, spec: spec.clone() })
+    let tables = StateTables {
+        conv: table(&conv)?,
+        rec: table(&rec)?,
+        conv_snap: table(&conv_snap)?,
+        rec_snap: table(&rec_snap)?,
+        conv_ckpt: table(&conv_ckpt)?,
+        rec_ckpt: table(&rec_ckpt)?,
+    };
+    Ok(CudaCache { k, v, kv_tables, conv, rec, conv_snap, rec_snap, conv_ckpt, rec_ckpt, tables, spec: spec.clone() })
 }
 
 /// Threads and delta-rule chunks per (request, layer) of the state kernels (cuda/gdn.cu).
@@ -94,6 +106,30 @@ pub(super) fn commit(be: &CudaBackend, cache: &mut CudaCache, commits: &[StateCo
     }
     let t = &cache.tables;
     launch_per_request(be, cache, &be.k.commit_states, &list, commits.len(), &[be.ptr(&t.conv), be.ptr(&t.rec), be.ptr(&t.conv_snap), be.ptr(&t.rec_snap)]);
+}
+
+/// Canonical states to checkpoints. The checkpoint copies use the commit kernel, which copies
+/// whole states from one table of layers to another: here from the canonical slots to the
+/// checkpoints, and back for a restore.
+pub(super) fn save_checkpoints(be: &CudaBackend, cache: &mut CudaCache, copies: &[StateCheckpoint]) {
+    let mut list = Vec::with_capacity(3 * copies.len());
+    for c in copies {
+        assert!(c.slot < cache.spec.state_slots && c.checkpoint < cache.spec.checkpoint_slots, "save_checkpoints: slot {} / checkpoint {} out of range", c.slot, c.checkpoint);
+        list.extend([c.checkpoint as i32, c.slot as i32, 0]);
+    }
+    let t = &cache.tables;
+    launch_per_request(be, cache, &be.k.commit_states, &list, copies.len(), &[be.ptr(&t.conv_ckpt), be.ptr(&t.rec_ckpt), be.ptr(&t.conv), be.ptr(&t.rec)]);
+}
+
+/// Checkpoints to canonical states (the commit kernel, as above).
+pub(super) fn restore_checkpoints(be: &CudaBackend, cache: &mut CudaCache, copies: &[StateCheckpoint]) {
+    let mut list = Vec::with_capacity(3 * copies.len());
+    for c in copies {
+        assert!(c.slot < cache.spec.state_slots && c.checkpoint < cache.spec.checkpoint_slots, "restore_checkpoints: slot {} / checkpoint {} out of range", c.slot, c.checkpoint);
+        list.extend([c.slot as i32, c.checkpoint as i32, 0]);
+    }
+    let t = &cache.tables;
+    launch_per_request(be, cache, &be.k.commit_states, &list, copies.len(), &[be.ptr(&t.conv), be.ptr(&t.rec), be.ptr(&t.conv_ckpt), be.ptr(&t.rec_ckpt)]);
 }
 
 pub(super) fn reset(be: &CudaBackend, cache: &mut CudaCache, slots: &[usize]) {
@@ -147,6 +183,23 @@ fn recurrent_states_to_row_order(device: &[f32], dk: usize, dv: usize) -> Vec<f3
     host
 }
 
+/// Per checkpoint, every layer's conv window then delta-rule state (row order), as the CPU
+/// cache keeps them.
+fn checkpoints_in_cpu_layout(conv: &[Vec<f32>], rec: &[Vec<f32>], s: &CacheSpec) -> Vec<Vec<f32>> {
+    let (conv_len, rec_len) = (s.linear.conv_state_len(), s.linear.recurrent_state_len());
+    let (dk, dv) = (s.linear.key_head_dim, s.linear.value_head_dim);
+    (0..s.checkpoint_slots)
+        .map(|c| {
+            let mut state = Vec::with_capacity(s.linear_layers * (conv_len + rec_len));
+            for layer in 0..s.linear_layers {
+                state.extend_from_slice(&conv[layer][c * conv_len..][..conv_len]);
+                state.extend(recurrent_states_to_row_order(&rec[layer][c * rec_len..][..rec_len], dk, dv));
+            }
+            state
+        })
+        .collect()
+}
+
 impl CudaBackend {
     /// A host copy of the cache in the CPU backend's layout (for comparisons and debugging).
     pub fn cache_to_host(&self, cache: &CudaCache) -> crate::backend::cpu::CpuCache {
@@ -180,6 +233,7 @@ impl CudaBackend {
             rec: host(&cache.rec, s.state_slots * rec).iter().map(|r| recurrent_states_to_row_order(r, dk, dv)).collect(),
             conv_snap: host(&cache.conv_snap, s.snapshot_slots * conv),
             rec_snap: host(&cache.rec_snap, s.snapshot_slots * rec).iter().map(|r| recurrent_states_to_row_order(r, dk, dv)).collect(),
+            checkpoints: checkpoints_in_cpu_layout(&host(&cache.conv_ckpt, s.checkpoint_slots * conv), &host(&cache.rec_ckpt, s.checkpoint_slots * rec), s),
         }
     }
 }

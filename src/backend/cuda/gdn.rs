@@ -72,7 +72,7 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnSha
         args.extend(conv_gate_inputs);
         args.extend([Arg::Ptr(rec), Arg::Ptr(rec_snap)]);
         args.extend(tail(at(dl.generate_off)));
-        args.extend([Arg::I32(kw as i32), Arg::I32(i32::from(state_early))]);
+        args.extend([Arg::I32(kw as i32), Arg::I32(i32::from(state_early)), Arg::I32(i32::from(cfg.out_heads_tiled))]);
         be.launch(kernel, (dl.num_generate as u32, nv as u32, 1), threads, 0, &args);
     }
 
@@ -125,6 +125,8 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnSha
                 Arg::I32(nv as i32),
                 Arg::I32(dv as i32),
                 Arg::F32(eps),
+                Arg::I32(nk as i32),
+                Arg::I32(i32::from(cfg.out_heads_tiled)),
             ],
         );
     }

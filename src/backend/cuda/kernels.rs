@@ -14,7 +14,7 @@ pub const COMMON_SOURCE: &str = include_str!("../../../cuda/common.cuh");
 /// kernels' code (cuda/attention.cu), and their instantiation for the format.
 pub const SOURCES: [(&str, &str); 9] = [
     ("elementwise", include_str!("../../../cuda/elementwise.cu")),
-    ("matmul", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/matmul.cu"), include_str!("../../../cuda/matmul_stream.cu"), include_str!("../../../cuda/moe_stream.cu"))),
+    ("matmul", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/matmul_common.cuh"), include_str!("../../../cuda/matmul.cu"), include_str!("../../../cuda/matmul_stream.cu"), include_str!("../../../cuda/moe_stream.cu"))),
     ("attention_f32", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), "ATTN_KERNELS(f32, KvF32)\n")),
     ("attention_bf16", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), "ATTN_KERNELS(bf16, KvBf16)\n")),
     ("attention_fp8", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), "ATTN_KERNELS(fp8, KvFp8)\n")),
@@ -23,6 +23,20 @@ pub const SOURCES: [(&str, &str); 9] = [
     ("moe", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/moe.cu"))),
     ("sample", include_str!("../../../cuda/sample.cu")),
 ];
+
+/// The quantized matmul kernels (cuda/qformats.cuh, qmatmul.cu, qtiles.cu), one module per tile
+/// format.
+pub const QUANT_SOURCE: &str = concat!(
+    include_str!("../../../cuda/matmul_common.cuh"),
+    include_str!("../../../cuda/qformats.cuh"),
+    include_str!("../../../cuda/qmatmul.cu"),
+    include_str!("../../../cuda/qtiles.cu")
+);
+
+/// The body of the quantized kernel module of tile format `id` (`TileFormat::kernel_id`).
+pub fn quant_module_body(id: u32) -> String {
+    format!("#define QFMT {id}\n{QUANT_SOURCE}")
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
@@ -181,7 +195,7 @@ mod tests {
     #[test]
     fn every_kernel_waits_for_its_inputs_first() {
         let mut kernels = 0;
-        for (module, src) in SOURCES {
+        for (module, src) in SOURCES.into_iter().chain([("qmatmul", super::QUANT_SOURCE)]) {
             for (name, body) in kernel_bodies(src) {
                 kernels += 1;
                 let first: Vec<&str> = body.split(';').map(str::trim).take(2).collect();
@@ -210,6 +224,7 @@ mod tests {
                         || s.starts_with("int ctx = positions[")
                         || s.starts_with("FusedDownStart st = fused_down_start(")
                         || s.starts_with("RouteGateUpStart st = route_gate_up_start(")
+                        || s.starts_with("QFewStart st = qmm_few_start(")
                 };
                 let prefetch_then_wait = first.first().is_some_and(weight_work) && is_wait(first.get(1));
                 assert!(waits_first || prefetch_then_wait, "{module}.cu: kernel {name} does not start with wait_for_inputs(): {:?}", first);

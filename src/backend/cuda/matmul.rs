@@ -1,6 +1,7 @@
 //! Launches of the batch-invariant matmul kernels (cuda/matmul.cu). All of them run the same
 //! per-element instruction sequence, so picking one by row count or width changes speed only.
 
+use super::tensor::WeightStorage;
 use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, CudaVector, Kernels};
 use cudarc::driver::CudaFunction;
 
@@ -118,6 +119,30 @@ impl Epilogue {
         }
         e
     }
+
+    pub(super) fn is_swiglu(&self) -> bool {
+        self.mode == Epilogue::SWIGLU.mode
+    }
+
+    /// The store of output columns `c0..c0 + n` alone, for the rows of a stacked weight stored
+    /// apart (a parts store whose parts those columns are, whole); None where that is not so.
+    pub(super) fn restrict(&self, c0: usize, n: usize) -> Option<Epilogue> {
+        if self.mode != 3 {
+            return None;
+        }
+        let mut start = 0;
+        let mut picked = Vec::new();
+        for i in 0..self.parts as usize {
+            let w = self.width[i] as usize;
+            if start >= c0 && start + w <= c0 + n {
+                picked.push((self.ptr[i], w));
+            } else if start < c0 + n && start + w > c0 {
+                return None;
+            }
+            start += w;
+        }
+        (picked.iter().map(|p| p.1).sum::<usize>() == n).then(|| Epilogue::parts(&picked))
+    }
 }
 
 /// The rows a normalizing streaming launch starts from (`struct MoeCombine` in
@@ -144,7 +169,7 @@ pub(crate) struct MoeCombine {
 /// norm's register path, which the launch reproduces.
 fn normed_shape<'a>(be: &'a CudaBackend, rows: usize, norm: &CudaVector, w: &CudaMatrix) -> Option<(&'a StreamKernels, StreamShape)> {
     let sk = be.stream_kernels.as_ref().filter(|sk| sk.norm_in_matmul)?;
-    if w.lo.is_some() || rows == 0 || !be.norm_in_registers(norm, w.cols) {
+    if w.bf16().is_none() || rows == 0 || !be.norm_in_registers(norm, w.cols) {
         return None;
     }
     let shape = sk.shape(rows, w.cols, false)?.with_norm_weight(sk, w.cols)?;
@@ -173,7 +198,7 @@ fn launch_normed(be: &CudaBackend, out: u64, combine: MoeCombine, rows: usize, n
     };
     let args = [
         Arg::Ptr(out),
-        Arg::Ptr(be.ptr(&w.hi)),
+        Arg::Ptr(be.ptr(w.bf16().expect("normed_launch_fits checked a bf16 weight"))),
         Arg::I32(rows as i32),
         Arg::I32(w.rows as i32),
         Arg::I32(w.cols as i32),
@@ -215,6 +240,11 @@ pub(super) fn rms_norm_matmul_parts(be: &CudaBackend, x: &CudaTensor, norm: &Cud
     if normed_launch_fits(be, x.rows, norm, w) {
         return matmul_parts_normed(be, plain_rows(be, x), x.rows, norm, eps, w, widths);
     }
+    if w.dense().is_none() && norm_in_launches(be, x.rows, norm, w) {
+        let (outs, epi) = part_outputs(be, x.rows, w, widths);
+        launch_weights(be, be.ptr(&outs[0].data), x, w, epi, Some((norm, eps)));
+        return outs;
+    }
     matmul_parts(be, &crate::backend::Backend::rms_norm(be, x, norm, eps), w, widths)
 }
 
@@ -222,6 +252,11 @@ pub(super) fn rms_norm_matmul_parts(be: &CudaBackend, x: &CudaTensor, norm: &Cud
 /// where it can be.
 pub(super) fn rms_norm_matmul_swiglu(be: &CudaBackend, x: &CudaTensor, norm: &CudaVector, eps: f32, w: &CudaMatrix) -> CudaTensor {
     assert_eq!(x.cols, w.cols, "rms_norm_matmul_swiglu: activation has {} columns, weight has {} inputs", x.cols, w.cols);
+    if matches!(w.store, WeightStorage::Tiles(_)) && swiglu_in_store(w) && norm_in_launches(be, x.rows, norm, w) {
+        let out = be.tensor(x.rows, w.rows / 2);
+        launch_weights(be, be.ptr(&out.data), x, w, Epilogue::SWIGLU, Some((norm, eps)));
+        return out;
+    }
     if !normed_launch_fits(be, x.rows, norm, w) {
         return matmul_swiglu(be, &crate::backend::Backend::rms_norm(be, x, norm, eps), w);
     }
@@ -463,9 +498,47 @@ fn pipelined_fits(be: &CudaBackend, has_lo: bool, k: usize) -> bool {
 
 /// `x @ w^T` with the products stored by `epi` at `out`.
 fn launch_plain(be: &CudaBackend, out: u64, x: &CudaTensor, w: &CudaMatrix, epi: Epilogue) {
+    launch_weights(be, out, x, w, epi, None);
+}
+
+/// `x @ w^T`, or with `norm` `rms_norm(x, norm) @ w^T` with the norm inside each launch (only
+/// where [`norm_in_launches`]), stored by `epi` at `out`; a stacked weight takes a launch per
+/// part.
+fn launch_weights(be: &CudaBackend, out: u64, x: &CudaTensor, w: &CudaMatrix, epi: Epilogue, norm: Option<(&CudaVector, f32)>) {
     assert_eq!(x.cols, w.cols, "matmul: activation has {} columns, weight has {} inputs", x.cols, w.cols);
-    let wlo = w.lo.as_ref().map_or(0, |l| be.ptr(l));
-    launch_matmul(be, out, be.ptr(&x.data), x.rows, be.ptr(&w.hi), wlo, x.rows, w.rows, w.cols, None, epi);
+    match (&w.store, norm) {
+        (WeightStorage::Dense { .. }, Some((n, eps))) => launch_normed(be, out, plain_rows(be, x), x.rows, n, eps, w, epi),
+        (WeightStorage::Dense { hi, lo }, None) => {
+            let wlo = lo.as_ref().map_or(0, |l| be.ptr(l));
+            launch_matmul(be, out, be.ptr(&x.data), x.rows, be.ptr(hi), wlo, x.rows, w.rows, w.cols, None, epi)
+        }
+        (WeightStorage::Tiles(t), _) => super::qmatmul::launch_tiles(be, out, be.ptr(&x.data), x.rows, t, x.rows, w.rows, w.cols, None, epi, norm.map(|(n, eps)| (be.ptr(&n.data), eps))),
+        (WeightStorage::Stacked(parts), _) => {
+            for p in parts {
+                let part_epi = epi.restrict(p.row0, p.matrix.rows).unwrap_or_else(|| panic!("matmul: a weight stacked from differently stored parts ({}) is only cut along its parts", w.storage_name()));
+                launch_weights(be, out, x, &p.matrix, part_epi, norm);
+            }
+        }
+    }
+}
+
+/// Whether every launch of `rows` rows through `w` can apply the norm itself: bf16 parts in the
+/// streaming normalizing kernels, tiles in the few-row kernel that splits its rows.
+fn norm_in_launches(be: &CudaBackend, rows: usize, norm: &CudaVector, w: &CudaMatrix) -> bool {
+    match &w.store {
+        WeightStorage::Dense { .. } => normed_launch_fits(be, rows, norm, w),
+        WeightStorage::Tiles(_) => be.norm_in_registers(norm, w.cols) && super::qmatmul::norm_fits(rows, w.cols),
+        WeightStorage::Stacked(parts) => parts.iter().all(|p| norm_in_launches(be, rows, norm, &p.matrix)),
+    }
+}
+
+/// Whether the SwiGLU store can take `w` in one launch: bf16 gate over up, or gate/up tiles.
+fn swiglu_in_store(w: &CudaMatrix) -> bool {
+    match &w.store {
+        WeightStorage::Dense { .. } => true,
+        WeightStorage::Tiles(t) => matches!(t.order, super::quant_tiles::RowOrder::GateUp { .. }),
+        WeightStorage::Stacked(_) => false,
+    }
 }
 
 pub(super) fn matmul(be: &CudaBackend, x: &CudaTensor, w: &CudaMatrix) -> CudaTensor {
@@ -487,9 +560,15 @@ pub(super) fn matmul_parts(be: &CudaBackend, x: &CudaTensor, w: &CudaMatrix, wid
     outs
 }
 
-/// `silu(x @ gate^T) * (x @ up^T)` for gate stacked over up, in the matmul's store.
+/// `silu(x @ gate^T) * (x @ up^T)` for gate stacked over up, in the matmul's store (or, for a
+/// weight whose gate and up are stored apart, the two parts and silu_mul).
 pub(super) fn matmul_swiglu(be: &CudaBackend, x: &CudaTensor, w: &CudaMatrix) -> CudaTensor {
     assert!(w.rows.is_multiple_of(2), "matmul_swiglu: {} rows is not gate over up", w.rows);
+    if !swiglu_in_store(w) {
+        let mut parts = matmul_parts(be, x, w, &[w.rows / 2, w.rows / 2]).into_iter();
+        let (gate, up) = (parts.next().expect("two parts"), parts.next().expect("two parts"));
+        return super::ops::silu_mul(be, &gate, &up);
+    }
     let out = be.tensor(x.rows, w.rows / 2);
     launch_plain(be, be.ptr(&out.data), x, w, Epilogue::SWIGLU);
     out

@@ -20,6 +20,8 @@ mod moe;
 mod moe_stream;
 mod ops;
 mod profile;
+mod qmatmul;
+pub mod quant_tiles;
 mod sample;
 mod step_inputs;
 mod tensor;
@@ -202,6 +204,10 @@ pub struct CudaBackend {
     /// Whether a step whose rows are all one token runs its attention in one launch
     /// (`attn_decode`; `KESTREL_CUDA_ATTN_DECODE=0` keeps attn_prep and attn_core for A/B runs).
     pub(super) attn_decode: bool,
+    /// Shared memory a block may opt in to (bytes).
+    pub(super) optin_smem: usize,
+    /// The quantized matmul kernels of each tile format met so far (qmatmul.rs).
+    quant_kernels: Mutex<HashMap<quant_tiles::TileFormat, Arc<qmatmul::QuantKernels>>>,
 }
 
 /// The launch attribute for thread block clusters of `blocks` blocks along x.
@@ -391,6 +397,8 @@ impl CudaBackend {
             l2_ahead: std::env::var("KESTREL_CUDA_L2_AHEAD").map_or(true, |v| v != "0"),
             attn_decode: std::env::var("KESTREL_CUDA_ATTN_DECODE").map_or(true, |v| v != "0"),
             l2_tail_bytes: std::env::var("KESTREL_CUDA_L2_TAIL_MB").ok().and_then(|v| v.parse::<usize>().ok()).map_or(moe::PROJECTION_TAIL_BYTES, |mb| mb << 20),
+            optin_smem: optin.max(0) as usize,
+            quant_kernels: Mutex::new(HashMap::new()),
         })
     }
 

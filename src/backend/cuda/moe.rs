@@ -2,6 +2,7 @@
 //! expert matmuls (one launch per projection for all experts), and the weighted sum.
 
 use super::matmul::{launch_matmul, Epilogue, Grouped};
+use super::tensor::{QuantTiles, WeightStorage};
 use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, CudaVector, ExpertTables};
 use crate::backend::MoeWeights;
 use crate::backend::shapes::MoeShape;
@@ -23,7 +24,19 @@ const MAX_EXPERTS: usize = 512;
 /// Whether the shared expert runs as one more group of the grouped expert launches (group E,
 /// slot k of every token): it must have the experts' shapes. Two launches fewer per layer.
 fn shared_in_groups(w: &MoeWeights<CudaBackend>, inter: usize) -> bool {
-    w.shared.as_ref().is_some_and(|[gu, d]| (gu.rows, d.cols) == (2 * inter, inter))
+    let alike = |a: &CudaMatrix, b: &CudaMatrix| match (&a.store, &b.store) {
+        (WeightStorage::Dense { .. }, WeightStorage::Dense { .. }) => true,
+        (WeightStorage::Tiles(x), WeightStorage::Tiles(y)) => (x.fmt, x.order) == (y.fmt, y.order),
+        _ => false,
+    };
+    w.shared.as_ref().is_some_and(|[gu, d]| (gu.rows, d.cols) == (2 * inter, inter) && w.experts.first().is_some_and(|[egu, ed]| alike(gu, egu) && alike(d, ed)))
+}
+
+fn tiles_of(m: &CudaMatrix) -> Option<&QuantTiles> {
+    match &m.store {
+        WeightStorage::Tiles(t) => Some(t),
+        _ => None,
+    }
 }
 
 /// Device tables of expert weight pointers (the shared expert last when it runs with them),
@@ -35,7 +48,16 @@ fn expert_tables(be: &CudaBackend, w: &MoeWeights<CudaBackend>, with_shared: boo
         .get_or_init(|| {
             let table = |which: usize| {
                 let shared = w.shared.iter().filter(|_| with_shared);
-                let ptrs: Vec<u64> = w.experts.iter().chain(shared).flat_map(|m| [be.ptr(&m[which].hi), m[which].lo.as_ref().map_or(0, |l| be.ptr(l))]).collect();
+                let ptrs: Vec<u64> = w
+                    .experts
+                    .iter()
+                    .chain(shared)
+                    .flat_map(|m| match &m[which].store {
+                        WeightStorage::Dense { hi, lo } => [be.ptr(hi), lo.as_ref().map_or(0, |l| be.ptr(l))],
+                        WeightStorage::Tiles(t) => [be.ptr(&t.data), 0],
+                        WeightStorage::Stacked(_) => panic!("moe: an expert stacked from differently stored parts ({})", m[which].storage_name()),
+                    })
+                    .collect();
                 ck(be.stream.clone_htod(&ptrs), "expert table upload")
             };
             Arc::new([table(0), table(1)])
@@ -108,7 +130,10 @@ impl L2Ahead {
     /// the prefetch is on (`KESTREL_CUDA_L2_AHEAD=0` turns it off for A/B runs).
     fn shared_expert(be: &CudaBackend, w: &MoeWeights<CudaBackend>) -> Self {
         match w.shared.as_ref().filter(|_| be.l2_ahead) {
-            Some([gu, d]) => L2Ahead { ptr: [be.ptr(&gu.hi), be.ptr(&d.hi)], bytes: [gu.hi.len() as i64, d.hi.len() as i64] },
+            Some([gu, d]) => match (gu.bf16(), d.bf16()) {
+                (Some(gu), Some(d)) => L2Ahead { ptr: [be.ptr(gu), be.ptr(d)], bytes: [gu.len() as i64, d.len() as i64] },
+                _ => L2Ahead::default(),
+            },
             None => L2Ahead::default(),
         }
     }
@@ -118,8 +143,9 @@ impl L2Ahead {
     /// launch copies its first column blocks into shared memory while the MoE's down
     /// projection runs and streams the rest after its wait: that rest is its last rows.
     fn projection_tail(be: &CudaBackend, proj: &CudaMatrix) -> Self {
-        match tail_range(proj.hi.len(), be.l2_tail_bytes) {
-            Some((offset, bytes)) => L2Ahead { ptr: [be.ptr(&proj.hi) + offset as u64, 0], bytes: [bytes as i64, 0] },
+        let Some(hi) = proj.bf16() else { return L2Ahead::default() };
+        match tail_range(hi.len(), be.l2_tail_bytes) {
+            Some((offset, bytes)) => L2Ahead { ptr: [be.ptr(hi) + offset as u64, 0], bytes: [bytes as i64, 0] },
             None => L2Ahead::default(),
         }
     }
@@ -262,15 +288,24 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
     let widths = w.router_widths(e);
     let few = t * k <= FEW_ENTRIES;
     let route_here = few && t <= ROUTE_IN_GROUP_MAX_TOKENS;
-    let router_launch = super::matmul::router_launch(be, t, w.router.rows, h, w.router.lo.is_some()).filter(|_| route_here);
+    let router_launch = super::matmul::router_launch(be, t, w.router.rows, h, w.router.bf16().is_none()).filter(|_| route_here && w.router.dense().is_some());
     let tables = expert_tables(be, w, fold);
-    let has_lo = |which: usize| w.experts.iter().chain(w.shared.iter().filter(|_| fold)).any(|m| m[which].lo.is_some());
+    let grouped_weights = |which: usize| w.experts.iter().chain(w.shared.iter().filter(|_| fold)).map(move |m| &m[which]);
+    let has_lo = |which: usize| grouped_weights(which).any(|m| matches!(m.dense(), Some((_, Some(_)))));
+    // The streaming paths read bf16 weights only.
+    let all_bf16 = |which: usize| grouped_weights(which).all(|m| m.bf16().is_some());
+    // Tiled experts: the quantized kernels of their format, which must be every group's.
+    let expert_tiles = |which: usize| -> Option<&QuantTiles> {
+        let first = tiles_of(&w.experts[0][which])?;
+        assert!(grouped_weights(which).all(|m| tiles_of(m).is_some_and(|t| (t.fmt, t.order) == (first.fmt, first.order))), "moe: experts stored in different formats");
+        Some(first)
+    };
     // One token whose input norm the streaming router would take, with the shared expert in the
     // groups: the router, the routing and the gate/up in one launch (moe_route_gate_up), then
     // the fused down projection: one launch where the router's and the gate/up's were two, and
     // no hand-over between them.
     let route_gate_up = match input {
-        MoeInput::Residual(n, eps) if t == 1 && fold && !has_lo(0) && !has_lo(1) && router_launch.as_ref().is_some_and(|l| l.stages > 0) && be.norm_in_registers(n, h) => {
+        MoeInput::Residual(n, eps) if t == 1 && fold && all_bf16(0) && all_bf16(1) && router_launch.as_ref().is_some_and(|l| l.stages > 0) && be.norm_in_registers(n, h) => {
             super::moe_stream::route_gate_up(be, w.router.rows, h, inter, k).zip(super::moe_stream::fused_down(be, slots, h, inter)).map(|plans| (n, eps, plans))
         }
         _ => None,
@@ -283,7 +318,7 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
         let args = [
             Arg::Ptr(be.ptr(&act.data)),
             Arg::Ptr(be.ptr(&acc.data)),
-            Arg::Ptr(be.ptr(&w.router.hi)),
+            Arg::Ptr(be.ptr(w.router.bf16().expect("the streaming router takes bf16 weights"))),
             Arg::I32(w.router.rows as i32),
             Arg::I32(h as i32),
             Arg::Epilogue(super::matmul::Epilogue::parts(&outs)),
@@ -341,13 +376,14 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
     if let Some(launch) = router_launch {
         // The router matmul with the routing in its last block: one launch fewer per layer.
         let outs: Vec<(u64, usize)> = std::iter::once(&logits).chain(shared_gate.as_ref()).map(|p| (be.ptr(&p.data), p.cols)).collect();
-        let wlo = w.router.lo.as_ref().map_or(0, |l| be.ptr(l));
+        let (router_hi, router_lo) = w.router.dense().expect("router_launch takes dense routers only");
+        let wlo = router_lo.map_or(0, |l| be.ptr(l));
         // With the norm fused, the router reads the residual stream and writes `x`.
         let router_x = if router_norm.is_some() { be.ptr(&acc.data) } else { be.ptr(&x.data) };
         let mut args = vec![
             Arg::Ptr(outs[0].0),
             Arg::Ptr(router_x),
-            Arg::Ptr(be.ptr(&w.router.hi)),
+            Arg::Ptr(be.ptr(router_hi)),
             Arg::Ptr(wlo),
             Arg::I32(t as i32),
             Arg::I32(w.router.rows as i32),
@@ -414,21 +450,25 @@ fn moe_experts(be: &CudaBackend, acc: &mut CudaTensor, input: MoeInput, w: &MoeW
     };
     // Gate and up in one grouped launch, SwiGLU applied in its store.
     let act = be.tensor(t * slots, inter);
-    launch_matmul(be, be.ptr(&act.data), be.ptr(&x.data), t, 0, 0, t, 2 * inter, h, Some(&grouped(0, slots, false)), Epilogue::SWIGLU);
+    let launch_grouped = |which: usize, out: u64, xp: u64, x_rows: usize, n: usize, k: usize, g: &Grouped, epi: Epilogue| match expert_tiles(which) {
+        Some(tiles) => super::qmatmul::launch_tiles(be, out, xp, x_rows, tiles, t, n, k, Some(g), epi, None),
+        None => launch_matmul(be, out, xp, x_rows, 0, 0, t, n, k, Some(g), epi),
+    };
+    launch_grouped(0, be.ptr(&act.data), be.ptr(&x.data), t, 2 * inter, h, &grouped(0, slots, false), Epilogue::SWIGLU);
     // The gate/up launch waited for the routing before it let this one start, so the down
     // launch may look its experts up early.
     let down = grouped(1, 1, true);
     // One token: the down projection adds the weighted sum into the residual row itself (the
     // same bits as the grouped launch and the combine pass), so that the next launch reads one
     // row instead of every expert's.
-    let fused_down = (t == 1 && (fold || w.shared.is_none()) && !down.has_lo).then(|| super::moe_stream::fused_down(be, slots, h, inter)).flatten();
+    let fused_down = (t == 1 && (fold || w.shared.is_none()) && all_bf16(1)).then(|| super::moe_stream::fused_down(be, slots, h, inter)).flatten();
     if let Some(launch) = fused_down {
         let gate = shared_gate.as_ref().filter(|_| fold).map_or(0, |s| be.ptr(&s.data));
         launch_fused_down(be, acc, &act, &tables[1], (topk_idx, topk_w, gate), (h, inter, k, slots, e), &launch);
         return MoeOutput::Added;
     }
     let y = be.tensor(t * slots, h);
-    launch_matmul(be, be.ptr(&y.data), be.ptr(&act.data), t * slots, 0, 0, t, h, inter, Some(&down), Epilogue::STORE);
+    launch_grouped(1, be.ptr(&y.data), be.ptr(&act.data), t * slots, h, inter, &down, Epilogue::STORE);
 
     // The shared expert's rows: slot k of y, or its own matmuls when its shapes differ.
     let separate = w.shared.as_ref().filter(|_| !fold).map(|[gu, d]| super::matmul::matmul(be, &super::matmul::matmul_swiglu(be, x, gu), d));

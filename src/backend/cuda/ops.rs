@@ -2,8 +2,10 @@
 //! attention, Gated DeltaNet and MoE in their own files.
 
 use super::cache::{self, CudaCache};
+use super::quant_tiles::RowOrder;
+use super::tensor::{StackedPart, WeightStorage};
 use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, CudaVector};
-use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StateCommit, StepLimits, GraphInputs, GraphKey};
+use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StateCheckpoint, StateCommit, StepLimits, GraphInputs, GraphKey};
 use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
 use kestrel_quant::Dtype;
@@ -43,7 +45,88 @@ impl CudaBackend {
         // Uniform with standard deviation 1/sqrt(cols): activations keep their scale layer to layer.
         let scale = (3.0 / cols.max(1) as f32).sqrt();
         self.launch(&self.k.fill_random_bf16, (blocks(n).min(65536), 1, 1), THREADS, 0, &[Arg::Ptr(self.ptr(&hi)), Arg::I64(n as i64), Arg::U64(seed), Arg::F32(scale)]);
-        Ok(CudaMatrix { hi, lo: None, rows, cols, expert_tables: Default::default() })
+        Ok(CudaMatrix::new(WeightStorage::Dense { hi, lo: None }, rows, cols))
+    }
+
+    /// Parts that all read as plain floats (none quantized), stacked as one dense weight: bf16
+    /// as stored, F32/F16 as a bf16 pair (existing weights keep their layout).
+    fn upload_dense(&self, parts: &[MatrixBytes], rows: usize, cols: usize) -> Result<CudaMatrix, BackendError> {
+        let oom = |bytes: usize, e: cudarc::driver::DriverError| BackendError::OutOfMemory(format!("{} MiB of weights: {e:?}", bytes >> 20));
+        if parts.iter().all(|p| p.dtype == Dtype::BF16) {
+            // Stored bf16 goes up as is, each part straight into its rows.
+            let total: usize = parts.iter().map(|p| p.bytes().len()).sum();
+            // SAFETY: every byte is written by the part copies below.
+            let mut hi = unsafe { self.stream.alloc::<u8>(total.max(2)) }.map_err(|e| oom(total, e))?;
+            let mut offset = 0;
+            for p in parts {
+                let bytes = p.bytes();
+                self.stream.memcpy_htod(bytes, &mut hi.slice_mut(offset..offset + bytes.len())).map_err(|e| oom(total, e))?;
+                offset += bytes.len();
+            }
+            return Ok(CudaMatrix::new(WeightStorage::Dense { hi, lo: None }, rows, cols));
+        }
+        // F32/F16 weights keep ~16 bits as bf16 hi + lo matrices.
+        let mut values = Vec::with_capacity(rows * cols);
+        for p in parts {
+            values.extend(kestrel_quant::dequantize(p.dtype, p.bytes()).map_err(|e| BackendError::Invalid(e.to_string()))?);
+        }
+        let (hi, lo) = split_bf16(&values);
+        Ok(CudaMatrix::new(WeightStorage::Dense { hi: upload_u16(self, &hi)?, lo: Some(upload_u16(self, &lo)?) }, rows, cols))
+    }
+
+    /// Quantized parts without tiles (a type or width the kernels do not take), dequantized to
+    /// bf16 (2 bytes a weight), beside bf16 parts as stored.
+    fn upload_bf16_values(&self, parts: &[MatrixBytes], rows: usize, cols: usize) -> Result<CudaMatrix, BackendError> {
+        let mut bits: Vec<u16> = Vec::with_capacity(rows * cols);
+        for p in parts {
+            let values = kestrel_quant::dequantize(p.dtype, p.bytes()).map_err(|e| BackendError::Invalid(e.to_string()))?;
+            bits.extend(values.iter().map(|&v| half::bf16::from_f32(v).to_bits()));
+        }
+        Ok(CudaMatrix::new(WeightStorage::Dense { hi: upload_u16(self, &bits)?, lo: None }, rows, cols))
+    }
+
+    /// One run of parts stored alike (see [`PartKind`]) as one weight.
+    fn upload_run(&self, kind: PartKind, parts: &[MatrixBytes], order: RowOrder, seed: Option<u64>) -> Result<CudaMatrix, BackendError> {
+        let (rows, cols) = MatrixBytes::stacked_shape(parts).map_err(BackendError::Invalid)?;
+        match (kind, seed) {
+            (PartKind::Tiles(dtype), Some(seed)) => Ok(CudaMatrix::new(WeightStorage::Tiles(super::qmatmul::random_tiles(self, dtype, order, rows, cols, seed)?), rows, cols)),
+            (PartKind::Tiles(_), None) => Ok(CudaMatrix::new(WeightStorage::Tiles(super::qmatmul::upload_tiles(self, parts, order)?), rows, cols)),
+            (_, Some(seed)) => self.random_matrix(rows, cols, seed),
+            (PartKind::Bf16, None) => self.upload_dense(parts, rows, cols),
+            (PartKind::Pair, None) => self.upload_dense(parts, rows, cols),
+            (PartKind::Bf16Values, None) => self.upload_bf16_values(parts, rows, cols),
+        }
+    }
+}
+
+/// How a part of a weight goes to the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PartKind {
+    /// Stored bf16.
+    Bf16,
+    /// Stored F32 or F16: a bf16 pair.
+    Pair,
+    /// Quantized with tiles of its own (the dtype: parts of one dtype share tiles).
+    Tiles(Dtype),
+    /// Quantized without tiles: dequantized to bf16.
+    Bf16Values,
+}
+
+fn part_kind(m: &MatrixBytes) -> PartKind {
+    match m.dtype {
+        Dtype::BF16 => PartKind::Bf16,
+        Dtype::F32 | Dtype::F16 => PartKind::Pair,
+        d if super::qmatmul::tile_format(m).is_some() => PartKind::Tiles(d),
+        _ => PartKind::Bf16Values,
+    }
+}
+
+/// Which run a part of a stack with quantized parts joins: bf16 values of either origin share one.
+fn run_key(kind: PartKind) -> PartKind {
+    if kind == PartKind::Bf16 {
+        PartKind::Bf16Values
+    } else {
+        kind
     }
 }
 
@@ -63,30 +146,51 @@ impl Backend for CudaBackend {
 
     fn upload_stacked(&self, parts: &[MatrixBytes]) -> Result<CudaMatrix, BackendError> {
         let (rows, cols) = MatrixBytes::stacked_shape(parts).map_err(BackendError::Invalid)?;
-        let oom = |bytes: usize, e: cudarc::driver::DriverError| BackendError::OutOfMemory(format!("{} MiB of weights: {e:?}", bytes >> 20));
-        let matrix = if let Some(seed) = self.random_seed() {
-            self.random_matrix(rows, cols, seed)?
-        } else if parts.iter().all(|p| p.dtype == Dtype::BF16) {
-            // Stored bf16 goes up as is, each part straight into its rows.
-            let total: usize = parts.iter().map(|p| p.bytes().len()).sum();
-            // SAFETY: every byte is written by the part copies below.
-            let mut hi = unsafe { self.stream.alloc::<u8>(total.max(2)) }.map_err(|e| oom(total, e))?;
-            let mut offset = 0;
-            for p in parts {
-                let bytes = p.bytes();
-                self.stream.memcpy_htod(bytes, &mut hi.slice_mut(offset..offset + bytes.len())).map_err(|e| oom(total, e))?;
-                offset += bytes.len();
+        let seed = self.random_seed();
+        let kinds: Vec<PartKind> = parts.iter().map(part_kind).collect();
+        let matrix = if kinds.iter().all(|k| matches!(k, PartKind::Bf16 | PartKind::Pair)) {
+            // No quantized part: one dense weight as before.
+            match seed {
+                Some(seed) => self.random_matrix(rows, cols, seed)?,
+                None => self.upload_dense(parts, rows, cols)?,
             }
-            CudaMatrix { hi, lo: None, rows, cols, expert_tables: Default::default() }
         } else {
-            // F32/F16 weights keep ~16 bits as bf16 hi + lo matrices.
-            let mut values = Vec::with_capacity(rows * cols);
-            for p in parts {
-                values.extend(kestrel_quant::dequantize(p.dtype, p.bytes()).map_err(|e| BackendError::Invalid(e.to_string()))?);
+            // Runs of parts stored alike, each one weight; more than one run makes a stack.
+            let mut runs: Vec<(PartKind, usize, usize)> = Vec::new();
+            for (i, k) in kinds.iter().enumerate() {
+                match runs.last_mut() {
+                    Some(run) if run_key(run.0) == run_key(*k) => run.2 = i + 1,
+                    _ => runs.push((run_key(*k), i, i + 1)),
+                }
             }
-            let (hi, lo) = split_bf16(&values);
-            CudaMatrix { hi: upload_u16(self, &hi)?, lo: Some(upload_u16(self, &lo)?), rows, cols, expert_tables: Default::default() }
+            let mut uploaded = Vec::with_capacity(runs.len());
+            let mut row0 = 0;
+            for (i, (kind, a, b)) in runs.into_iter().enumerate() {
+                // Random runs each get their own stream of numbers.
+                let run_seed = seed.map(|s| s ^ (i as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+                let m = self.upload_run(kind, &parts[a..b], RowOrder::Plain, run_seed)?;
+                let next = row0 + m.rows;
+                uploaded.push(StackedPart { row0, matrix: m });
+                row0 = next;
+            }
+            if uploaded.len() == 1 {
+                uploaded.pop().expect("one run").matrix
+            } else {
+                CudaMatrix::new(WeightStorage::Stacked(uploaded), rows, cols)
+            }
         };
+        self.uploaded_bytes.fetch_add(matrix.device_bytes(), Ordering::Relaxed);
+        Ok(matrix)
+    }
+
+    fn upload_gate_up(&self, gate: &MatrixBytes, up: &MatrixBytes) -> Result<CudaMatrix, BackendError> {
+        let kind = part_kind(gate);
+        if !matches!(kind, PartKind::Tiles(_)) || part_kind(up) != kind || (gate.rows, gate.cols) != (up.rows, up.cols) {
+            return self.upload_stacked(&[gate.clone(), up.clone()]);
+        }
+        // Gate and up rows interleaved by tile, for the SwiGLU store (quant_tiles::RowOrder).
+        let parts = [gate.clone(), up.clone()];
+        let matrix = self.upload_run(kind, &parts, RowOrder::GateUp { half: gate.rows }, self.random_seed())?;
         self.uploaded_bytes.fetch_add(matrix.device_bytes(), Ordering::Relaxed);
         Ok(matrix)
     }
@@ -130,14 +234,20 @@ impl Backend for CudaBackend {
         let out = self.tensor(ids.len(), table.cols);
         let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
         let dids = self.step_inputs().ids.write(self, &ids);
-        let lo = table.lo.as_ref().map_or(0, |l| self.ptr(l));
-        self.launch(
-            &self.k.embed_rows,
-            (ids.len() as u32, 1, 1),
-            THREADS,
-            0,
-            &[Arg::Ptr(self.ptr(&out.data)), Arg::Ptr(self.ptr(&table.hi)), Arg::Ptr(lo), Arg::Ptr(dids), Arg::I32(ids.len() as i32), Arg::I32(table.cols as i32)],
-        );
+        match &table.store {
+            WeightStorage::Dense { hi, lo } => {
+                let lo = lo.as_ref().map_or(0, |l| self.ptr(l));
+                self.launch(
+                    &self.k.embed_rows,
+                    (ids.len() as u32, 1, 1),
+                    THREADS,
+                    0,
+                    &[Arg::Ptr(self.ptr(&out.data)), Arg::Ptr(self.ptr(hi)), Arg::Ptr(lo), Arg::Ptr(dids), Arg::I32(ids.len() as i32), Arg::I32(table.cols as i32)],
+                );
+            }
+            WeightStorage::Tiles(t) => super::qmatmul::embed_tiles(self, self.ptr(&out.data), t, dids, ids.len(), table.cols),
+            WeightStorage::Stacked(_) => panic!("embed: an embedding table stacked from differently stored parts ({})", table.storage_name()),
+        }
         out
     }
 
@@ -318,6 +428,10 @@ impl Backend for CudaBackend {
         super::sample::sample_rows(self, logits, rows)
     }
 
+    fn logits_rows_to_host(&self, logits: &CudaTensor, rows: &[usize]) -> Vec<f32> {
+        super::sample::logits_rows_to_host(self, logits, rows)
+    }
+
     fn run_graphed(&self, key: GraphKey, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<CudaTensor>) -> Vec<CudaTensor> {
         self.run_graphed_forward(key, inputs, forward)
     }
@@ -338,5 +452,15 @@ impl Backend for CudaBackend {
     fn reset_states(&self, cache: &mut CudaCache, slots: &[usize]) {
         let _span = self.span("reset_states");
         cache::reset(self, cache, slots)
+    }
+
+    fn save_checkpoints(&self, cache: &mut CudaCache, copies: &[StateCheckpoint]) {
+        let _span = self.span("save_checkpoints");
+        cache::save_checkpoints(self, cache, copies)
+    }
+
+    fn restore_checkpoints(&self, cache: &mut CudaCache, copies: &[StateCheckpoint]) {
+        let _span = self.span("restore_checkpoints");
+        cache::restore_checkpoints(self, cache, copies)
     }
 }

@@ -104,3 +104,13 @@ pub(super) fn sample_rows(be: &CudaBackend, logits: &CudaTensor, rows: &[RowSamp
     }
     tokens
 }
+
+/// Rows of `logits` copied to the host one by one (only the rows asked for cross the bus).
+pub(super) fn logits_rows_to_host(be: &CudaBackend, logits: &CudaTensor, rows: &[usize]) -> Vec<f32> {
+    let vocab = logits.cols;
+    let mut out = Vec::with_capacity(rows.len() * vocab);
+    for &i in rows {
+        out.extend(ck(be.stream.clone_dtoh(&logits.data.slice(i * vocab..(i + 1) * vocab)), "logits row copy"));
+    }
+    out
+}

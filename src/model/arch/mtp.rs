@@ -30,7 +30,7 @@ pub struct MtpOutput<B: Backend> {
 
 impl<B: Backend> Mtp<B> {
     pub(crate) fn load(backend: &B, c: &ModelConfig, store: &WeightStore, attention_index: usize) -> Result<Self, LoadError> {
-        let ld = Loader { store, backend, mtp: true, quantization: c.quantization.as_ref() };
+        let ld = Loader { store, backend, mtp: true, quantization: c.quantization.as_ref(), online: c.online_quantization.map(|q| (q, c.num_layers())) };
         let h = c.hidden_size;
         // The MTP layer is a full-attention decoder layer with the main model's MLP kind.
         let mut layer_cfg = c.clone();

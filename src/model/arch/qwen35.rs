@@ -11,6 +11,7 @@
 use super::mtp::Mtp;
 use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, KvDtype, MoeWeights};
 use crate::model::config::{LayerKind, ModelConfig, ModelFamily};
+use crate::model::weights::online::OnlineQuantization;
 use crate::model::weights::quantized::QuantizationConfig;
 use crate::model::weights::{WeightError, WeightStore};
 
@@ -30,11 +31,13 @@ pub(crate) struct Loader<'a, B: Backend> {
     pub mtp: bool,
     /// How quantized linears are stored (config.json's `quantization_config`).
     pub quantization: Option<&'a QuantizationConfig>,
+    /// Quantization of float linears at load, and the model's decoder layers (its rules).
+    pub online: Option<(OnlineQuantization, usize)>,
 }
 
 impl<B: Backend> Loader<'_, B> {
     /// The full stored name of `name`.
-    fn full_name(&self, name: &str) -> String {
+    pub(crate) fn full_name(&self, name: &str) -> String {
         if self.mtp {
             format!("mtp.{name}")
         } else {
@@ -44,12 +47,28 @@ impl<B: Backend> Loader<'_, B> {
     fn view(&self, name: &str) -> Result<crate::model::weights::TensorView<'_>, WeightError> {
         self.store.get(&self.full_name(name))
     }
-    /// The linear `name` (dense, or repacked from its quantized form) as a `[rows, cols]` matrix.
+    /// The linear `name` (dense, or repacked from its quantized form) as a `[rows, cols]`
+    /// matrix, quantized at load where `--quantization` asks for it.
     fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<crate::model::weights::MatrixBytes, WeightError> {
-        self.store.linear(&self.full_name(name), rows, cols, self.quantization)
+        let full = self.full_name(name);
+        let m = self.store.linear(&full, rows, cols, self.quantization)?;
+        self.online(&full, m)
+    }
+    /// `m` (the linear `full_name`) quantized where `--quantization` asks for it: float weights
+    /// only; quantized checkpoints stay as stored.
+    pub(crate) fn online(&self, full_name: &str, m: crate::model::weights::MatrixBytes) -> Result<crate::model::weights::MatrixBytes, WeightError> {
+        let Some((q, layers)) = self.online else { return Ok(m) };
+        match q.target(full_name, m.cols, layers).filter(|_| !m.dtype.is_quantized()) {
+            Some(dtype) => OnlineQuantization::quantize(&m, dtype).map_err(|source| WeightError::Convert { tensor: full_name.to_string(), source }),
+            None => Ok(m),
+        }
     }
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Matrix, LoadError> {
         Ok(self.backend.upload_matrix(&self.linear(name, rows, cols)?)?)
+    }
+    /// A SwiGLU's gate and up projections (`[rows, cols]` each) as one weight.
+    pub fn gate_up(&self, gate: &str, up: &str, rows: usize, cols: usize) -> Result<B::Matrix, LoadError> {
+        Ok(self.backend.upload_gate_up(&self.linear(gate, rows, cols)?, &self.linear(up, rows, cols)?)?)
     }
     /// The named `[rows, cols]` matrices stacked by rows into one (projections of one input).
     pub fn stacked(&self, parts: &[(&str, usize)], cols: usize) -> Result<B::Matrix, LoadError> {
@@ -179,7 +198,7 @@ pub struct Qwen35<B: Backend> {
 impl<B: Backend> Qwen35<B> {
     pub fn load(backend: &B, config: ModelConfig, store: &WeightStore, progress: &indicatif::ProgressBar) -> Result<Self, LoadError> {
         let c = &config;
-        let ld = Loader { store, backend, mtp: false, quantization: c.quantization.as_ref() };
+        let ld = Loader { store, backend, mtp: false, quantization: c.quantization.as_ref(), online: c.online_quantization.map(|q| (q, c.num_layers())) };
         let h = c.hidden_size;
         progress.set_length(c.num_layers() as u64 + 2);
         let embed = ld.matrix("embed_tokens.weight", c.vocab_size, h)?;
@@ -210,7 +229,8 @@ impl<B: Backend> Qwen35<B> {
         let lm_head = if c.tie_word_embeddings && !store.contains_linear("lm_head.weight") {
             None
         } else {
-            Some(backend.upload_matrix(&store.linear("lm_head.weight", c.vocab_size, h, c.quantization.as_ref())?)?)
+            let m = store.linear("lm_head.weight", c.vocab_size, h, c.quantization.as_ref())?;
+            Some(backend.upload_matrix(&ld.online("lm_head.weight", m)?)?)
         };
         let mtp = if c.mtp_layers > 0 && store.contains_linear("mtp.fc.weight") {
             Some(Mtp::load(backend, c, store, c.full_attention_layers())?)
@@ -226,7 +246,8 @@ impl<B: Backend> Qwen35<B> {
     }
 
     /// Cache geometry for this model, keys and values in the default KV format (bf16); MTP
-    /// layers get attention-layer indices after the main ones.
+    /// layers get attention-layer indices after the main ones. No prefix-cache checkpoints: the
+    /// engine sets `checkpoint_slots` when it wants some.
     pub fn cache_spec(&self, num_blocks: usize, block_size: usize, state_slots: usize, snapshot_slots: usize) -> CacheSpec {
         cache_spec(&self.config, self.mtp.is_some(), num_blocks, block_size, state_slots, snapshot_slots)
     }
@@ -421,30 +442,35 @@ fn load_mlp<B: Backend>(ld: &Loader<B>, c: &ModelConfig, p: &str, moe: bool) -> 
     if !moe {
         let i = c.intermediate_size;
         let (gate, up) = (format!("{p}mlp.gate_proj.weight"), format!("{p}mlp.up_proj.weight"));
-        return Ok(Mlp::Dense { gate_up: ld.stacked(&[(&gate, i), (&up, i)], h)?, down: ld.matrix(&format!("{p}mlp.down_proj.weight"), h, i)? });
+        return Ok(Mlp::Dense { gate_up: ld.gate_up(&gate, &up, i, h)?, down: ld.matrix(&format!("{p}mlp.down_proj.weight"), h, i)? });
     }
     let m = c.moe.as_ref().expect("MoE layer without MoE config");
     let (e, i) = (m.num_experts, m.expert_intermediate);
     let mut experts = Vec::with_capacity(e);
     if ld.has(&format!("{p}mlp.experts.gate_up_proj")) {
         // Stacked layout: gate_up [E, 2I, H] (gate rows first), down [E, H, I].
-        let gu = ld.view_matrix(&format!("{p}mlp.experts.gate_up_proj"), &[e, 2 * i, h])?;
-        let dn = ld.view_matrix(&format!("{p}mlp.experts.down_proj"), &[e, h, i])?;
+        let (gu_name, dn_name) = (format!("{p}mlp.experts.gate_up_proj"), format!("{p}mlp.experts.down_proj"));
+        let gu = ld.view_matrix(&gu_name, &[e, 2 * i, h])?;
+        let dn = ld.view_matrix(&dn_name, &[e, h, i])?;
+        let (gu_full, dn_full) = (ld.full_name(&gu_name), ld.full_name(&dn_name));
         for x in 0..e {
             let b = ld.backend;
-            experts.push([b.upload_matrix(&gu.rows(x * 2 * i, (x + 1) * 2 * i))?, b.upload_matrix(&dn.rows(x * h, (x + 1) * h))?]);
+            let gate = ld.online(&gu_full, gu.rows(x * 2 * i, x * 2 * i + i))?;
+            let up = ld.online(&gu_full, gu.rows(x * 2 * i + i, (x + 1) * 2 * i))?;
+            let down = ld.online(&dn_full, dn.rows(x * h, (x + 1) * h))?;
+            experts.push([b.upload_gate_up(&gate, &up)?, b.upload_matrix(&down)?]);
         }
     } else {
         for x in 0..e {
             let q = format!("{p}mlp.experts.{x}.");
             let (gate, up) = (format!("{q}gate_proj.weight"), format!("{q}up_proj.weight"));
-            experts.push([ld.stacked(&[(&gate, i), (&up, i)], h)?, ld.matrix(&format!("{q}down_proj.weight"), h, i)?]);
+            experts.push([ld.gate_up(&gate, &up, i, h)?, ld.matrix(&format!("{q}down_proj.weight"), h, i)?]);
         }
     }
     let shared = if m.shared_intermediate > 0 {
         let s = m.shared_intermediate;
         let (gate, up) = (format!("{p}mlp.shared_expert.gate_proj.weight"), format!("{p}mlp.shared_expert.up_proj.weight"));
-        Some([ld.stacked(&[(&gate, s), (&up, s)], h)?, ld.matrix(&format!("{p}mlp.shared_expert.down_proj.weight"), h, s)?])
+        Some([ld.gate_up(&gate, &up, s, h)?, ld.matrix(&format!("{p}mlp.shared_expert.down_proj.weight"), h, s)?])
     } else {
         None
     };
@@ -478,6 +504,7 @@ pub fn cache_spec(config: &ModelConfig, mtp: bool, num_blocks: usize, block_size
         linear: config.linear.clone(),
         state_slots,
         snapshot_slots,
+        checkpoint_slots: 0,
     }
 }
 

@@ -97,7 +97,10 @@ pub(super) fn read(file: &GgufFile, arch: &str) -> Result<ModelConfig, GgufModel
         return Err(m.bad("attention.layer_norm_rms_epsilon", format!("must be a positive number, got {rms_norm_eps}")));
     }
 
-    let linear = linear_config(&m)?;
+    let mut linear = linear_config(&m)?;
+    // Qwen3.5's converter tiles the value heads (heads.rs); the output projection's columns stay
+    // tiled, and the delta rule writes its output in that order.
+    linear.out_heads_tiled = family != ModelFamily::Qwen3Next && !super::heads::HeadOrder { num_key_heads: linear.num_key_heads, per_key: linear.heads_per_key_head() }.is_identity();
     let layer_kinds = layer_kinds(&m, num_layers, block_count)?;
 
     let vocab_size = m.tensor_dim("token_embd.weight", 1).ok_or_else(|| GgufModelError::MissingTensor {
@@ -142,6 +145,7 @@ pub(super) fn read(file: &GgufFile, arch: &str) -> Result<ModelConfig, GgufModel
         eos_token_ids: Vec::new(),
         bos_token_id: None,
         quantization: None,
+        online_quantization: None,
     })
 }
 
@@ -159,7 +163,7 @@ fn linear_config(m: &Meta) -> Result<LinearAttnShape, GgufModelError> {
     if conv_kernel == 0 {
         return Err(m.bad("ssm.conv_kernel", "must be at least 1".into()));
     }
-    Ok(LinearAttnShape { num_key_heads, num_value_heads, key_head_dim: m.usize("ssm.state_size")?, value_head_dim: inner_size / num_value_heads, conv_kernel })
+    Ok(LinearAttnShape { num_key_heads, num_value_heads, key_head_dim: m.usize("ssm.state_size")?, value_head_dim: inner_size / num_value_heads, conv_kernel, out_heads_tiled: false })
 }
 
 /// Linear (recurrent) or full attention per trunk layer: `attention.recurrent_layers` when

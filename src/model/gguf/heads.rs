@@ -9,10 +9,11 @@
 //! `in_proj_a`, `in_proj_b`, the entries of `A_log` and `dt_bias`, the value channels of
 //! `conv1d`, and the columns of `out_proj`. Qwen3-Next files keep the grouped order.
 //!
-//! Rows are whole runs of blocks in every ggml type, so reordering rows works for any type.
-//! The columns of a quantized `out_proj` move as whole blocks when a head's columns are whole
-//! blocks (`head_v_dim` a multiple of the block size); otherwise values move inside blocks, so
-//! the loader dequantizes that tensor to F32 first.
+//! Rows are whole runs of blocks in every ggml type, so reordering rows works for any type and
+//! the loader puts them back. The columns of `out_proj` stay tiled: a quantized block (256
+//! values in the K-quants) spans several 128-wide heads, so no reordering of blocks restores
+//! them; the delta rule writes its output heads in the tiled order instead
+//! (`LinearAttnShape::out_heads_tiled`).
 
 /// Tiled-to-grouped head order for `num_key_heads` key heads with `per_key` value heads each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,12 +54,6 @@ pub(super) fn untile_tail<T: Copy>(src: &[T], keep: usize, head: usize, order: &
     out
 }
 
-/// Every row (of `row_len` elements) of `src` with its heads of `head` elements put in grouped
-/// order: a column permutation of a row-major matrix.
-pub(super) fn untile_columns<T: Copy>(src: &[T], row_len: usize, head: usize, order: &[usize]) -> Vec<T> {
-    src.chunks_exact(row_len).flat_map(|row| permute_units(row, head, order)).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,14 +81,11 @@ mod tests {
     }
 
     #[test]
-    fn tails_and_columns_move_whole_heads() {
+    fn tails_move_whole_heads() {
         let order = HeadOrder { num_key_heads: 2, per_key: 2 }.tiled_source();
         assert_eq!(order, [0, 2, 1, 3]);
         // Two fixed elements, then four heads of two.
         let src = [9, 9, 0, 0, 2, 2, 1, 1, 3, 3];
         assert_eq!(untile_tail(&src, 2, 2, &order), [9, 9, 0, 0, 1, 1, 2, 2, 3, 3]);
-        // Two rows of four heads of one column.
-        let src = [10, 12, 11, 13, 20, 22, 21, 23];
-        assert_eq!(untile_columns(&src, 4, 1, &order), [10, 11, 12, 13, 20, 21, 22, 23]);
     }
 }

@@ -10,8 +10,8 @@
 //! - `A_log` is stored as `ssm_a = -exp(A_log)`; it is read back as `ln(-ssm_a)`;
 //! - Qwen3.5 / Qwen3.5-MoE store value heads tiled (`[k0v0, k1v0, .., k0v1, ..]`) instead of
 //!   grouped by key head (`_LinearAttentionVReorderBase`), because ggml broadcasts key heads
-//!   that way; rows, vectors and the output projection's columns are put back in grouped
-//!   order (heads.rs);
+//!   that way; rows and vectors are put back in grouped order, and the delta rule writes its
+//!   output heads in the tiled order of the output projection's columns (heads.rs);
 //! - Qwen3-Next files from the current converter split `in_proj_ba` into its beta and alpha
 //!   rows here, so the forward takes them like Qwen3.5's.
 //!
@@ -58,6 +58,12 @@ pub struct GgufModel {
     pub config: ModelConfig,
     pub store: WeightStore,
     pub vocab: BpeVocab,
+}
+
+/// Reads only the vocabulary of `path`: enough to tokenize, and all a vocab-only file (such as
+/// llama.cpp's models/ggml-vocab-*.gguf) holds.
+pub fn open_vocab(path: &Path) -> Result<BpeVocab, GgufModelError> {
+    vocab::read(&GgufFile::open(path)?)
 }
 
 /// Maps `path` and reads its configuration, tensors and vocabulary.

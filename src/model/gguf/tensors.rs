@@ -11,7 +11,7 @@
 //! (`_Qwen35MtpMixin`). GGUF dims are stored innermost first, so a tensor's row-major shape is
 //! the Hugging Face shape.
 
-use super::heads::{permute_units, untile_columns, untile_tail, HeadOrder};
+use super::heads::{permute_units, untile_tail, HeadOrder};
 use super::GgufModelError;
 use crate::model::config::{LayerKind, ModelConfig, ModelFamily};
 use crate::model::weights::gguf::{GgufFile, GgufTensor};
@@ -269,11 +269,12 @@ fn map_linear_attention(b: &mut StoreBuilder, c: &ModelConfig, blk: &str, p: &st
     b.owned_f32(&hf("A_log"), vec![nv], &a_log);
 
     b.alias(&name("ssm_norm.weight"), &hf("norm.weight"))?;
-    if untile {
-        b.untile_columns(&name("ssm_out.weight"), &hf("out_proj.weight"), &[h, l.value_dim()], dv, &order)
-    } else {
-        b.alias(&name("ssm_out.weight"), &hf("out_proj.weight"))
-    }
+    // The output projection's columns stay in the file's order, whatever the type: the delta
+    // rule writes its output heads in that order (LinearAttnShape::out_heads_tiled, which the
+    // configuration sets exactly where `untile` holds).
+    let (info, _, _) = b.get(&name("ssm_out.weight"), &hf("out_proj.weight"))?;
+    b.expect_shape(info, &[h, l.value_dim()])?;
+    b.alias(&name("ssm_out.weight"), &hf("out_proj.weight"))
 }
 
 impl StoreBuilder<'_> {
@@ -285,31 +286,6 @@ impl StoreBuilder<'_> {
         let row_bytes = self.row_bytes(info, dtype)?;
         let data = untile_tail(bytes, keep * row_bytes, head_rows * row_bytes, order);
         self.owned(hf_name, dtype, shape.to_vec(), data);
-        Ok(())
-    }
-
-    /// `tensor` of shape `[rows, cols]` with its columns, in heads of `head_cols`, back in
-    /// grouped order.
-    ///
-    /// Where a head is whole blocks of the tensor's type, whole blocks move and the type stays.
-    /// Otherwise a block holds columns of more than one head (Qwen3.5's 128-column value heads
-    /// against the 256-value blocks of the K-quants and IQ4_XS, in which K-quant files store
-    /// `ssm_out`), and no reordering of blocks restores the order. Then the tensor is
-    /// dequantized, its columns are permuted value by value, and it is stored as F32, which
-    /// holds every dequantized value exactly (BF16 would round them), so the weight is the one
-    /// the file holds. That costs 4 bytes per weight of this one tensor, against 0.5625 for Q4_K.
-    fn untile_columns(&mut self, tensor: &str, hf_name: &str, shape: &[usize], head_cols: usize, order: &[usize]) -> Result<(), GgufModelError> {
-        let (info, dtype, bytes) = self.get(tensor, hf_name)?;
-        self.expect_shape(info, shape)?;
-        if head_cols.is_multiple_of(dtype.block_elems()) {
-            let row_bytes = self.row_bytes(info, dtype)?;
-            let head_bytes = head_cols / dtype.block_elems() * dtype.block_bytes();
-            self.owned(hf_name, dtype, shape.to_vec(), untile_columns(bytes, row_bytes, head_bytes, order));
-            return Ok(());
-        }
-        let cols = shape.last().copied().unwrap_or(0);
-        let (_, values) = self.values(tensor, hf_name)?;
-        self.owned_f32(hf_name, shape.to_vec(), &untile_columns(&values, cols, head_cols, order));
         Ok(())
     }
 }

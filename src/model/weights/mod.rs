@@ -3,8 +3,9 @@
 //! A [`WeightStore`] maps tensor names to byte ranges of a backing buffer; nothing is read or
 //! copied until a backend asks for a tensor's bytes.
 
-pub mod quantized;
 pub mod gguf;
+pub mod online;
+pub mod quantized;
 pub mod safetensors;
 
 pub use kestrel_quant::Dtype;
@@ -188,13 +189,55 @@ impl WeightStore {
         self.contains(&self.text_name(name))
     }
 
-    /// Device bytes of all tensors as a GPU backend keeps them: bf16 as is, other dtypes as a
-    /// bf16 value and remainder pair (matrices) or f32 (vectors), 4 bytes either way.
-    /// Int4 linears (eight values per stored I32 of `qweight`) are dequantized for the GPU, so
-    /// they count 4 bytes per weight as well.
-    pub fn device_bytes(&self) -> usize {
-        let dense: usize = self.tensors.values().map(|e| e.shape.iter().product::<usize>() * if e.dtype == Dtype::BF16 { 2 } else { 4 }).sum();
-        let int4: usize = self.ints.iter().filter(|(name, _)| name.ends_with(".qweight")).map(|(_, e)| e.shape.iter().product::<usize>() * 8 * 4).sum();
+    /// Device bytes of all tensors as the GPU backend keeps them (the memory planner's figure):
+    /// quantized linears as tiles in their own bits (backend/cuda/quant_tiles.rs; after
+    /// `online` quantization where it applies), bf16 as is, F32/F16 matrices as a bf16 value and
+    /// remainder pair (4 bytes), quantized types without tiles as bf16, vectors as f32.
+    pub fn device_bytes(&self, online: Option<(online::OnlineQuantization, usize)>) -> usize {
+        use crate::backend::cuda::quant_tiles::{RowOrder, TileFormat};
+        let matrix = |dtype: Dtype, rows: usize, cols: usize| -> usize {
+            match TileFormat::of(dtype).filter(|f| f.fits(cols)) {
+                Some(f) => f.matrix_bytes(RowOrder::Plain, rows, cols),
+                None if matches!(dtype, Dtype::F32 | Dtype::F16) => 4 * rows * cols,
+                None => 2 * rows * cols,
+            }
+        };
+        let mut total = 0;
+        for (name, e) in &self.tensors {
+            let elems = e.shape.iter().product::<usize>();
+            let cols = e.shape.last().copied().unwrap_or(1).max(1);
+            if e.shape.len() < 2 || name.ends_with("conv1d.weight") {
+                total += 4 * elems;
+                continue;
+            }
+            if name.ends_with(".weight_scale_inv") {
+                // Folded into the FP8 weight's tiles.
+                continue;
+            }
+            let dtype = match e.dtype {
+                // Block FP8 goes up in rows of its scale blocks (quantized.rs).
+                Dtype::F8E4M3 => Dtype::F8E4M3Scaled { block: if cols % 128 == 0 { 128 } else { 32 } },
+                d if !d.is_quantized() => online.and_then(|(q, layers)| q.target(name, cols, layers)).unwrap_or(d),
+                d => d,
+            };
+            total += matrix(dtype, elems / cols, cols);
+        }
+        for (name, e) in &self.ints {
+            let Some(module) = name.strip_suffix(".qweight") else { continue };
+            // GPTQ qweight [K/8, N]; AWQ [K, N/8]: either way 8 values per stored I32.
+            let values = 8 * e.shape.iter().product::<usize>();
+            let groups = self.tensors.get(&format!("{module}.scales")).and_then(|s| s.shape.first().copied()).unwrap_or(1).max(1);
+            let n = self.tensors.get(&format!("{module}.scales")).and_then(|s| s.shape.get(1).copied()).unwrap_or(1).max(1);
+            let k = values / n;
+            total += matrix(Dtype::Int4 { group: (k / groups).max(2) as u32 }, n, k);
+        }
+        total
+    }
+
+    /// Weights of all matrices (the parameters a forward multiplies; vectors left out).
+    pub fn matrix_parameters(&self) -> usize {
+        let dense: usize = self.tensors.iter().filter(|(n, e)| e.shape.len() >= 2 && !n.ends_with(".weight_scale_inv") && !n.ends_with("conv1d.weight")).map(|(_, e)| e.shape.iter().product::<usize>()).sum();
+        let int4: usize = self.ints.iter().filter(|(n, _)| n.ends_with(".qweight")).map(|(_, e)| 8 * e.shape.iter().product::<usize>()).sum();
         dense + int4
     }
 

@@ -1,0 +1,356 @@
+//! Structured output: a grammar (a JSON schema, Lark) compiled by llguidance, the grammar engine
+//! llama.cpp, vLLM and SGLang use, masks every token that cannot continue a valid output.
+//!
+//! With speculation the mask of each position of a verify row follows the drafts before it: the
+//! matcher is advanced over the drafts to compute the masks, then rolled back, and only the
+//! tokens the step accepted are committed. The masks depend only on committed tokens and drafts,
+//! both known before the forward, so the engine computes them while the forward runs.
+//!
+//! A grammar may wait for a token before it applies (`</think>` for a thinking model whose
+//! prompt opened its reasoning): what the model thinks is free, its answer is constrained.
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::{Matcher, ParserFactory};
+use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+
+use crate::tokenizer::{TokenBytes, Tokenizer};
+
+/// A grammar as a request gives it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GrammarSpec {
+    /// A JSON schema (OpenAI's `response_format: {"type": "json_schema"}`).
+    JsonSchema(serde_json::Value),
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// A grammar in llguidance's Lark syntax.
+    Lark(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GrammarError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("cannot build the token table for grammars: {0}")]
+    Tokenizer(String),
+}
+
+/// The vocabulary as llguidance sees it: each token's bytes in a trie, and the tokenizer, with
+/// which llguidance splits text that the grammar forces (so the model writes forced text the
+/// way it was trained to: `<`, `function`, not the trie's greedy `<f`, `unction`).
+struct VocabEnv {
+    trie: TokTrie,
+    tokenizer: Tokenizer,
+}
+
+impl TokenizerEnv for VocabEnv {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        // Bytes that are not UTF-8 (part of a character) fall back to the trie.
+        self.trie.tokenize_with_greedy_fallback(s, |text| self.tokenizer.encode(text, false).unwrap_or_else(|_| self.trie.greedy_tokenize(text.as_bytes())))
+    }
+}
+
+/// Compiles grammars for one model; built once (the token table takes a moment) and shared.
+pub struct GrammarCompiler {
+    factory: ParserFactory,
+    /// The tokens that end a generation, which the grammar allows where the output may end.
+    end_tokens: Vec<u32>,
+}
+
+impl std::fmt::Debug for GrammarCompiler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrammarCompiler").field("end_tokens", &self.end_tokens).finish_non_exhaustive()
+    }
+}
+
+impl GrammarCompiler {
+    /// `vocab_size` is the model's (its logits rows may be wider than the tokenizer's
+    /// vocabulary); `end_tokens` are the tokens that end a generation.
+    pub fn new(tokenizer: &Tokenizer, vocab_size: usize, end_tokens: &[u32]) -> Result<Self, GrammarError> {
+        let first_end = *end_tokens.first().ok_or_else(|| GrammarError::Tokenizer("the model has no end-of-sequence token".into()))?;
+        let table = tokenizer.token_bytes_table(vocab_size.max(tokenizer.vocab_size())).map_err(|e| GrammarError::Tokenizer(e.to_string()))?;
+        let words: Vec<Vec<u8>> = table
+            .into_iter()
+            .enumerate()
+            .map(|(id, entry)| match entry {
+                TokenBytes::Text(bytes) => bytes,
+                TokenBytes::Special(name) => [&[TokTrie::SPECIAL_TOKEN_MARKER][..], name.as_bytes()].concat(),
+                // A placeholder nothing can produce.
+                TokenBytes::Missing => [&[TokTrie::SPECIAL_TOKEN_MARKER][..], format!("<[{id}]>").as_bytes()].concat(),
+            })
+            .collect();
+        let info = TokRxInfo::new(words.len() as u32, first_end);
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(end_tokens);
+        let env: TokEnv = Arc::new(VocabEnv { trie, tokenizer: tokenizer.clone() });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::Tokenizer(e.to_string()))?;
+        factory.quiet();
+        Ok(GrammarCompiler { factory, end_tokens: end_tokens.to_vec() })
+    }
+
+    /// Compiles a grammar for a request that ends at `end_tokens`; a schema or grammar
+    /// llguidance cannot use is an error that says why.
+    pub fn compile(&self, spec: &GrammarSpec, end_tokens: &[u32]) -> Result<Grammar, GrammarError> {
+        let grammar = match spec {
+            GrammarSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(with_bounded_whitespace(schema.clone())),
+            GrammarSpec::JsonObject => TopLevelGrammar::from_json_schema(with_bounded_whitespace(serde_json::json!({"type": "object"}))),
+            GrammarSpec::Lark(text) => TopLevelGrammar::from_lark(text.clone()),
+        };
+        let parser = self.factory.create_parser(grammar).map_err(|e| GrammarError::Invalid(e.to_string()))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(err) = matcher.get_error() {
+            return Err(GrammarError::Invalid(err));
+        }
+        Ok(Grammar { matcher, end_tokens: end_tokens.to_vec(), all_end_tokens: self.end_tokens.clone(), starts_after: None, active: true })
+    }
+
+    /// The id of a token the vocabulary spells as `text` on its own (e.g. `</think>`).
+    pub fn single_token(&self, text: &str) -> Option<u32> {
+        let trie = self.factory.tok_env().tok_trie();
+        let special = [&[TokTrie::SPECIAL_TOKEN_MARKER][..], text.as_bytes()].concat();
+        trie.token_id(&special).or_else(|| trie.token_id(text.as_bytes()))
+    }
+}
+
+/// A compiled grammar and where a generation stands in it.
+#[derive(Clone)]
+pub struct Grammar {
+    matcher: Matcher,
+    /// The request's end tokens: allowed where the grammar may end.
+    end_tokens: Vec<u32>,
+    /// Every end token of the model: llguidance allows any of them where the grammar may end.
+    all_end_tokens: Vec<u32>,
+    /// The grammar applies from the token after this one on.
+    starts_after: Option<u32>,
+    active: bool,
+}
+
+impl std::fmt::Debug for Grammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammar").field("starts_after", &self.starts_after).field("active", &self.active).finish_non_exhaustive()
+    }
+}
+
+/// The tokens allowed at one position; `None` where the grammar does not apply yet.
+pub type TokenMask = Option<SimpleVob>;
+
+impl Grammar {
+    /// The grammar applies only after `token` was generated.
+    pub fn starting_after(mut self, token: u32) -> Self {
+        self.starts_after = Some(token);
+        self.active = false;
+        self
+    }
+
+    /// The masks of a verify row's positions: position `i` as if `drafts[..i]` were generated.
+    /// Where a draft breaks the grammar the row's later positions cannot be reached (that draft
+    /// is rejected), and their masks are left out.
+    pub fn masks(&mut self, drafts: &[u32]) -> Vec<TokenMask> {
+        let mut masks = Vec::with_capacity(drafts.len() + 1);
+        let mut active = self.active;
+        let mut consumed = 0;
+        masks.push(self.mask_here(active));
+        for &draft in drafts {
+            if active {
+                // A token the grammar refuses is checked first: consuming it would break the matcher.
+                if self.end_tokens.contains(&draft) || self.matcher.try_consume_tokens(&[draft]).unwrap_or(0) != 1 {
+                    break;
+                }
+                consumed += 1;
+            } else if Some(draft) == self.starts_after {
+                active = true;
+            }
+            masks.push(self.mask_here(active));
+        }
+        if consumed > 0 && self.matcher.rollback(consumed).is_err() {
+            debug_assert!(false, "rolling back {consumed} consumed drafts failed");
+        }
+        masks
+    }
+
+    /// How many of `drafts` the grammar allows in a row (drafts past that are not worth
+    /// verifying). An end token stops the count: nothing follows it.
+    pub fn valid_drafts(&mut self, drafts: &[u32]) -> usize {
+        let start = if self.active {
+            0
+        } else {
+            match drafts.iter().position(|&d| Some(d) == self.starts_after) {
+                Some(at) => at + 1,
+                None => return drafts.len(),
+            }
+        };
+        let tail = &drafts[start..];
+        let until_end = tail.iter().position(|t| self.end_tokens.contains(t)).unwrap_or(tail.len());
+        let valid = self.matcher.validate_tokens(&tail[..until_end]).unwrap_or(0);
+        // An end token where the grammar cannot end is rejected by its position's mask.
+        start + valid + usize::from(valid == until_end && until_end < tail.len())
+    }
+
+    /// Advances over tokens a step committed (a final end token is not consumed: it ends the
+    /// generation).
+    pub fn commit(&mut self, tokens: &[u32]) {
+        for &token in tokens {
+            if !self.active {
+                self.active = Some(token) == self.starts_after;
+            } else if !self.end_tokens.contains(&token) {
+                // A token the mask allowed is always accepted. One it did not (the mask was
+                // skipped) puts the matcher in its error state, whose mask lets the output end.
+                let _ = self.matcher.consume_token(token);
+            }
+        }
+    }
+
+    fn mask_here(&mut self, active: bool) -> TokenMask {
+        if !active {
+            return None;
+        }
+        let trie = match self.matcher.tok_env() {
+            Ok(env) => env,
+            Err(_) => return Some(self.end_only(None)),
+        };
+        match self.matcher.compute_mask_or_eos() {
+            Ok(mut mask) => {
+                // Where the output may end, the request's own end tokens end it.
+                let may_end = self.all_end_tokens.iter().any(|&t| mask.is_allowed(t));
+                for &t in &self.all_end_tokens {
+                    mask.set(t as usize, false);
+                }
+                for &t in &self.end_tokens {
+                    mask.set(t as usize, may_end);
+                }
+                Some(mask)
+            }
+            Err(_) => Some(self.end_only(Some(trie.tok_trie().vocab_size()))),
+        }
+    }
+
+    /// A broken matcher lets the generation do nothing but end.
+    fn end_only(&self, vocab: Option<usize>) -> SimpleVob {
+        let size = vocab.unwrap_or_else(|| self.end_tokens.iter().max().map_or(1, |&t| t as usize + 1));
+        let mut mask = SimpleVob::alloc(size);
+        for &t in &self.end_tokens {
+            mask.allow_token(t);
+        }
+        mask
+    }
+}
+
+/// Whitespace between JSON tokens: one space, or a line break and up to 20 spaces or tabs of
+/// indentation (llama.cpp's JSON grammars allow the same). Enough for compact and pretty-printed
+/// JSON; a model that would emit whitespace forever cannot fill its token budget with it.
+const JSON_WHITESPACE: &str = r"(?: |\n[ \t]{0,20})";
+
+/// A schema with llguidance's whitespace option set (unless the schema sets its own); also for
+/// schemas written inline in a Lark grammar (`%json {...}`).
+pub fn with_bounded_whitespace(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(object) = schema.as_object_mut() {
+        if !object.contains_key("x-guidance") {
+            object.insert("x-guidance".into(), serde_json::json!({"whitespace_pattern": JSON_WHITESPACE}));
+        }
+    }
+    schema
+}
+
+/// Sets every logit the mask does not allow to negative infinity.
+pub fn apply_mask(mask: &SimpleVob, logits: &mut [f32]) {
+    for (token, logit) in logits.iter_mut().enumerate() {
+        if token >= mask.len() || !mask.get(token) {
+            *logit = f32::NEG_INFINITY;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokenizer::tiny_bpe_fixture::tiny_tokenizer;
+
+    const SCHEMA: &str = r#"{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"], "additionalProperties": false}"#;
+
+    fn setup() -> (Tokenizer, GrammarCompiler, u32) {
+        let tokenizer = tiny_tokenizer();
+        let end = tokenizer.token_to_id("<|im_end|>").expect("end token");
+        let compiler = GrammarCompiler::new(&tokenizer, tokenizer.vocab_size(), &[end]).expect("token table builds");
+        (tokenizer, compiler, end)
+    }
+
+    fn allowed(mask: &TokenMask, token: u32) -> bool {
+        mask.as_ref().is_none_or(|m| m.is_allowed(token))
+    }
+
+    #[test]
+    fn masks_follow_a_json_schema_and_end_where_the_value_ends() {
+        let (tokenizer, compiler, end) = setup();
+        let mut grammar = compiler.compile(&GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema")), &[end]).expect("compiles");
+        let tokens = tokenizer.encode(r#"{"a": 12, "b": "y"}"#, false).expect("encodes");
+        for &token in &tokens {
+            let mask = grammar.masks(&[]).remove(0);
+            assert!(allowed(&mask, token), "token {token} ({:?}) masked", tokenizer.decode(&[token], false));
+            assert!(!allowed(&mask, end), "the output cannot end inside the object");
+            grammar.commit(&[token]);
+        }
+        let last = grammar.masks(&[]).remove(0).expect("a mask");
+        assert!(last.is_allowed(end));
+        assert_eq!(last.num_set(), 1, "only the end is left");
+        let wrong = tokenizer.encode("[", false).expect("encodes")[0];
+        let first = compiler.compile(&GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema")), &[end]).expect("compiles").masks(&[]).remove(0).expect("a mask");
+        assert!(!first.is_allowed(wrong), "a JSON object starts with a brace");
+    }
+
+    #[test]
+    fn draft_masks_equal_step_masks_and_leave_the_state_unchanged() {
+        let (tokenizer, compiler, end) = setup();
+        let spec = GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema"));
+        let tokens = tokenizer.encode(r#"{"a": 7, "b": "x"}"#, false).expect("encodes");
+        let mut stepped = compiler.compile(&spec, &[end]).expect("compiles");
+        let mut expected = Vec::new();
+        for &token in &tokens {
+            expected.push(stepped.masks(&[]).remove(0).expect("a mask").to_list());
+            stepped.commit(&[token]);
+        }
+        let mut drafted = compiler.compile(&spec, &[end]).expect("compiles");
+        let got: Vec<Vec<u32>> = drafted.masks(&tokens[..tokens.len() - 1]).into_iter().map(|m| m.expect("a mask").to_list()).collect();
+        assert_eq!(got, expected);
+        assert_eq!(drafted.masks(&[]).remove(0).expect("a mask").to_list(), expected[0], "rolled back to where it was");
+        assert_eq!(drafted.valid_drafts(&tokens), tokens.len());
+        // A draft the grammar refuses cuts the row: its position's mask is the last one.
+        let mut bad = tokens.clone();
+        bad[3] = tokenizer.encode("[", false).expect("encodes")[0];
+        assert_eq!(drafted.valid_drafts(&bad), 3);
+        assert_eq!(drafted.masks(&bad).len(), 4);
+    }
+
+    #[test]
+    fn a_grammar_can_wait_for_a_token() {
+        let (tokenizer, compiler, end) = setup();
+        let start = tokenizer.token_to_id("<|im_start|>").expect("token");
+        let mut grammar = compiler.compile(&GrammarSpec::Lark("start: \"hello\"".into()), &[end]).expect("compiles").starting_after(start);
+        let free = tokenizer.encode("free text", false).expect("encodes");
+        let mut drafts = free.clone();
+        drafts.push(start);
+        let masks = grammar.masks(&drafts);
+        assert!(masks[..free.len() + 1].iter().all(Option::is_none), "no mask before the token and at it");
+        assert!(masks[free.len() + 1].is_some(), "a mask right after it");
+        grammar.commit(&drafts);
+        let hello = tokenizer.encode("hello", false).expect("encodes");
+        assert!(allowed(&grammar.masks(&[]).remove(0), hello[0]));
+        assert!(!allowed(&grammar.masks(&[]).remove(0), free[0]) || free[0] == hello[0]);
+    }
+
+    #[test]
+    fn schemas_and_grammars_that_cannot_compile_say_why() {
+        let (_, compiler, end) = setup();
+        for spec in [
+            GrammarSpec::JsonSchema(serde_json::json!({"type": "strng"})),
+            GrammarSpec::JsonSchema(serde_json::json!({"$ref": "#/$defs/missing"})),
+            GrammarSpec::Lark("start: undefined_rule".into()),
+        ] {
+            let err = compiler.compile(&spec, &[end]).expect_err("refused");
+            assert!(!err.to_string().is_empty());
+        }
+    }
+}
