@@ -328,52 +328,72 @@ fn config(kv_dtype: KvDtype, max_batch: usize, k: usize) -> EngineConfig {
     EngineConfig { max_num_seqs: max_batch, max_num_batched_tokens: 96, spec: SpecMethod::None, spec_tokens: k, kv_dtype, ..EngineConfig::default() }
 }
 
-#[test]
-fn speculation_on_the_gpu_is_bitwise_equal_to_none_for_each_kv_dtype() {
+/// Speculation (ngram and MTP, k in {1, 3, 8}, batches of 1, 3 and 16, greedy and seeded, and
+/// under preemption) bitwise equal to each request alone without it, over a cache of `dtype`.
+fn speculation_is_bitwise_equal_to_none(dtype: KvDtype) {
     let Some(mut rig) = Rig::new() else { return };
     let prompts = code_prompts(&rig.files, &LENGTHS);
-    for dtype in DTYPES {
-        for seeded in [false, true] {
-            // The references run request by request; the runs they are compared with request
-            // from the second on while earlier ones decode, in graphs.
-            let refs = rig.references(&prompts, dtype, seeded);
-            for method in [SpecMethod::Ngram, SpecMethod::Mtp] {
-                let mut accepted = 0;
-                for k in [1, 3, 8] {
-                    for max_batch in [1, 3, 16] {
-                        let (got, acc, _) = rig.run(&prompts, config(dtype, max_batch, k), seeded, method);
-                        for (i, (g, r)) in got.iter().zip(&refs).enumerate() {
-                            assert_eq!(g, r, "{dtype}: request {i} differs from its run alone: {method:?} k={k} max_batch={max_batch} seeded={seeded}");
-                        }
-                        accepted += acc;
+    for seeded in [false, true] {
+        // The references run request by request; the runs they are compared with request
+        // from the second on while earlier ones decode, in graphs.
+        let refs = rig.references(&prompts, dtype, seeded);
+        for method in [SpecMethod::Ngram, SpecMethod::Mtp] {
+            let mut accepted = 0;
+            for k in [1, 3, 8] {
+                for max_batch in [1, 3, 16] {
+                    let (got, acc, _) = rig.run(&prompts, config(dtype, max_batch, k), seeded, method);
+                    for (i, (g, r)) in got.iter().zip(&refs).enumerate() {
+                        assert_eq!(g, r, "{dtype}: request {i} differs from its run alone: {method:?} k={k} max_batch={max_batch} seeded={seeded}");
                     }
+                    accepted += acc;
                 }
-                assert!(accepted > 0, "{dtype} {method:?} seeded={seeded}: no draft accepted, so verify rows went untested");
             }
-            // Preemption: 30 blocks of 16 tokens cannot hold these requests at once.
-            for method in [SpecMethod::Ngram, SpecMethod::Mtp] {
-                let (got, _, preemptions) = rig.run(&prompts, EngineConfig { num_blocks: 30, ..config(dtype, 16, 8) }, seeded, method);
-                assert!(preemptions > 0, "{dtype}: the pool was meant to force preemption");
-                assert_eq!(got, refs, "{dtype} {method:?} seeded={seeded} with preemption");
-            }
-            eprintln!("{dtype} seeded={seeded}: speculation equal to none");
+            assert!(accepted > 0, "{dtype} {method:?} seeded={seeded}: no draft accepted, so verify rows went untested");
         }
+        // Preemption: 30 blocks of 16 tokens cannot hold these requests at once.
+        for method in [SpecMethod::Ngram, SpecMethod::Mtp] {
+            let (got, _, preemptions) = rig.run(&prompts, EngineConfig { num_blocks: 30, ..config(dtype, 16, 8) }, seeded, method);
+            assert!(preemptions > 0, "{dtype}: the pool was meant to force preemption");
+            assert_eq!(got, refs, "{dtype} {method:?} seeded={seeded} with preemption");
+        }
+        eprintln!("{dtype} seeded={seeded}: speculation equal to none");
     }
 }
 
-#[test]
-fn cuda_graphs_change_speed_never_text_for_each_kv_dtype() {
+/// Graph replay gives the eager steps' text over a cache of `dtype`.
+fn cuda_graphs_change_speed_never_text(dtype: KvDtype) {
     let Some(mut rig) = Rig::new() else { return };
     let prompts = code_prompts(&rig.files, &LENGTHS);
-    for dtype in DTYPES {
-        for (max_batch, method) in [(1, SpecMethod::None), (7, SpecMethod::None), (16, SpecMethod::Mtp), (16, SpecMethod::Ngram)] {
-            let cfg = |graphs: bool| EngineConfig { cuda_graphs: graphs, ..config(dtype, max_batch, 4) };
-            let (eager, _, _) = rig.run(&prompts, cfg(false), true, method);
-            let (graphed, _, _) = rig.run(&prompts, cfg(true), true, method);
-            assert!(rig.captured_graphs() > 0, "{dtype} max_batch {max_batch}: no step was captured");
-            assert_eq!(graphed, eager, "{dtype} max_batch {max_batch} {method:?}: graph replay changed the text");
-        }
+    for (max_batch, method) in [(1, SpecMethod::None), (7, SpecMethod::None), (16, SpecMethod::Mtp), (16, SpecMethod::Ngram)] {
+        let cfg = |graphs: bool| EngineConfig { cuda_graphs: graphs, ..config(dtype, max_batch, 4) };
+        let (eager, _, _) = rig.run(&prompts, cfg(false), true, method);
+        let (graphed, _, _) = rig.run(&prompts, cfg(true), true, method);
+        assert!(rig.captured_graphs() > 0, "{dtype} max_batch {max_batch}: no step was captured");
+        assert_eq!(graphed, eager, "{dtype} max_batch {max_batch} {method:?}: graph replay changed the text");
     }
+}
+
+// One test per format, so that they run side by side and fail by name.
+macro_rules! per_kv_dtype {
+    ($($name:ident: $check:ident($dtype:expr);)*) => {
+        $(
+            #[test]
+            fn $name() {
+                $check($dtype);
+            }
+        )*
+    };
+}
+
+per_kv_dtype! {
+    speculation_on_the_gpu_is_bitwise_equal_to_none_bf16: speculation_is_bitwise_equal_to_none(KvDtype::Bf16);
+    speculation_on_the_gpu_is_bitwise_equal_to_none_fp8: speculation_is_bitwise_equal_to_none(KvDtype::Fp8);
+    speculation_on_the_gpu_is_bitwise_equal_to_none_tq3: speculation_is_bitwise_equal_to_none(KvDtype::Tq3);
+    speculation_on_the_gpu_is_bitwise_equal_to_none_f32: speculation_is_bitwise_equal_to_none(KvDtype::F32);
+    cuda_graphs_change_speed_never_text_bf16: cuda_graphs_change_speed_never_text(KvDtype::Bf16);
+    cuda_graphs_change_speed_never_text_fp8: cuda_graphs_change_speed_never_text(KvDtype::Fp8);
+    cuda_graphs_change_speed_never_text_tq3: cuda_graphs_change_speed_never_text(KvDtype::Tq3);
+    cuda_graphs_change_speed_never_text_f32: cuda_graphs_change_speed_never_text(KvDtype::F32);
 }
 
 /// vLLM issue 40880: MTP, TurboQuant and full CUDA graphs gave degenerate text because the

@@ -229,3 +229,27 @@ fn formats_that_cannot_hold_the_heads_are_refused() {
     }
     assert!(CpuBackend::new().alloc_cache(&CacheSpec { kv_dtype: KvDtype::Fp8, ..spec }).is_ok());
 }
+
+/// Prefix caching shares the KV blocks of earlier turns and restores the recurrent state from
+/// checkpoints: over a tq3 or fp8 cache, a conversation's turns with the cache are bitwise the
+/// turns without it (a cached block holds what the uncached prefill stores), with and without
+/// MTP, and every turn after the first resumes from the cache.
+#[test]
+fn prefix_caching_gives_the_same_turns_in_each_quantized_kv_dtype() {
+    use common::conversation::{humaneval_messages, run_conversations, Conversation};
+    let (files, _) = default_model();
+    let messages = humaneval_messages(&files.tokenizer, 0, 4, 120);
+    for dtype in [KvDtype::Tq3, KvDtype::Fp8] {
+        for spec in [SpecMethod::None, SpecMethod::Mtp] {
+            let conversation = [Conversation { messages: messages.clone(), max_tokens: 16, spec, params: SamplingParams::greedy() }];
+            let cfg = |checkpoints| EngineConfig { max_num_seqs: 1, max_num_batched_tokens: 512, spec_tokens: 3, prefix_cache_checkpoints: checkpoints, kv_dtype: dtype, ..EngineConfig::default() };
+            let want = run_conversations(&mut engine(default_model().1, cfg(0)), &conversation, 0);
+            let mut cached = engine(default_model().1, cfg(16));
+            let got = run_conversations(&mut cached, &conversation, 0);
+            let texts = |turns: &[common::conversation::Turn]| turns.iter().map(|t| t.output.clone()).collect::<Vec<_>>();
+            assert_eq!(texts(&got[0]), texts(&want[0]), "{dtype} {spec:?}: the prefix cache changed the text");
+            assert!(got[0][1..].iter().all(|t| t.cached_tokens > 0), "{dtype} {spec:?}: a later turn missed the cache: {:?}", got[0]);
+            assert_eq!(cached.prefix_cache_stats().expect("the cache is on").hits, got[0].len() as u64 - 1, "{dtype} {spec:?}");
+        }
+    }
+}
