@@ -303,9 +303,15 @@ impl Rig {
     /// Runs `prompts` arriving two steps apart (each with `method`) on an engine with
     /// `config`; returns each request's tokens, drafts accepted and preemptions.
     fn run(&mut self, prompts: &[Vec<u32>], config: EngineConfig, seeded: bool, method: SpecMethod) -> (Vec<Vec<u32>>, u64, u64) {
+        self.run_from(0, prompts, config, seeded, method)
+    }
+
+    /// [`Rig::run`] of requests `first..`: request `first + i` keeps its own output length and
+    /// sampling seed.
+    fn run_from(&mut self, first: usize, prompts: &[Vec<u32>], config: EngineConfig, seeded: bool, method: SpecMethod) -> (Vec<Vec<u32>>, u64, u64) {
         let (gpu, model) = self.parts.take().expect("parts are returned after every run");
         let mut engine = Engine::new(gpu, model, config).expect("engine starts");
-        let requests = prompts.iter().enumerate().map(|(i, p)| request(p, max_tokens(i), sampling(seeded, i), Some(method))).collect();
+        let requests = prompts.iter().enumerate().map(|(i, p)| request(p, max_tokens(first + i), sampling(seeded, first + i), Some(method))).collect();
         let arrivals: Vec<usize> = (0..prompts.len()).map(|i| 2 * i).collect();
         let out = run_staggered(&mut engine, requests, &arrivals);
         let counters = (engine.stats.spec.accepted, engine.preemptions());
@@ -315,7 +321,7 @@ impl Rig {
 
     /// Each request alone with `--spec none`, eagerly (no CUDA graphs).
     fn references(&mut self, prompts: &[Vec<u32>], kv_dtype: KvDtype, seeded: bool) -> Vec<Vec<u32>> {
-        (0..prompts.len()).map(|i| self.run(&prompts[i..i + 1], EngineConfig { cuda_graphs: false, ..config(kv_dtype, 1, 4) }, seeded, SpecMethod::None).0.remove(0)).collect()
+        (0..prompts.len()).map(|i| self.run_from(i, &prompts[i..i + 1], EngineConfig { cuda_graphs: false, ..config(kv_dtype, 1, 4) }, seeded, SpecMethod::None).0.remove(0)).collect()
     }
 
     fn captured_graphs(&self) -> usize {
