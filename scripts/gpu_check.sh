@@ -11,7 +11,9 @@ mkdir -p "$out"
 export KESTREL_FIXTURES_DIR=$PWD/tests/fixtures
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader | tee "$out/gpu.txt"
 status=0
-for t in cuda_ops cuda_quant cuda_model cuda_engine; do
+for exe in "$bin"/cuda_*; do
+  t=$(basename "$exe")
+  [ "$t" = cuda_bench ] && continue
   "$bin/$t" --test-threads 1 > "$out/$t.log" 2>&1 || status=1
   tail -3 "$out/$t.log"
 done

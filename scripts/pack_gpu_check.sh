@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 archive=${1:-target/gpu-check.tar.xz}
 cargo build --release --bin kestrel --example cuda_bench --example quant_bench
-tests=(cuda_ops cuda_quant cuda_model cuda_engine)
+# Every GPU test target (tests/cuda_*.rs; each skips without a GPU elsewhere).
+mapfile -t tests < <(ls tests/cuda_*.rs | xargs -n1 basename | sed 's/\.rs$//')
 cargo test --release --no-run "${tests[@]/#/--test=}" 2>&1 | tee /tmp/kestrel-gpu-check-build.log
 stage=$(mktemp -d)
 cp target/release/kestrel target/release/examples/cuda_bench target/release/examples/quant_bench scripts/gpu_check.sh "$stage"/

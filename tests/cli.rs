@@ -40,7 +40,7 @@ fn eval_json() -> Value {
 
 #[test]
 fn default_model_writes_python_from_any_directory() {
-    let v = ok_json(&["run", "def fib(n):", "-n", "64", "--json"]);
+    let v = ok_json(&["run", "def fib(n):", "-n", "64", "--json", "--temperature", "0"]);
     let want: Vec<u64> = eval_json()["fib_greedy_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
     let got: Vec<u64> = v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
     assert_eq!(got, want, "greedy continuation differs from the training script's");
@@ -53,6 +53,28 @@ fn default_model_writes_python_from_any_directory() {
     for key in ["method", "k", "draft_steps", "drafted", "accepted", "acceptance_rate", "mean_acceptance_length", "per_position"] {
         assert!(v["spec"].get(key).is_some(), "spec.{key} missing");
     }
+}
+
+/// The README's first command as a newcomer runs it: sampled with llama.cpp's defaults and a
+/// fixed seed, it writes 64 tokens without looping (greedy decoding of the small model repeats
+/// itself), and `--json` names the sampling so the run can be repeated.
+#[test]
+fn the_first_command_samples_with_llama_cpp_defaults_and_does_not_loop() {
+    let v = ok_json(&["run", "def fib(n):", "-n", "64", "--json"]);
+    assert_eq!(v["sampling"], serde_json::json!({"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 0}), "{v}");
+    let ids: Vec<u64> = v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    assert_eq!(ids.len(), 64, "{v}");
+    let mut windows: std::collections::HashMap<&[u64], usize> = std::collections::HashMap::new();
+    for w in ids.windows(16) {
+        *windows.entry(w).or_default() += 1;
+    }
+    let (worst, count) = windows.iter().max_by_key(|(_, c)| **c).unwrap();
+    assert!(*count <= 2, "a 16-token window repeats {count} times: {worst:?}\n{}", v["text"]);
+    // The same command again gives the same text (the default seed is fixed).
+    assert_eq!(ok_json(&["run", "def fib(n):", "-n", "64", "--json"])["token_ids"], v["token_ids"]);
+    // Greedy on request; the model's generation_config.json would come before llama.cpp's.
+    let greedy = ok_json(&["run", "def fib(n):", "-n", "8", "--json", "--temp", "0"]);
+    assert_eq!(greedy["sampling"]["temperature"], 0.0);
 }
 
 #[test]
@@ -124,8 +146,9 @@ fn batch_writes_one_line_per_request_in_order() {
         assert_eq!(l["usage"]["completion_tokens"].as_u64().unwrap() as usize, l["token_ids"].as_array().unwrap().len());
         assert!(l["finish_reason"] == "length" || l["finish_reason"] == "stop");
     }
-    // The same prompt alone gives the same tokens (batching never changes text).
-    let alone = ok_json(&["run", "def add(a, b):", "-n", "12", "--json"]);
+    // The same prompt alone gives the same tokens (batching never changes text; batch lines
+    // are greedy unless they say otherwise).
+    let alone = ok_json(&["run", "def add(a, b):", "-n", "12", "--json", "--temperature", "0"]);
     assert_eq!(alone["token_ids"], lines[0]["token_ids"]);
 }
 
@@ -240,7 +263,7 @@ fn the_names_llama_cpp_and_vllm_users_try_first() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("prompt.txt");
     std::fs::write(&file, prompt).unwrap();
-    for args in [&["-f", file.to_str().unwrap()][..], &["--file", file.to_str().unwrap()], &[prompt, "--temp", "0", "-c", "512"], &[prompt, "--ctx-size", "512"]] {
+    for args in [&["-f", file.to_str().unwrap()][..], &["--file", file.to_str().unwrap()], &[prompt, "--temp", "0.8", "-c", "512"], &[prompt, "--ctx-size", "512"]] {
         let mut all = vec!["run", "-n", "12", "--json"];
         all.extend_from_slice(args);
         assert_eq!(ok_json(&all)["token_ids"], base["token_ids"], "{args:?}");

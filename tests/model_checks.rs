@@ -178,7 +178,11 @@ fn tokenizer_json_truncation_never_cuts_a_prompt() {
 #[test]
 fn generation_config_gives_stop_ids_and_sampling_defaults() {
     let prompt = "hello world";
-    let greedy = ids(&run_json(&fixture_dir(FIXTURE), &[prompt, "-n", "16"]));
+    let greedy = ids(&run_json(&fixture_dir(FIXTURE), &[prompt, "-n", "16", "--temperature", "0"]));
+    // Without generation_config.json, run samples with llama.cpp's defaults (seed 0).
+    let llama_cpp_defaults = ids(&run_json(&fixture_dir(FIXTURE), &[prompt, "-n", "16"]));
+    let explicit_llama_cpp = ids(&run_json(&fixture_dir(FIXTURE), &[prompt, "-n", "16", "--temp", "0.8", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.05", "--seed", "0"]));
+    assert_eq!(llama_cpp_defaults, explicit_llama_cpp);
     assert!(greedy.len() >= 3, "the fixture should say a few tokens: {greedy:?}");
     let stop_at = (1..greedy.len()).find(|&i| !greedy[..i].contains(&greedy[i])).expect("a token not seen before");
     let stop_id = greedy[stop_at];
@@ -191,7 +195,7 @@ fn generation_config_gives_stop_ids_and_sampling_defaults() {
     assert_eq!(ids(&stopped), greedy[..stop_at], "{stopped}");
     assert_eq!(stopped["finish_reason"], "stop");
     // Ignoring the sampling defaults keeps the stop ids.
-    assert_eq!(ids(&run_json(model, &[prompt, "-n", "16", "--ignore-generation-config"])), greedy[..stop_at]);
+    assert_eq!(ids(&run_json(model, &[prompt, "-n", "16", "--ignore-generation-config", "--temperature", "0"])), greedy[..stop_at]);
 
     // Sampling defaults: what the flags would say, unless a flag or --ignore-generation-config says otherwise.
     let dir = scratch_copy(FIXTURE);
@@ -206,7 +210,7 @@ fn generation_config_gives_stop_ids_and_sampling_defaults() {
     let explicit = ids(&run_json(&fixture_dir(FIXTURE), &[prompt, "-n", "16", "--seed", "5", "--temp", "1.3", "--top-k", "50", "--top-p", "0.97", "--min-p", "0.01"]));
     assert_eq!(defaulted, explicit, "the defaults were not applied");
     assert_ne!(defaulted, greedy, "sampling at 1.3 gave the greedy text");
-    assert_eq!(ids(&run_json(model, &[prompt, "-n", "16", "--ignore-generation-config"])), greedy);
+    assert_eq!(ids(&run_json(model, &[prompt, "-n", "16", "--ignore-generation-config"])), llama_cpp_defaults);
     assert_eq!(ids(&run_json(model, &[prompt, "-n", "16", "--temperature", "0"])), greedy);
 
     // A recommendation no request may carry is refused at load.

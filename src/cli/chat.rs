@@ -36,7 +36,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     if !files.tokenizer.has_chat_template() {
         bail!("{} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); use `kestrel run` for plain completion", files.source);
     }
-    let params = args.sampling.params(&args.generation.defaults(&files))?;
+    let params = args.sampling.params(&args.generation.interactive_defaults(&files))?;
     let model_name = args.engine.model.display_name();
     eprintln!("loading {} ...", files.source);
     let worker = args.engine.spawn_worker(files.clone(), 1)?;

@@ -379,7 +379,9 @@ fn parse_seed(s: &str) -> Result<Seed, String> {
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "Sampling")]
 pub struct SamplingArgs {
-    /// Temperature, 0 to 2; 0 is greedy. Default: the model's generation_config.json, else 0.
+    /// Temperature, 0 to 2; 0 is greedy. Default: the model's generation_config.json, else 0.8
+    /// for run and chat (llama.cpp's defaults: top-k 40, top-p 0.95, min-p 0.05), 0 for batch and
+    /// bench.
     #[arg(long, visible_alias = "temp", allow_negative_numbers = true, value_name = "T")]
     pub temperature: Option<f32>,
     /// Keep the most probable tokens up to this total probability, above 0 and at most 1.
@@ -442,6 +444,13 @@ impl GenerationConfigArgs {
         } else {
             files.sampling_defaults.clone()
         }
+    }
+
+    /// The defaults of the interactive commands (`run`, `chat`): the model's, and llama.cpp's
+    /// where the model says nothing, so a first run samples as a llama.cpp user expects
+    /// (greedy decoding of a small model loops).
+    pub fn interactive_defaults(&self, files: &ModelFiles) -> SamplingDefaults {
+        self.defaults(files).or(&SamplingDefaults::llama_cpp())
     }
 }
 

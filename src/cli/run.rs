@@ -136,7 +136,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let grammar = grammar_spec(&args)?;
     let prompt = read_prompt(args.prompt.clone(), args.file.as_ref())?;
     let files = args.engine.open_model()?;
-    let params = args.sampling.params(&args.generation.defaults(&files))?;
+    let params = args.sampling.params(&args.generation.interactive_defaults(&files))?;
     let text = if args.chat {
         let messages = [ChatMessage::user(prompt)];
         files.tokenizer.apply_chat_template(&messages, true, None).context("cannot apply the chat template (--chat)")?
@@ -243,6 +243,7 @@ fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFi
     let json = output.json;
     let start = Instant::now();
     let request_logprobs = request.logits.logprobs.is_some();
+    let params = request.params.clone();
     let mut split = SplitText { splitter: output.reasoning.map(ReasoningSplitter::new), reasoning: String::new(), answer: String::new(), reasoning_printed: false };
     let id = engine.add_request(request)?;
     let mut decoder = files.tokenizer.stream_decoder(true);
@@ -322,6 +323,7 @@ fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFi
             "usage": {"prompt_tokens": summary.prompt_tokens, "completion_tokens": n, "prompt_tokens_details": {"cached_tokens": summary.cached_tokens}},
             "timing": {"ttft_ms": ttft_ms, "decode_tokens_per_s": decode_tps},
             "spec": spec,
+            "sampling": {"temperature": shortest(params.temperature), "top_k": params.top_k, "top_p": shortest(params.top_p), "min_p": shortest(params.min_p), "seed": params.seed},
         });
         if output.reasoning.is_some() {
             obj["reasoning"] = serde_json::Value::String(split.reasoning);
@@ -364,4 +366,9 @@ fn generate<B: Backend>(mut engine: Engine<B>, request: Request, files: &ModelFi
     };
     eprintln!("[{} prompt + {n} generated tokens{why}; TTFT {ttft_ms:.0} ms; {decode_tps:.1} tokens/s; {spec_summary}]", summary.prompt_tokens);
     Ok(())
+}
+
+/// An f32 flag value as the f64 its shortest decimal form names (0.8, not 0.800000011920929).
+fn shortest(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
 }

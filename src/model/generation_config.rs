@@ -32,6 +32,22 @@ pub struct SamplingDefaults {
 }
 
 impl SamplingDefaults {
+    /// llama.cpp's sampling defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05): what
+    /// `run` and `chat` use where neither a flag nor the model says otherwise.
+    pub fn llama_cpp() -> Self {
+        SamplingDefaults { temperature: Some(0.8), top_p: Some(0.95), top_k: Some(40), min_p: Some(0.05) }
+    }
+
+    /// Each value of `self`, else the one of `fallback`.
+    pub fn or(&self, fallback: &SamplingDefaults) -> SamplingDefaults {
+        SamplingDefaults {
+            temperature: self.temperature.or(fallback.temperature),
+            top_p: self.top_p.or(fallback.top_p),
+            top_k: self.top_k.or(fallback.top_k),
+            min_p: self.min_p.or(fallback.min_p),
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         *self == SamplingDefaults::default()
     }
