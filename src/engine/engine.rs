@@ -11,7 +11,7 @@ use super::plan::StepPlan;
 use super::spec::verify::accept_drafts;
 use crate::backend::sampling::NO_FINITE_LOGIT;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
-use crate::backend::{delta_state_in_place, Backend, BackendError, GraphInputs, GraphKey, RowKind, RowSampling, StateCommit, StepLimits};
+use crate::backend::{delta_state_in_place, Backend, BackendError, CacheSpec, GraphInputs, GraphKey, KvDtype, RowKind, RowSampling, StateCommit, StepLimits};
 use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
 use std::collections::HashMap;
 
@@ -51,6 +51,8 @@ pub struct EngineConfig {
     pub ngram_max: usize,
     /// Replay decode steps as CUDA graphs where the backend can.
     pub cuda_graphs: bool,
+    /// How the attention cache stores keys and values.
+    pub kv_dtype: KvDtype,
     /// Recurrent-state checkpoints the prefix cache may keep; 0 turns prefix caching off.
     pub prefix_cache_checkpoints: usize,
 }
@@ -83,6 +85,7 @@ impl Default for EngineConfig {
             ngram_min: 2,
             ngram_max: 4,
             cuda_graphs: true,
+            kv_dtype: KvDtype::default(),
             prefix_cache_checkpoints: 64,
         }
     }
@@ -130,8 +133,7 @@ impl<B: Backend> Engine<B> {
             return Err(EngineError::Config(format!("the prefix cache needs a block size that divides {CHUNK}, got {}", config.block_size)));
         }
         let snapshot_slots = config.snapshot_slots();
-        let mut spec = model.cache_spec(config.num_blocks, config.block_size, config.max_num_seqs, snapshot_slots);
-        spec.checkpoint_slots = config.prefix_cache_checkpoints;
+        let spec = CacheSpec { kv_dtype: config.kv_dtype, checkpoint_slots: config.prefix_cache_checkpoints, ..model.cache_spec(config.num_blocks, config.block_size, config.max_num_seqs, snapshot_slots) };
         let cache = backend.alloc_cache(&spec).map_err(|e: BackendError| EngineError::Config(e.to_string()))?;
         // A step has at most one row per sequence, and every row's table covers at most the context.
         let limits = StepLimits {
