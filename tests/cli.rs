@@ -318,11 +318,11 @@ fn each_subcommand_lists_only_the_flags_it_uses_each_with_a_help_line() {
     let cases: [(&str, &[&str], &[&str]); 7] = [
         ("run", &["--temperature", "--min-p", "--stop", "--file", "--spec", "--max-model-len", "--device", "--ignore-generation-config"], &["--input", "--port", "--context", "--max-num-seqs"]),
         ("info", &["--model", "--json", "--load-format"], &["--spec", "--device", "--max-model-len", "--temperature", "--kv-blocks", "--gpu-memory-utilization", "--kv-cache-dtype"]),
-        ("perplexity", &["--file", "--context", "--device", "--allow-long-context", "--kv-cache-dtype"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs", "--prefix-cache-memory"]),
+        ("perplexity", &["--file", "--context", "--device", "--allow-long-context", "--kv-cache-dtype"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs", "--cuda-graph-sizes", "--prefix-cache-memory"]),
         ("serve", &["--host", "--max-num-seqs", "--allowed-origins", "--spec", "--max-model-len", "--prefix-cache-memory", "--no-prefix-cache"], &["--temperature", "--input", "--json"]),
         ("batch", &["--input", "--max-num-seqs", "--spec", "--ignore-generation-config"], &["--temperature", "--port", "--json"]),
         ("chat", &["--system", "--temperature", "--spec", "--max-model-len"], &["--json", "--port", "--input"]),
-        ("bench", &["--concurrency", "--spec", "--temperature", "--dataset", "--turns", "--turn-len", "--no-prefix-cache"], &["--port", "--input", "--ignore-generation-config"]),
+        ("bench", &["--concurrency", "--spec", "--temperature", "--dataset", "--turns", "--turn-len", "--no-prefix-cache", "--cuda-graph-sizes", "--max-cuda-graph-size"], &["--port", "--input", "--ignore-generation-config"]),
     ];
     for (sub, present, absent) in cases {
         let options = options_with_help(sub);
@@ -353,6 +353,20 @@ fn hints_point_at_the_fix() {
     fails_with(&["info", "--model", root().join("models/kestrel-coder/config.json").to_str().unwrap()], "pass the directory itself");
     fails_with(&["run", "hi", "--kv-cache-dtype", "q4_0"], "[possible values: auto, f32, bf16, fp8, tq3]");
     fails_with(&["run", "hi", "--quantization", "q2_k"], "invalid value 'q2_k'");
+}
+
+#[test]
+fn bad_cuda_graph_sizes_are_refused_with_the_reason() {
+    fails_with(&["run", "hi", "--cuda-graph-sizes", "1,0,8"], "capture size `0` is not a positive whole number");
+    fails_with(&["run", "hi", "--cuda-graph-sizes", "1,eight"], "capture size `eight`");
+    fails_with(&["run", "hi", "--cuda-graph-sizes", ","], "no capture sizes given");
+    fails_with(&["run", "hi", "--max-cuda-graph-size", "0"], "--max-cuda-graph-size must be at least 1");
+    fails_with(&["run", "hi", "--no-cuda-graphs", "--cuda-graph-sizes", "1,2"], "cannot be used with");
+    // Sizes on the CPU, which replays no graphs: accepted, and the text is the same.
+    let plain = ok_json(&["run", "def f(x):", "--device", "cpu", "-n", "4", "--temperature", "0", "--json"]);
+    let sized = ok_json(&["run", "def f(x):", "--device", "cpu", "-n", "4", "--temperature", "0", "--json", "--cuda-graph-sizes", "1,2", "--max-cuda-graph-size", "2"]);
+    assert_eq!(plain["text"], sized["text"]);
+    assert!(plain["text"].as_str().is_some_and(|t| !t.is_empty()), "{plain}");
 }
 
 /// `--quantization` quantizes the float weights at load (and makes dummy weights in its format);

@@ -7,6 +7,7 @@ use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::cuda::CudaBackend;
 use kestrel::backend::sampling::{top_k_from_signed, SamplingError, SamplingParams};
 use kestrel::backend::KvDtype;
+use kestrel::engine::padding::CaptureSizes;
 use kestrel::engine::request::SpecMethod;
 use kestrel::model::generation_config::SamplingDefaults;
 use kestrel::model::weights::online::OnlineQuantization;
@@ -323,6 +324,15 @@ pub struct ContextArgs {
     /// Run decode steps one kernel at a time instead of replaying them as CUDA graphs.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Batch sizes (rows) whose CUDA graphs are captured at start-up, comma-separated; decode
+    /// and verify steps are padded up to the smallest that holds them (default: 1,2,4,8,16,24,
+    /// 32, then every 16 up to --max-cuda-graph-size).
+    #[arg(long, value_name = "SIZES", value_parser = parse_capture_sizes, conflicts_with = "no_cuda_graphs")]
+    pub cuda_graph_sizes: Option<CaptureSizes>,
+    /// The largest CUDA graph capture size; larger steps run at their own shape (default: the
+    /// most concurrent requests).
+    #[arg(long, value_name = "ROWS", conflicts_with = "no_cuda_graphs")]
+    pub max_cuda_graph_size: Option<usize>,
     /// Memory for the prefix cache's recurrent-state checkpoints, e.g. 2GiB or 512MiB (default:
     /// 2GiB; on a GPU at most an eighth of the memory left after the weights). Cached prompts'
     /// KV blocks stay in the KV cache's free blocks.
@@ -333,6 +343,10 @@ pub struct ContextArgs {
     pub no_prefix_cache: bool,
 }
 
+fn parse_capture_sizes(s: &str) -> Result<CaptureSizes, String> {
+    CaptureSizes::parse(s).map_err(|e| e.to_string())
+}
+
 /// A size in bytes: a number with an optional unit (B, KiB, MiB, GiB; KB, MB, GB are powers of 10).
 fn parse_memory_size(s: &str) -> Result<usize, String> {
     let size: bytesize::ByteSize = s.trim().parse().map_err(|_| format!("a memory size is a number with an optional unit such as MiB or GiB, got `{s}`"))?;
@@ -341,6 +355,9 @@ fn parse_memory_size(s: &str) -> Result<usize, String> {
 
 impl ContextArgs {
     pub fn check(&self) -> Result<()> {
+        if self.max_cuda_graph_size == Some(0) {
+            bail!("--max-cuda-graph-size must be at least 1");
+        }
         if self.max_model_len == Some(0) {
             bail!("--max-model-len must be at least 1");
         }

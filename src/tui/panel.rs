@@ -127,10 +127,19 @@ pub fn panel_lines(reply: Option<&ReplyStats>, spec_tokens: usize, current_metho
         None => "off".to_string(),
     };
     lines.push((Keep::Detail, Line::from(vec![label("prefix cache"), value(prefix_cache)])));
+    lines.push((Keep::Detail, Line::from(vec![label("CUDA graphs"), value(graph_line(snapshot))])));
     if !snapshot.alive {
         lines.insert(0, (Keep::Always, Line::from(Span::styled("engine stopped", Style::default().fg(Color::Red)))));
     }
     fit(lines, height)
+}
+
+/// "to 64, pad 1.18x": the largest capture size and the rows run per real row of the graphed
+/// steps; or "off".
+fn graph_line(snapshot: &EngineSnapshot) -> String {
+    let Some(&largest) = snapshot.capture_sizes.last() else { return "off".to_string() };
+    let pad = snapshot.padding.row_overhead().map(|x| format!(", pad {x:.2}x")).unwrap_or_default();
+    format!("to {largest}{pad}")
 }
 
 pub fn draw_panel(frame: &mut Frame, area: Rect, reply: Option<&ReplyStats>, spec_tokens: usize, current_method: SpecMethod, snapshot: &EngineSnapshot) {

@@ -613,6 +613,8 @@ impl CudaBackend {
         tables
             .entry((theta.to_bits(), rotary_dim))
             .or_insert_with(|| {
+                // Inside a capture the upload would be recorded, not run, into graph memory.
+                assert!(!self.capturing(), "a new rope table inside a graph capture");
                 let inv: Vec<f32> = (0..rotary_dim / 2).map(|j| 1.0f32 / (theta as f32).powf((2 * j) as f32 / rotary_dim as f32)).collect();
                 let inv = if inv.is_empty() { vec![0.0] } else { inv };
                 Arc::new(ck(self.stream.clone_htod(&inv), "host to device copy"))
