@@ -231,6 +231,12 @@ fn bad_input_gets_a_clear_error() {
     fails_with(&["bench", "-t", "0", "--num-prompts", "1"], "--threads must be at least 1");
     fails_with(&["run", "hi", "--load-format", "dummy"], "needs --model PRESET");
     fails_with(&["run", "hi", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]");
+    // The bench's grammar ends requests at the model's end-of-sequence token: dummy weights
+    // have none, which is said before anything loads.
+    let schema = dir.path().join("schema.json");
+    std::fs::write(&schema, r#"{"type": "object"}"#).unwrap();
+    let err = fails_with_text(&["bench", "--num-prompts", "1", "--json-schema", schema.to_str().unwrap(), "--load-format", "dummy", "--model", "qwen3.5-0.8b", "--device", "cpu"], "--json-schema needs the model's vocabulary");
+    assert!(err.contains("no end-of-sequence token") && !err.contains("weights loaded"), "{err}");
     assert!(Path::new(env!("CARGO_BIN_EXE_kestrel")).exists());
 }
 
@@ -311,8 +317,8 @@ fn options_with_help(sub: &str) -> Vec<(String, bool)> {
 fn each_subcommand_lists_only_the_flags_it_uses_each_with_a_help_line() {
     let cases: [(&str, &[&str], &[&str]); 7] = [
         ("run", &["--temperature", "--min-p", "--stop", "--file", "--spec", "--max-model-len", "--device", "--ignore-generation-config"], &["--input", "--port", "--context", "--max-num-seqs"]),
-        ("info", &["--model", "--json", "--load-format"], &["--spec", "--device", "--max-model-len", "--temperature", "--kv-blocks", "--gpu-memory-utilization"]),
-        ("perplexity", &["--file", "--context", "--device", "--allow-long-context"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs", "--cuda-graph-sizes", "--prefix-cache-memory"]),
+        ("info", &["--model", "--json", "--load-format"], &["--spec", "--device", "--max-model-len", "--temperature", "--kv-blocks", "--gpu-memory-utilization", "--kv-cache-dtype"]),
+        ("perplexity", &["--file", "--context", "--device", "--allow-long-context", "--kv-cache-dtype"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs", "--cuda-graph-sizes", "--prefix-cache-memory"]),
         ("serve", &["--host", "--max-num-seqs", "--allowed-origins", "--spec", "--max-model-len", "--prefix-cache-memory", "--no-prefix-cache"], &["--temperature", "--input", "--json"]),
         ("batch", &["--input", "--max-num-seqs", "--spec", "--ignore-generation-config"], &["--temperature", "--port", "--json"]),
         ("chat", &["--system", "--temperature", "--spec", "--max-model-len"], &["--json", "--port", "--input"]),
@@ -345,10 +351,7 @@ fn hints_point_at_the_fix() {
     let weights = root().join("models/kestrel-coder/model.safetensors");
     fails_with(&["run", "hi", "-m", weights.to_str().unwrap()], "pass the directory itself");
     fails_with(&["info", "--model", root().join("models/kestrel-coder/config.json").to_str().unwrap()], "pass the directory itself");
-    for dtype in ["fp8", "tq3", "bf16"] {
-        let err = fails_with_text(&["run", "hi", "--kv-cache-dtype", dtype], "not implemented yet");
-        assert!(!err.contains("only bf16"), "{err}");
-    }
+    fails_with(&["run", "hi", "--kv-cache-dtype", "q4_0"], "[possible values: auto, f32, bf16, fp8, tq3]");
     fails_with(&["run", "hi", "--quantization", "q2_k"], "invalid value 'q2_k'");
 }
 
@@ -479,6 +482,31 @@ fn batch_help_documents_the_input_format() {
     for needle in ["one JSON object per line", "\"prompt\"", "messages", "max_tokens", "min_p", "\"error\"", "in the order requests finish"] {
         assert!(help.contains(needle), "batch --help lacks {needle:?}:\n{help}");
     }
+}
+
+/// Every KV cache format runs end to end on the CPU; `info` gives each one's bytes per token, and
+/// `perplexity` scores with the chosen one.
+#[test]
+fn every_kv_cache_dtype_runs_and_info_gives_its_size() {
+    let mut texts = Vec::new();
+    for dtype in ["auto", "bf16", "fp8", "tq3", "f32"] {
+        let v = ok_json(&["run", "def add(a, b):", "-n", "12", "--json", "--device", "cpu", "--kv-cache-dtype", dtype]);
+        assert_eq!(v["usage"]["completion_tokens"], 12, "{dtype}");
+        texts.push(v["token_ids"].clone());
+    }
+    assert_eq!(texts[0], texts[1], "auto is bf16");
+    let info = ok_json(&["info", "--json"]);
+    let per_token = &info["kv_bytes_per_token"];
+    // The default model: 2 full-attention layers and the MTP head's, 2 kv heads of 64.
+    assert_eq!(per_token["bf16"], 3 * 2 * 2 * 2 * 64, "{info}");
+    assert_eq!(per_token["f32"], 3 * 2 * 2 * 4 * 64, "{info}");
+    assert_eq!(per_token["fp8"], 3 * 2 * 2 * (64 + 2), "{info}");
+    assert_eq!(per_token["tq3"], 3 * 2 * 2 * (24 + 2), "{info}");
+    let text = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(text.path(), "def square(x):\n    return x * x\n\n\ndef cube(x):\n    return x * x * x\n").unwrap();
+    let ppl = |dtype: &str| ok_json(&["perplexity", "--file", text.path().to_str().unwrap(), "--json", "--device", "cpu", "--kv-cache-dtype", dtype])["perplexity"].as_f64().unwrap();
+    let (bf16, tq3) = (ppl("bf16"), ppl("tq3"));
+    assert!(bf16.is_finite() && tq3.is_finite() && bf16 != tq3, "bf16 {bf16}, tq3 {tq3}: the format must reach the cache");
 }
 
 #[test]

@@ -22,6 +22,7 @@ pub mod weight_bytes;
 use crate::backend::sampling::{sample_at_position, SamplingParams};
 use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
+pub use kestrel_quant::kv::KvDtype;
 pub use graph_step::{CaptureWhen, GraphInputs, GraphKey, Padded, PaddedShape, Real, RealShape};
 
 /// Tokens per chunk of the chunked delta rule. Chunks are aligned to absolute positions, and the
@@ -113,6 +114,8 @@ pub struct CacheSpec {
     pub block_size: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// How keys and values are stored (kestrel_quant::kv).
+    pub kv_dtype: KvDtype,
     /// Gated-DeltaNet layers.
     pub linear_layers: usize,
     pub linear: LinearAttnShape,
@@ -125,9 +128,15 @@ pub struct CacheSpec {
 }
 
 impl CacheSpec {
-    /// Device bytes of one KV block over every attention layer (K and V, f32).
+    /// Bytes one token's keys and values take over every attention layer, in the cache's KV
+    /// format (parameters such as scales and norms included).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.attention_layers * self.kv_heads * self.kv_dtype.bytes_per_token_head(self.head_dim)
+    }
+
+    /// Device bytes of one KV block over every attention layer.
     pub fn bytes_per_block(&self) -> usize {
-        self.attention_layers * 2 * self.block_size * self.kv_heads * self.head_dim * 4
+        self.block_size * self.kv_bytes_per_token()
     }
 
     /// Bytes of one request's recurrent state (conv windows and delta-rule states of every

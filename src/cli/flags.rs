@@ -6,6 +6,7 @@ use clap::{Args, ValueEnum};
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::cuda::CudaBackend;
 use kestrel::backend::sampling::{top_k_from_signed, SamplingError, SamplingParams};
+use kestrel::backend::KvDtype;
 use kestrel::engine::padding::CaptureSizes;
 use kestrel::engine::request::SpecMethod;
 use kestrel::model::generation_config::SamplingDefaults;
@@ -30,14 +31,28 @@ pub enum Device {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum KvCacheDtype {
-    /// Keys and values in f32.
+    /// bf16.
     Auto,
-    /// Not implemented yet.
+    /// Full precision, 4 bytes per element (the reference).
+    F32,
+    /// 2 bytes per element (the default).
     Bf16,
-    /// Not implemented yet.
+    /// e4m3 with a scale per token and kv head: a byte per element.
     Fp8,
-    /// TurboQuant 3-bit; not implemented yet.
+    /// TurboQuant 3-bit: keys and values rotated, a 3-bit codebook index per element and a norm
+    /// per token and kv head (about 3.1 bits per element).
     Tq3,
+}
+
+impl KvCacheDtype {
+    pub fn dtype(self) -> KvDtype {
+        match self {
+            KvCacheDtype::Auto | KvCacheDtype::Bf16 => KvDtype::Bf16,
+            KvCacheDtype::F32 => KvDtype::F32,
+            KvCacheDtype::Fp8 => KvDtype::Fp8,
+            KvCacheDtype::Tq3 => KvDtype::Tq3,
+        }
+    }
 }
 
 /// `--quantization`: float linears quantized at load (model/weights/online.rs), or with
@@ -266,6 +281,27 @@ impl LongContextArgs {
     }
 }
 
+/// How the attention cache stores keys and values.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Context and memory")]
+pub struct KvCacheArgs {
+    /// KV cache element type: bf16 (auto), f32, fp8 or tq3 (TurboQuant 3-bit).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub kv_cache_dtype: KvCacheDtype,
+}
+
+impl KvCacheArgs {
+    pub fn dtype(&self) -> KvDtype {
+        self.kv_cache_dtype.dtype()
+    }
+
+    /// Refuses a format the model's attention heads cannot be stored in.
+    pub fn check(&self, files: &ModelFiles) -> Result<()> {
+        let dtype = self.dtype();
+        dtype.check_head_dim(files.config.head_dim).with_context(|| format!("--kv-cache-dtype {dtype} cannot hold {}'s attention heads", files.source))
+    }
+}
+
 /// Context length, KV cache and step size of the engine.
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "Context and memory")]
@@ -276,10 +312,8 @@ pub struct ContextArgs {
     pub max_model_len: Option<usize>,
     #[command(flatten)]
     pub long_context: LongContextArgs,
-    /// KV cache element type: auto keeps keys and values in f32 (bf16, fp8 and tq3 are not
-    /// implemented yet).
-    #[arg(long, value_enum, default_value = "auto")]
-    pub kv_cache_dtype: KvCacheDtype,
+    #[command(flatten)]
+    pub kv_cache: KvCacheArgs,
     /// KV cache size in blocks of 16 tokens (default: room for every concurrent request at full
     /// context, as far as GPU memory allows).
     #[arg(long, value_name = "BLOCKS")]
@@ -323,10 +357,6 @@ impl ContextArgs {
     pub fn check(&self) -> Result<()> {
         if self.max_cuda_graph_size == Some(0) {
             bail!("--max-cuda-graph-size must be at least 1");
-        }
-        if self.kv_cache_dtype != KvCacheDtype::Auto {
-            let name = self.kv_cache_dtype.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
-            bail!("--kv-cache-dtype {name} is not implemented yet: the KV cache keeps keys and values in f32 (--kv-cache-dtype auto, the default)");
         }
         if self.max_model_len == Some(0) {
             bail!("--max-model-len must be at least 1");

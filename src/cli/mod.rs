@@ -8,6 +8,7 @@ mod bench_plot;
 pub mod chat;
 pub mod flags;
 pub mod info;
+mod kv_plan;
 pub mod perplexity;
 pub mod run;
 pub mod serve;
@@ -16,7 +17,7 @@ pub mod tokenize;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use flags::{ContextArgs, DeviceArgs, ModelArgs, SelectedBackend, SpecArgs};
-use kestrel::backend::Backend;
+use kestrel::backend::{Backend, CacheSpec};
 use kestrel::engine::request::SpecMethod;
 use kestrel::engine::worker::EngineWorker;
 use kestrel::engine::{Engine, EngineConfig};
@@ -128,6 +129,7 @@ impl EngineArgs {
         self.check()?;
         let files = self.model.open()?;
         self.context.max_model_len(&files)?;
+        self.context.kv_cache.check(&files)?;
         Ok(files)
     }
 
@@ -160,6 +162,7 @@ impl EngineArgs {
             ngram_min: self.spec.ngram_min,
             ngram_max: self.spec.ngram_max,
             cuda_graphs: !self.context.no_cuda_graphs,
+            kv_dtype: self.context.kv_cache.dtype(),
             cuda_graph_sizes: self.context.cuda_graph_sizes.clone(),
             max_cuda_graph_size: self.context.max_cuda_graph_size,
             prefix_cache_checkpoints: 0,
@@ -175,23 +178,11 @@ impl EngineArgs {
         config.num_blocks = match budget {
             None => wanted,
             Some(budget) => {
-                let fit = (budget.saturating_sub(state.state_bytes() + checkpoints * state.bytes_per_state()) / state.bytes_per_block().max(1)).saturating_sub(1);
-                if let Some(n) = self.context.kv_blocks.filter(|&n| n > fit) {
-                    bail!("--kv-blocks {n} needs {:.2} GiB, but {:.2} GiB are left under --gpu-memory-utilization {utilization}", gib(n * state.bytes_per_block()), gib(budget));
-                }
-                if fit < per_request {
-                    bail!(
-                        "the KV cache fits {fit} blocks of {BLOCK_SIZE} tokens but one request of --max-model-len {max_model_len} needs {per_request}; lower --max-model-len, --max-num-seqs or --prefix-cache-memory, or raise --gpu-memory-utilization"
-                    );
-                }
-                let blocks = wanted.min(fit);
-                eprintln!(
-                    "kestrel: KV cache {blocks} blocks ({} tokens, {:.2} GiB), recurrent state {:.2} GiB",
-                    blocks * BLOCK_SIZE,
-                    gib(blocks * state.bytes_per_block()),
-                    gib(state.state_bytes())
-                );
-                blocks
+                // The checkpoints' memory comes off the budget with the recurrent state's.
+                let cache = CacheSpec { kv_dtype: config.kv_dtype, checkpoint_slots: checkpoints, ..state.clone() };
+                let plan = kv_plan::plan_kv_blocks(budget, &cache, wanted, self.context.kv_blocks, per_request, utilization)?;
+                eprintln!("kestrel: {}", kv_plan::describe(&plan, &cache));
+                plan.blocks
             }
         };
         // Checkpoints sit 64 tokens apart at least, and one is of use only while the KV blocks
@@ -200,8 +191,9 @@ impl EngineArgs {
         if config.prefix_cache_checkpoints > 0 {
             let per = state.bytes_per_state();
             eprintln!(
-                "kestrel: prefix cache up to {} checkpoints of {:.2} MiB ({:.2} GiB)",
+                "kestrel: prefix cache up to {} checkpoint{} of {:.2} MiB ({:.2} GiB)",
                 config.prefix_cache_checkpoints,
+                if config.prefix_cache_checkpoints == 1 { "" } else { "s" },
                 per as f64 / (1u64 << 20) as f64,
                 gib(config.prefix_cache_checkpoints * per)
             );

@@ -5,11 +5,11 @@
 //! A prediction that is not a finite number (NaN or infinite logits) ends the run with an error
 //! naming the token, rather than a perplexity of NaN.
 
-use super::flags::{DeviceArgs, LongContextArgs, ModelArgs, SelectedBackend};
+use super::flags::{DeviceArgs, KvCacheArgs, LongContextArgs, ModelArgs, SelectedBackend};
 use super::{load_model, progress_bar};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
+use kestrel::backend::{Backend, BatchLayout, CacheSpec, KvDtype, RowKind, RowLayout};
 use kestrel::model::arch::qwen35::Qwen35;
 use std::path::PathBuf;
 
@@ -31,6 +31,8 @@ pub struct PerplexityArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
+    #[command(flatten)]
+    pub kv_cache: KvCacheArgs,
 }
 
 /// The NLL of `target` under one logits row: log-sum-exp in f64 minus the target's logit.
@@ -40,13 +42,14 @@ fn token_nll(l: &[f32], target: u32) -> f64 {
     lse - l[target as usize] as f64
 }
 
-/// Mean NLL (nats) of each predicted token over the windows, and their count. Fails at the
-/// first token whose NLL is not a finite number. The rows of a window are scored on `threads`
-/// threads; the sum runs in token order whatever their number.
-pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, ids: &[u32], context: usize, threads: usize, progress: &indicatif::ProgressBar) -> Result<(f64, usize)> {
+/// Mean NLL (nats) of each predicted token over the windows, with keys and values cached as
+/// `kv_dtype`, and their count. Fails at the first token whose NLL is not a finite number. The
+/// rows of a window are scored on `threads` threads; the sum runs in token order whatever
+/// their number.
+pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, kv_dtype: KvDtype, ids: &[u32], context: usize, threads: usize, progress: &indicatif::ProgressBar) -> Result<(f64, usize)> {
     let block_size = 16;
-    let spec = model.cache_spec(context.div_ceil(block_size), block_size, 1, 0);
-    let mut cache = backend.alloc_cache(&spec).expect("a single-window cache fits in memory");
+    let spec = CacheSpec { kv_dtype, ..model.cache_spec(context.div_ceil(block_size), block_size, 1, 0) };
+    let mut cache = backend.alloc_cache(&spec).with_context(|| format!("cannot hold a window's keys and values as {kv_dtype}"))?;
     let vocab = model.config.vocab_size;
     let (mut total, mut count) = (0.0f64, 0usize);
     let windows: Vec<&[u32]> = ids.chunks(context).filter(|w| w.len() >= 2).collect();
@@ -100,6 +103,8 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     args.device.check()?;
     let files = args.model.open()?;
     args.long_context.check("--context", args.context, &files)?;
+    args.kv_cache.check(&files)?;
+    let kv_dtype = args.kv_cache.dtype();
     let ids = files.tokenizer.encode(&text, false)?;
     if ids.len() < 2 {
         bail!("{} holds fewer than 2 tokens", args.file.display());
@@ -115,11 +120,11 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let (mean_nll, tokens) = match args.device.select_backend()? {
         SelectedBackend::Cpu(b) => {
             let model = load_model(&args.model, &args.device, &b, &files, activations)?;
-            score(&|bar| window_nll(&model, &b, &ids, args.context, b.threads(), bar))?
+            score(&|bar| window_nll(&model, &b, kv_dtype, &ids, args.context, b.threads(), bar))?
         }
         SelectedBackend::Cuda(b) => {
             let model = load_model(&args.model, &args.device, &*b, &files, activations)?;
-            score(&|bar| window_nll(&model, &*b, &ids, args.context, args.device.cpu_threads(), bar))?
+            score(&|bar| window_nll(&model, &*b, kv_dtype, &ids, args.context, args.device.cpu_threads(), bar))?
         }
     };
     let ppl = mean_nll.exp();

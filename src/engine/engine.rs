@@ -13,7 +13,7 @@ use super::plan::StepPlan;
 use super::spec::verify::accept_drafts;
 use crate::backend::sampling::NO_FINITE_LOGIT;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
-use crate::backend::{delta_state_in_place, Backend, BackendError, RowKind, RowSampling, StateCommit, StepLimits};
+use crate::backend::{delta_state_in_place, Backend, BackendError, CacheSpec, KvDtype, RowKind, RowSampling, StateCommit, StepLimits};
 use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
 use indicatif::ProgressBar;
 use std::collections::HashMap;
@@ -54,6 +54,8 @@ pub struct EngineConfig {
     pub ngram_max: usize,
     /// Replay decode steps as CUDA graphs where the backend can.
     pub cuda_graphs: bool,
+    /// How the attention cache stores keys and values.
+    pub kv_dtype: KvDtype,
     /// Capture sizes in rows that generate-only steps are padded up to. `None`: the default
     /// ([`CaptureSizes::default_up_to`]) on a backend that replays graphs, no padding on one
     /// that does not; empty: every step keeps its exact shape.
@@ -92,6 +94,7 @@ impl Default for EngineConfig {
             ngram_min: 2,
             ngram_max: 4,
             cuda_graphs: true,
+            kv_dtype: KvDtype::default(),
             cuda_graph_sizes: None,
             max_cuda_graph_size: None,
             prefix_cache_checkpoints: 64,
@@ -157,8 +160,7 @@ impl<B: Backend> Engine<B> {
         let snapshot_slots = config.snapshot_slots();
         // One KV block and one state slot past those the allocators hand out: padded rows write there.
         let scratch = Scratch { block: config.num_blocks as u32, state_slot: config.max_num_seqs };
-        let mut spec = model.cache_spec(config.num_blocks + 1, config.block_size, config.max_num_seqs + 1, snapshot_slots);
-        spec.checkpoint_slots = config.prefix_cache_checkpoints;
+        let spec = CacheSpec { kv_dtype: config.kv_dtype, checkpoint_slots: config.prefix_cache_checkpoints, ..model.cache_spec(config.num_blocks + 1, config.block_size, config.max_num_seqs + 1, snapshot_slots) };
         let cache = backend.alloc_cache(&spec).map_err(|e: BackendError| EngineError::Config(e.to_string()))?;
         // A step has at most one row per sequence, and every row's table covers at most the context.
         let limits = StepLimits {
