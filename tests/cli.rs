@@ -231,6 +231,12 @@ fn bad_input_gets_a_clear_error() {
     fails_with(&["bench", "-t", "0", "--num-prompts", "1"], "--threads must be at least 1");
     fails_with(&["run", "hi", "--load-format", "dummy"], "needs --model PRESET");
     fails_with(&["run", "hi", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]");
+    // The bench's grammar ends requests at the model's end-of-sequence token: dummy weights
+    // have none, which is said before anything loads.
+    let schema = dir.path().join("schema.json");
+    std::fs::write(&schema, r#"{"type": "object"}"#).unwrap();
+    let err = fails_with_text(&["bench", "--num-prompts", "1", "--json-schema", schema.to_str().unwrap(), "--load-format", "dummy", "--model", "qwen3.5-0.8b", "--device", "cpu"], "--json-schema needs the model's vocabulary");
+    assert!(err.contains("no end-of-sequence token") && !err.contains("weights loaded"), "{err}");
     assert!(Path::new(env!("CARGO_BIN_EXE_kestrel")).exists());
 }
 

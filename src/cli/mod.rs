@@ -179,8 +179,9 @@ impl EngineArgs {
         if config.prefix_cache_checkpoints > 0 {
             let per = state.bytes_per_state();
             eprintln!(
-                "kestrel: prefix cache up to {} checkpoints of {:.2} MiB ({:.2} GiB)",
+                "kestrel: prefix cache up to {} checkpoint{} of {:.2} MiB ({:.2} GiB)",
                 config.prefix_cache_checkpoints,
+                if config.prefix_cache_checkpoints == 1 { "" } else { "s" },
                 per as f64 / (1u64 << 20) as f64,
                 gib(config.prefix_cache_checkpoints * per)
             );

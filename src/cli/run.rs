@@ -156,7 +156,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let grammar = match grammar {
         None => None,
         Some((spec, flag)) => {
-            let compiler = GrammarCompiler::new(&files.tokenizer, files.config.vocab_size, &files.chat_stop_token_ids()).context("cannot build the token table for grammars")?;
+            let compiler = GrammarCompiler::new(&files.tokenizer, files.config.vocab_size, &files.chat_stop_token_ids()).with_context(|| format!("{flag} needs the model's vocabulary"))?;
             let grammar = compiler.compile(&spec, &stop_token_ids).with_context(|| format!("{flag}: cannot compile"))?;
             // A thinking model reasons freely; its answer follows the grammar.
             Some(match compiler.single_token(THINK_CLOSE).filter(|_| opened) {
