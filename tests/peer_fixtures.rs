@@ -11,6 +11,11 @@
 mod common;
 
 use common::{default_model, prefill_logits};
+use indicatif::ProgressBar;
+use kestrel::backend::cpu::CpuBackend;
+use kestrel::model::arch::qwen35::Qwen35;
+use kestrel::model::weights::gguf::{GgufFile, GgufValue, GgufWriter};
+use kestrel::model::ModelFiles;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -32,6 +37,13 @@ fn kestrel_json(args: &[&str]) -> Value {
 
 fn ids(v: &Value) -> Vec<u64> {
     v.as_array().expect("an array of ids").iter().map(|x| x.as_u64().expect("an id")).collect()
+}
+
+/// The NLL of `target` under one logits row, computed as `kestrel perplexity` does.
+fn nll(row: &[f32], target: u32) -> f64 {
+    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+    lse - row[target as usize] as f64
 }
 
 fn sha256_hex(path: &Path) -> String {
@@ -118,10 +130,7 @@ fn second_half_scoring_is_llama_perplexity_s_choice() {
     for window in ids.chunks_exact(context) {
         let logits = prefill_logits(&model, window, context);
         for p in context / 2..context - 1 {
-            let row = &logits[p * vocab..][..vocab];
-            let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
-            total += lse - row[window[p + 1] as usize] as f64;
+            total += nll(&logits[p * vocab..][..vocab], window[p + 1]);
             count += 1;
         }
     }
@@ -150,4 +159,52 @@ fn second_half_scoring_needs_a_whole_window() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(needle), "{args:?}: stderr lacks `{needle}`: {err}");
     }
+}
+
+/// Where the tokenizer adds BOS (here llama.cpp's Q4_K_M file with `add_bos_token` set), every
+/// scored window starts with it, as llama-perplexity's windows do.
+#[test]
+fn second_half_scoring_starts_each_window_with_bos_where_the_tokenizer_adds_one() {
+    const BOS: u32 = 0;
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("bos.gguf");
+    let src = GgufFile::open(root().join("tests/fixtures/peer/kc-Q4_K_M.gguf")).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in src.metadata().filter(|(k, _)| !matches!(*k, "tokenizer.ggml.add_bos_token" | "tokenizer.ggml.bos_token_id")) {
+        w = w.metadata(k, v.clone());
+    }
+    w = w.metadata("tokenizer.ggml.add_bos_token", GgufValue::Bool(true)).metadata("tokenizer.ggml.bos_token_id", GgufValue::U32(BOS));
+    for t in src.tensors() {
+        w = w.tensor(t.name(), t.dims(), t.ggml_type(), src.tensor_bytes(t).unwrap().to_vec());
+    }
+    std::fs::write(&gguf, w.to_bytes()).unwrap();
+    let text: String = std::fs::read_to_string(root().join("models/kestrel-coder/heldout.txt")).unwrap().chars().take(1000).collect();
+    let file = dir.path().join("text.txt");
+    std::fs::write(&file, &text).unwrap();
+
+    let files = ModelFiles::open(Some(&gguf)).unwrap();
+    let model = Qwen35::load(&CpuBackend::new(), files.config.clone(), &files.store, &ProgressBar::hidden()).unwrap();
+    let ids = files.tokenizer.encode(&text, false).unwrap();
+    assert_eq!(files.tokenizer.encode(&text, true).unwrap(), [&[BOS][..], &ids].concat(), "the tokenizer adds BOS");
+    let context = 64;
+    let second_half_nll = |bos: Option<u32>| {
+        let (mut total, mut count) = (0.0f64, 0usize);
+        for window in ids.chunks_exact(context) {
+            let mut window = window.to_vec();
+            if let Some(bos) = bos {
+                window[0] = bos;
+            }
+            let logits = prefill_logits(&model, &window, context);
+            for p in context / 2..context - 1 {
+                total += nll(&logits[p * model.config.vocab_size..][..model.config.vocab_size], window[p + 1]);
+                count += 1;
+            }
+        }
+        total / count as f64
+    };
+    let (with_bos, without) = (second_half_nll(Some(BOS)), second_half_nll(None));
+    assert!((with_bos - without).abs() > 1e-4 * without, "BOS changes the scores: {with_bos} vs {without}");
+    let v = kestrel_json(&["perplexity", "--model", gguf.to_str().unwrap(), "--file", file.to_str().unwrap(), "--context", "64", "--score-second-half", "--device", "cpu", "--json"]);
+    let got = v["mean_nll"].as_f64().unwrap();
+    assert!((got - with_bos).abs() < 1e-6 * with_bos, "mean NLL {got}: with BOS {with_bos}, without {without}");
 }
