@@ -1,6 +1,10 @@
 // Gated full attention: q/gate split, per-head q/k RMSNorm, partial NeoX RoPE, paged KV
-// writes (attn_prep), then causal attention per (token, head) over key tiles of 64 aligned to
-// absolute positions, with an online softmax (attn_core). A step whose every row is one token
+// writes in the cache's KV format (attn_prep; the formats are in kv_formats.cuh), then causal
+// attention per (token, head) over key tiles of 64 aligned to absolute positions, with an
+// online softmax (attn_core). Every position, the step's own included, is read back from the
+// cache, so a query sees the same stored keys and values whichever step wrote them. A rotated
+// format (TurboQuant) rotates each query once and un-rotates each output once, and reads its
+// keys and values as codebook levels times one scale per vector. A step whose every row is one token
 // does both in one launch (attn_decode). A query's context is cut into ATTN_SPLITS contiguous
 // ranges of whole tiles (their length from the context length alone); each range gets its own
 // online softmax, and the range results are merged in range order (merge_scales, merge_sum).
@@ -11,7 +15,6 @@
 
 #define KEY_TILE 64
 #define MAX_ELEMS_PER_THREAD 8
-#define MAX_DIMS_PER_LANE 8   // head_dim <= 256
 #define KEYS_PER_PASS 8
 #define VALUES_IN_FLIGHT 32
 #define ATTN_SPLITS 32
@@ -99,6 +102,11 @@ __device__ __forceinline__ void copy_row_warp(float* dst, float* dst2, const flo
         }
 }
 
+// The vector of kv head `kvh` at cache slot `slot`, as an index into a layer's planes.
+__device__ __forceinline__ long long kv_vector(long long slot, int nkv, int kvh) {
+    return slot * nkv + kvh;
+}
+
 // What attn_prep reads before it waits for its inputs, each a round trip to memory that sat in
 // its chain: the head's norm weight and the rotation's frequencies (weights), copied to shared
 // memory after the `hd` floats of normalized rows, and the token's position and (key heads) its
@@ -123,25 +131,36 @@ __device__ __forceinline__ AttnPrepStart attn_prep_start(const float* q_norm, co
     return st;
 }
 
-// grid (T, nq + nkv), 64 threads per (token, head); dynamic shared memory: 2 * hd + rot / 2
-// floats. Warp 0 prepares the head row (a query head into `q_out`, a key head into the
-// token's cache slot) while warp 1 copies the query's gate or the key's value.
-extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cache, float* v_cache, const float* qg, const float* k, const float* v,
-        const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows,
-        const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, float eps) {
-    AttnPrepStart st = attn_prep_start(q_norm, k_norm, inv_freq, tok_row, positions, rows, block_tables, nq, hd, rot, block_size);
-    wait_for_inputs();
+// grid (T, nq + nkv), 64 threads per (token, head); dynamic shared memory: 4 * hd + rot / 2
+// floats (normalized rows, weights, frequencies, then one row per warp). Warp 0 prepares the
+// head row (a query head into `q_out`, rotated for a rotated format; a key head into the
+// token's cache slot) while warp 1 copies the query's gate or stores the key's value.
+template <class KV>
+__device__ __forceinline__ void attn_prep_body(const AttnPrepStart& st, float* q_out, float* gate_out, KvCache kv, const float* qg, const float* k, const float* v,
+        int nq, int nkv, int hd, int rot, float eps) {
     extern __shared__ float normed[];
     __syncthreads();  // the weights both warps copied
     int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x >> 5;
+    float* row = normed + 2 * hd + rot / 2 + warp * hd;
     if (h < nq) {
         const float* src = qg + ((long long)t * nq + h) * 2 * hd;
-        if (warp == 0) norm_rope_head(q_out + ((long long)t * nq + h) * hd, normed, src, st.w, st.freq, hd, rot, st.pos, eps);
-        else copy_row_warp(gate_out + ((long long)t * nq + h) * hd, 0, src + hd, hd);
+        if (warp == 0) {
+            norm_rope_head(row, normed, src, st.w, st.freq, hd, rot, st.pos, eps);
+            if (KV::ROTATED) rotate_warp(row, hd, kv.tables);
+            __syncwarp();
+            copy_row_warp(q_out + ((long long)t * nq + h) * hd, 0, row, hd);
+        } else {
+            copy_row_warp(gate_out + ((long long)t * nq + h) * hd, 0, src + hd, hd);
+        }
     } else {
-        long long off = st.slot * nkv * hd + (long long)(h - nq) * hd, src = ((long long)t * nkv + h - nq) * hd;
-        if (warp == 0) norm_rope_head(k_cache + off, normed, k + src, st.w, st.freq, hd, rot, st.pos, eps);
-        else copy_row_warp(v_cache + off, 0, v + src, hd);
+        long long vec = kv_vector(st.slot, nkv, h - nq), src = ((long long)t * nkv + h - nq) * hd;
+        if (warp == 0) {
+            norm_rope_head(row, normed, k + src, st.w, st.freq, hd, rot, st.pos, eps);
+            KV::store_warp(kv.k + vec * KV::row_bytes(hd), 0, kv.kp + vec * KV::PARAMS, row, hd, kv.tables);
+        } else {
+            copy_row_warp(row, 0, v + src, hd);
+            KV::store_warp(kv.v + vec * KV::row_bytes(hd), 0, kv.vp + vec * KV::PARAMS, row, hd, kv.tables);
+        }
     }
     if (threadIdx.x == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
@@ -158,25 +177,27 @@ extern "C" __global__ void attn_prep(float* q_out, float* gate_out, float* k_cac
 // 3.648-3.723 ms per step). Only the step's layout (written before the step's first launch) is
 // read; a prefetch moves lines into L2 and reads nothing into the kernel, so the rows the
 // launch before may be writing are no hazard.
-__device__ __forceinline__ void attn_prefetch_range(const float* k_cache, const float* v_cache, const int* tok_row, const int* positions, const RowInfo* rows,
-        const int* block_tables, int nq, int nkv, int hd, int block_size, int heads_per_block) {
+template <class KV>
+__device__ __forceinline__ void attn_prefetch_range(KvCache kv, const int* tok_row, const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv,
+        int hd, int block_size, int heads_per_block) {
     if (!ATTN_PREFETCH || gridDim.z == 1) return;
     int t = blockIdx.x, h0 = blockIdx.y * heads_per_block, group = nq / nkv;
     if (h0 % group != 0) return;
     int ctx = positions[t] + 1, span = range_keys(ctx), p = (int)blockIdx.z * span + (int)threadIdx.x;
     if ((int)threadIdx.x >= span || p >= ctx) return;
-    long long off = cache_slot(tok_row, rows, block_tables, t, p, block_size) * nkv * hd + (long long)(h0 / group) * hd;
+    int bytes = KV::row_bytes(hd);
+    long long off = kv_vector(cache_slot(tok_row, rows, block_tables, t, p, block_size), nkv, h0 / group) * bytes;
 #if __CUDA_ARCH__ >= 900
-    if ((hd & 3) == 0) {
-        bulk_prefetch_l2(k_cache + off, 4 * hd);
-        bulk_prefetch_l2(v_cache + off, 4 * hd);
-    }
-#else
-    for (int d = 0; d < hd; d += 32) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(k_cache + off + d) : "memory");
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(v_cache + off + d) : "memory");
+    if ((bytes & 15) == 0) {
+        bulk_prefetch_l2(kv.k + off, bytes);
+        bulk_prefetch_l2(kv.v + off, bytes);
+        return;
     }
 #endif
+    for (int b = 0; b < bytes; b += 128) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(kv.k + off + b) : "memory");
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(kv.v + off + b) : "memory");
+    }
 }
 
 // Whether attn_decode copies its first tile's values into shared memory before its wait
@@ -186,21 +207,32 @@ __device__ __forceinline__ void attn_prefetch_range(const float* k_cache, const 
 #endif
 
 // attn_decode's shared memory after attn_body's own (one head per block), from a 16-byte
-// boundary: the first tile's value rows, the q and k norm weights, two heads' norm scratch,
-// the rotation's frequencies.
+// boundary: the first tile's stored value rows (KEY_TILE * hd floats hold them in any format),
+// the q and k norm weights, two heads' norm scratch, the new key and value rows, the
+// rotation's frequencies.
 struct DecodeSmem {
-    float *values, *wq, *wk, *scratch, *freq;
+    float *values, *wq, *wk, *scratch, *key, *value, *freq;
 };
 __device__ __forceinline__ DecodeSmem decode_smem(int hd) {
     extern __shared__ float decode_sm[];
     float* b = decode_sm + ((hd + KEY_TILE + 5 + 3) & ~3);
     float* w = b + KEY_TILE * hd;
-    DecodeSmem s = {b, w, w + hd, w + 2 * hd, w + 4 * hd};
+    DecodeSmem s = {b, w, w + hd, w + 2 * hd, w + 4 * hd, w + 5 * hd, w + 6 * hd};
     return s;
 }
 
-// The cache slots of the keys of a block's current tile.
+// The cache slots of the keys of a block's current tile, their values' scales (a scaled
+// format), and a rotated format's codebook levels (KvTables, constant).
 __shared__ long long attn_slots[KEY_TILE];
+__shared__ float attn_value_scales[KEY_TILE];
+__shared__ float attn_levels[8];
+
+// Whether a row's queries see the key at position p: every cached position. The define plants
+// vLLM's bug 40880 (verify rows of 1 + k tokens see only their own new tokens) to check that
+// the tests catch it (cargo feature plant-verify-skips-cache).
+#ifndef PLANT_VERIFY_SKIPS_CACHE
+#define PLANT_VERIFY_SKIPS_CACHE 0
+#endif
 
 // What a block of attn_core or attn_decode knows before its inputs are ready: the query's
 // context from the step's layout (written before the step's first launch), whether its range
@@ -216,20 +248,24 @@ struct AttnStart {
     // in attn_slots and its values (but the token's own) on their way into shared memory.
     int k0;
     bool values_early;
+    // The first position the queries see (0 but for the planted bug).
+    int first;
 };
-template <bool DECODE>
-__device__ __forceinline__ AttnStart attn_start(const float* k_cache, const float* v_cache, const float* q_norm, const float* k_norm, const float* inv_freq,
-        const int* tok_row, const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd, int rot, int block_size,
-        int heads_per_block) {
-    attn_prefetch_range(k_cache, v_cache, tok_row, positions, rows, block_tables, nq, nkv, hd, block_size, heads_per_block);
+template <class KV, bool DECODE>
+__device__ __forceinline__ AttnStart attn_start(KvCache kv, const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions,
+        const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, int heads_per_block) {
+    attn_prefetch_range<KV>(kv, tok_row, positions, rows, block_tables, nq, nkv, hd, block_size, heads_per_block);
     AttnStart st;
     st.ctx = positions[blockIdx.x] + 1;
     st.span = range_keys(st.ctx);
     st.live = gridDim.z == 1 || (int)blockIdx.z * st.span < st.ctx;
-    st.table = block_tables + rows[tok_row[blockIdx.x]].block_table_offset;
+    const RowInfo* row = rows + tok_row[blockIdx.x];
+    st.table = block_tables + row->block_table_offset;
+    st.first = PLANT_VERIFY_SKIPS_CACHE && row->kind == 1 && row->num_tokens > 1 ? row->start_position : 0;
     st.slot = 0;
     st.k0 = gridDim.z > 1 ? (int)blockIdx.z * st.span : 0;
     st.values_early = false;
+    if (KV::ROTATED && threadIdx.x < 8) attn_levels[threadIdx.x] = kv.tables->levels[threadIdx.x];
     if (DECODE) {
         int p = st.ctx - 1;
         st.slot = table_slot(st.table, p, block_size);
@@ -241,7 +277,8 @@ __device__ __forceinline__ AttnStart attn_start(const float* k_cache, const floa
         for (int j = threadIdx.x; j < rot / 2; j += blockDim.x) s.freq[j] = inv_freq[j];
         // The first tile's values are cached rows of earlier steps (the token's own comes after
         // the wait): their copies run beside the launch before instead of in the block's chain.
-        st.values_early = ATTN_VALUES_EARLY && st.live && (hd & 3) == 0;
+        int bytes = KV::row_bytes(hd);
+        st.values_early = ATTN_VALUES_EARLY && st.live && (bytes & 15) == 0;
         if (st.values_early) {
             int np = min(KEY_TILE, min(st.ctx, st.k0 + st.span) - st.k0);
             for (int i = threadIdx.x; i < np; i += blockDim.x) {
@@ -249,10 +286,11 @@ __device__ __forceinline__ AttnStart attn_start(const float* k_cache, const floa
                 attn_slots[i] = table_slot(st.table, q, block_size);
             }
             __syncthreads();
-            const float* vrow = v_cache + (long long)(blockIdx.y / (nq / nkv)) * hd;
-            for (int c = threadIdx.x; c < np * (hd / 4); c += blockDim.x) {
-                int i = c / (hd / 4), j = 4 * (c % (hd / 4));
-                if (st.k0 + i != p) cp_async16(s.values + i * hd + j, vrow + attn_slots[i] * nkv * hd + j, true);
+            int kvh = blockIdx.y / (nq / nkv);
+            unsigned char* tile = (unsigned char*)s.values;
+            for (int c = threadIdx.x; c < np * (bytes / 16); c += blockDim.x) {
+                int i = c / (bytes / 16), j = 16 * (c % (bytes / 16));
+                if (st.k0 + i != p) cp_async16(tile + i * bytes + j, kv.v + kv_vector(attn_slots[i], nkv, kvh) * bytes + j, true);
             }
             asm volatile("cp.async.commit_group;" ::: "memory");
         }
@@ -264,22 +302,24 @@ __device__ __forceinline__ AttnStart attn_start(const float* k_cache, const floa
 // heads of one kv group (sharing the key/value reads); the per-(query, head) arithmetic is
 // identical for any heads_per_block. With gridDim.z == 1 a block walks all ranges and merges
 // them; with gridDim.z == ATTN_SPLITS block z computes range z only and writes its (m, l, acc)
-// to `partial` ([T][nq][ATTN_SPLITS][hd + 2]) for attn_combine.
+// to `partial` ([T][nq][ATTN_SPLITS][hd + 2]) for attn_combine (whose rotated version un-rotates
+// the merged output).
 //
 // DECODE (attn_decode, every row one token, one head per block): the block prepares its query
 // head from `q` (the q/gate projection) exactly as attn_prep does. Each block whose range holds
-// the token's own position also prepares its kv head's new key from `k_new` into the token's
-// cache slot and copies the value from `v_new` there, then reads them back like any other key
-// after its barrier. The group's query heads write the same bits to the same slot, so what a
-// block reads back does not depend on which write lands last, and no block waits for another:
+// the token's own position also prepares its kv head's new key from `k_new` and stores it and
+// the value from `v_new` in the token's cache slot, then reads them back like any other key
+// after its barrier. The group's query heads store the same bits in the same slot, so what a
+// block reads back does not depend on which store lands last, and no block waits for another:
 // one launch does what attn_prep and attn_core do in two.
-template <bool DECODE>
-__device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const float* q, const float* gate, const float* k_new, const float* v_new,
-        float* k_cache, float* v_cache, int nq, int nkv, int hd, int rot, int block_size, int heads_per_block, float eps, float scale,
-        float* partial) {
+template <class KV, bool DECODE>
+__device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const float* q, const float* gate, const float* k_new, const float* v_new, KvCache kv,
+        int nq, int nkv, int hd, int rot, int block_size, int heads_per_block, float eps, float scale, float* partial) {
     if (!st.live) return;  // an empty range: attn_combine skips it
     extern __shared__ float sm[];
     long long* slots = attn_slots;
+    float* vscale = attn_value_scales;
+    const float* levels = attn_levels;
     int hpb = heads_per_block;
     float* qs = sm;                      // [hpb][hd]
     float* sc = qs + hpb * hd;           // [hpb][KEY_TILE]
@@ -293,16 +333,23 @@ __device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = blockDim.x >> 5;
     int ctx = st.ctx, span = st.span, pos = ctx - 1;
     bool split = gridDim.z > 1;
-    int kv_stride = nkv * hd;
+    int bytes = KV::row_bytes(hd);
     if (DECODE) {
         DecodeSmem ds = decode_smem(hd);
         bool holds_own = !split || pos / span == (int)blockIdx.z;
-        long long own = st.slot * kv_stride + (long long)kvh * hd;
+        long long own = kv_vector(st.slot, nkv, kvh);
         __syncthreads();  // the weights every thread copied before the wait
-        if (warp == 0) norm_rope_head(qs, ds.scratch, q + ((long long)t * nq + h0) * 2 * hd, ds.wq, ds.freq, hd, rot, pos, eps);
-        else if (warp == 1 && holds_own) norm_rope_head(k_cache + own, ds.scratch + hd, k_new + ((long long)t * nkv + kvh) * hd, ds.wk, ds.freq, hd, rot, pos, eps);
-        else if (warp == 2 && holds_own)
-            copy_row_warp(v_cache + own, st.values_early && pos - st.k0 < KEY_TILE ? ds.values + (pos - st.k0) * hd : 0, v_new + ((long long)t * nkv + kvh) * hd, hd);
+        if (warp == 0) {
+            norm_rope_head(qs, ds.scratch, q + ((long long)t * nq + h0) * 2 * hd, ds.wq, ds.freq, hd, rot, pos, eps);
+            if (KV::ROTATED) rotate_warp(qs, hd, kv.tables);
+        } else if (warp == 1 && holds_own) {
+            norm_rope_head(ds.key, ds.scratch + hd, k_new + ((long long)t * nkv + kvh) * hd, ds.wk, ds.freq, hd, rot, pos, eps);
+            KV::store_warp(kv.k + own * bytes, 0, kv.kp + own * KV::PARAMS, ds.key, hd, kv.tables);
+        } else if (warp == 2 && holds_own) {
+            copy_row_warp(ds.value, 0, v_new + ((long long)t * nkv + kvh) * hd, hd);
+            unsigned char* early = st.values_early && pos - st.k0 < KEY_TILE ? (unsigned char*)ds.values + (pos - st.k0) * bytes : 0;
+            KV::store_warp(kv.v + own * bytes, early, kv.vp + own * KV::PARAMS, ds.value, hd, kv.tables);
+        }
     } else {
         for (int e = tid; e < hpb * hd; e += blockDim.x) qs[e] = q[(long long)t * nq * hd + (long long)h0 * hd + e];
     }
@@ -328,28 +375,28 @@ __device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const
             slots[tid] = table_slot(table, p, block_size);
         }
         __syncthreads();
+        if (KV::SCALED && tid < np) vscale[tid] = KV::scale(kv.vp + kv_vector(slots[tid], nkv, kvh) * KV::PARAMS);
         // Scores: one warp per (head, key), lanes over dims in a fixed stride, butterfly sum.
         // A warp loads its next KEYS_PER_PASS keys before summing any (loads in flight).
         for (int base = warp; base < hpb * KEY_TILE; base += nwarps * KEYS_PER_PASS) {
-            float kv[KEYS_PER_PASS][MAX_DIMS_PER_LANE];
+            typename KV::Lane kx[KEYS_PER_PASS];
+            float ks[KEYS_PER_PASS];
 #pragma unroll
             for (int u = 0; u < KEYS_PER_PASS; ++u) {
                 int pi = base + u * nwarps, p = pi % KEY_TILE;
                 bool live = pi < hpb * KEY_TILE && p < np;
-                const float* kr = k_cache + (live ? slots[p] : 0) * kv_stride + (long long)kvh * hd;
-#pragma unroll
-                for (int i = 0; i < MAX_DIMS_PER_LANE; ++i) kv[u][i] = (live && lane + 32 * i < hd) ? kr[lane + 32 * i] : 0.0f;
+                long long vec = kv_vector(live ? slots[p] : 0, nkv, kvh);
+                KV::load_lane(kx[u], kv.k + vec * bytes, live ? hd : 0, lane);
+                ks[u] = KV::SCALED && live ? KV::scale(kv.kp + vec * KV::PARAMS) : 1.0f;
             }
 #pragma unroll
             for (int u = 0; u < KEYS_PER_PASS; ++u) {
                 int pi = base + u * nwarps, g = pi / KEY_TILE, p = pi % KEY_TILE;
                 if (pi >= hpb * KEY_TILE || p >= np) continue;
-                const float* qr = qs + g * hd;
-                float dot = 0.0f;
-#pragma unroll
-                for (int i = 0; i < MAX_DIMS_PER_LANE; ++i)
-                    if (lane + 32 * i < hd) dot += qr[lane + 32 * i] * kv[u][i];
+                float dot = KV::lane_dot(kx[u], qs + g * hd, hd, lane, levels);
                 dot = warp_sum(dot);
+                if (KV::SCALED) dot *= ks[u];
+                if (PLANT_VERIFY_SKIPS_CACHE && p0 + p < st.first) dot = -1e30f;
                 if (lane == 0) sc[g * KEY_TILE + p] = dot * scale;
             }
         }
@@ -380,25 +427,28 @@ __device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const
             int g = e / hd, d = e % hd;
             const float* s = sc + g * KEY_TILE;
             float a = acc[i] * corr[g];
-            const float* vcol = v_cache + (long long)kvh * hd + d;
+            // A key's weight, times its value's scale for a scaled format.
+#define VALUE_WEIGHT(p) (KV::SCALED ? s[p] * vscale[p] : s[p])
             if (early) {
                 // The same products and sums, in key order, from shared memory.
-                DecodeSmem ds = decode_smem(hd);
+                const unsigned char* tile = (const unsigned char*)decode_smem(hd).values;
 #pragma unroll 8
-                for (int p = 0; p < np; ++p) a += s[p] * ds.values[p * hd + d];
+                for (int p = 0; p < np; ++p) a += VALUE_WEIGHT(p) * KV::value(KV::load_elem(tile + p * bytes, d), levels);
                 acc[i] = a;
                 continue;
             }
             // Values loaded VALUES_IN_FLIGHT keys at a time before use (a decode block's time is
             // its chain of load latencies); the sum stays in key order.
+            const unsigned char* vcol = kv.v + (long long)kvh * bytes;
             for (int p0v = 0; p0v < np; p0v += VALUES_IN_FLIGHT) {
-                float vv[VALUES_IN_FLIGHT];
+                typename KV::Elem vv[VALUES_IN_FLIGHT];
 #pragma unroll
-                for (int u = 0; u < VALUES_IN_FLIGHT; ++u) vv[u] = p0v + u < np ? vcol[slots[p0v + u] * kv_stride] : 0.0f;
+                for (int u = 0; u < VALUES_IN_FLIGHT; ++u) vv[u] = p0v + u < np ? KV::load_elem(vcol + slots[p0v + u] * nkv * bytes, d) : 0;
 #pragma unroll
                 for (int u = 0; u < VALUES_IN_FLIGHT; ++u)
-                    if (p0v + u < np) a += s[p0v + u] * vv[u];
+                    if (p0v + u < np) a += VALUE_WEIGHT(p0v + u) * KV::value(vv[u], levels);
             }
+#undef VALUE_WEIGHT
             acc[i] = a;
         }
         __syncthreads();
@@ -438,6 +488,18 @@ __device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const
     }
     __syncthreads();
     }
+    // A rotated format's outputs are rotated back, one warp per head, in the queries' place.
+    if (KV::ROTATED) {
+#pragma unroll
+        for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) {
+            int e = tid + i * blockDim.x;
+            if (e >= hpb * hd) break;
+            qs[e] = tot[i] / ltot[e / hd];
+        }
+        __syncthreads();
+        for (int g = warp; g < hpb; g += nwarps) unrotate_warp(qs + g * hd, hd, kv.tables);
+        __syncthreads();
+    }
 #pragma unroll
     for (int i = 0; i < MAX_ELEMS_PER_THREAD; ++i) {
         int e = tid + i * blockDim.x;
@@ -445,44 +507,21 @@ __device__ __forceinline__ void attn_body(const AttnStart& st, float* out, const
         int g = e / hd, d = e % hd;
         // The gate: the q/gate projection's second half (attn_decode), or attn_prep's copy.
         float gt = DECODE ? q[((long long)t * nq + h0 + g) * 2 * hd + hd + d] : gate[((long long)t * nq + h0 + g) * hd + d];
-        out[((long long)t * nq + h0 + g) * hd + d] = tot[i] / ltot[g] * sigmoidf_(gt);
+        float o = KV::ROTATED ? qs[e] : tot[i] / ltot[g];
+        out[((long long)t * nq + h0 + g) * hd + d] = o * sigmoidf_(gt);
     }
     if (tid == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
 
-// grid (T, nq / heads_per_block, 1 or ATTN_SPLITS), 256 threads: attention of rows attn_prep
-// prepared (`q`, `gate`, and the keys and values in the cache). Dynamic shared memory:
-// heads_per_block * (hd + KEY_TILE + 5) floats.
-extern "C" __global__ void __launch_bounds__(256) attn_core(float* out, const float* q, const float* gate, float* k_cache, float* v_cache,
-        const int* tok_row, const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd, int block_size,
-        int heads_per_block, float scale, float* partial) {
-    AttnStart st = attn_start<false>(k_cache, v_cache, 0, 0, 0, tok_row, positions, rows, block_tables, nq, nkv, hd, 0, block_size, heads_per_block);
-    wait_for_inputs();
-    attn_body<false>(st, out, q, gate, 0, 0, k_cache, v_cache, nq, nkv, hd, 0, block_size, heads_per_block, 0.0f, scale, partial);
-}
-
-// grid (T, nq, 1 or ATTN_SPLITS), 256 threads: a step whose every row is one token, straight
-// from the q/gate, key and value projections (attn_prep's work done in the same launch; its
-// arguments after the first two are attn_prep's, then the scale).
-// Two blocks per SM (128 registers; without the bound ptxas spilled 92 bytes). Dynamic shared
-// memory: attn_body's hd + KEY_TILE + 5 floats rounded up to 4, then
-// DecodeSmem's (KEY_TILE + 4) * hd + rot / 2 (gated_attention, backend/cuda/attention.rs).
-extern "C" __global__ void __launch_bounds__(256, 2) attn_decode(float* out, float* partial, float* k_cache, float* v_cache, const float* qg, const float* k,
-        const float* v, const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows,
-        const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, float eps, float scale) {
-    AttnStart st = attn_start<true>(k_cache, v_cache, q_norm, k_norm, inv_freq, tok_row, positions, rows, block_tables, nq, nkv, hd, rot, block_size, 1);
-    wait_for_inputs();
-    attn_body<true>(st, out, qg, 0, k, v, k_cache, v_cache, nq, nkv, hd, rot, block_size, 1, eps, scale, partial);
-}
-
 // grid (T, nq), hd threads (rounded up to a warp): merges the ranges the split blocks wrote to
-// `partial`, in range order, exactly as a block walking them merges them. The gate of head h is
+// `partial`, in range order, exactly as a block walking them merges them; ROTATED rotates the
+// merged output back (`tables`, a rotated format's KvTables) through `hd` floats of dynamic
+// shared memory, one warp, as attn_body does. The gate of head h is
 // `gate[(t * nq + h) * gate_stride + d]` (attn_prep's copy, or the q/gate projection's second
 // half). The context length comes from the step's layout (written before the step's first
 // launch), read before the wait: it decides which partials are loaded.
-extern "C" __global__ void attn_combine(float* out, const float* gate, const float* partial, const int* positions, int nq, int hd, int gate_stride) {
-    int ctx = positions[blockIdx.x] + 1;
-    wait_for_inputs();
+template <bool ROTATED>
+__device__ __forceinline__ void attn_combine_body(int ctx, float* out, const float* gate, const float* partial, int nq, int hd, int gate_stride, const KvTables* tables) {
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     int span = range_keys(ctx);
     float M = NEG_INF, L = 0.0f, ACC = 0.0f;
@@ -504,6 +543,61 @@ extern "C" __global__ void attn_combine(float* out, const float* gate, const flo
         L = merge_sum(L, pm1[r], c_old, c_new);
         if (d < hd) ACC = merge_sum(ACC, pa[r], c_old, c_new);
     }
-    if (d < hd) out[((long long)t * nq + h) * hd + d] = ACC / L * sigmoidf_(gate[((long long)t * nq + h) * gate_stride + d]);
+    float o = ACC / L;
+    if (ROTATED) {
+        extern __shared__ float merged[];
+        if (d < hd) merged[d] = o;
+        __syncthreads();
+        if (threadIdx.x < 32) unrotate_warp(merged, hd, tables);
+        __syncthreads();
+        if (d < hd) o = merged[d];
+    }
+    if (d < hd) out[((long long)t * nq + h) * hd + d] = o * sigmoidf_(gate[((long long)t * nq + h) * gate_stride + d]);
     if (d == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
+// The kernels of one KV format KV, named attn_prep_NAME, attn_core_NAME, attn_decode_NAME and
+// attn_combine_NAME; each format's module instantiates them once (backend/cuda/kernels.rs), so
+// a format's kernels compile on their own.
+//
+// attn_prep: see attn_prep_body.
+//
+// attn_core: grid (T, nq / heads_per_block, 1 or ATTN_SPLITS), 256 threads: attention of rows
+// attn_prep prepared (`q`, `gate`, and the keys and values in the cache). Dynamic shared
+// memory: heads_per_block * (hd + KEY_TILE + 5) floats.
+//
+// attn_decode: grid (T, nq, 1 or ATTN_SPLITS), 256 threads: a step whose every row is one
+// token, straight from the q/gate, key and value projections (attn_prep's work done in the
+// same launch; its arguments after the first two are attn_prep's, then the scale). Two blocks
+// per SM (128 registers; without the bound ptxas spilled 92 bytes). Dynamic shared memory:
+// attn_body's hd + KEY_TILE + 5 floats rounded up to 4, then DecodeSmem's (KEY_TILE + 6) * hd +
+// rot / 2 (gated_attention, backend/cuda/attention.rs).
+//
+// attn_combine: see attn_combine_body; dynamic shared memory hd floats for a rotated format.
+#define ATTN_KERNELS(NAME, KV)                                                                                                                            \
+    extern "C" __global__ void attn_prep_##NAME(float* q_out, float* gate_out, KvCache kv, const float* qg, const float* k, const float* v,                 \
+            const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows,                 \
+            const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, float eps) {                                                        \
+        AttnPrepStart st = attn_prep_start(q_norm, k_norm, inv_freq, tok_row, positions, rows, block_tables, nq, hd, rot, block_size);                   \
+        wait_for_inputs();                                                                                                                                \
+        attn_prep_body<KV>(st, q_out, gate_out, kv, qg, k, v, nq, nkv, hd, rot, eps);                                                                     \
+    }                                                                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) attn_core_##NAME(float* out, const float* q, const float* gate, KvCache kv, const int* tok_row,      \
+            const int* positions, const RowInfo* rows, const int* block_tables, int nq, int nkv, int hd, int block_size, int heads_per_block, float scale,  \
+            float* partial) {                                                                                                                             \
+        AttnStart st = attn_start<KV, false>(kv, 0, 0, 0, tok_row, positions, rows, block_tables, nq, nkv, hd, 0, block_size, heads_per_block);          \
+        wait_for_inputs();                                                                                                                                \
+        attn_body<KV, false>(st, out, q, gate, 0, 0, kv, nq, nkv, hd, 0, block_size, heads_per_block, 0.0f, scale, partial);                              \
+    }                                                                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 2) attn_decode_##NAME(float* out, float* partial, KvCache kv, const float* qg, const float* k,       \
+            const float* v, const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows, \
+            const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, float eps, float scale) {                                           \
+        AttnStart st = attn_start<KV, true>(kv, q_norm, k_norm, inv_freq, tok_row, positions, rows, block_tables, nq, nkv, hd, rot, block_size, 1);       \
+        wait_for_inputs();                                                                                                                                \
+        attn_body<KV, true>(st, out, qg, 0, k, v, kv, nq, nkv, hd, rot, block_size, 1, eps, scale, partial);                                              \
+    }                                                                                                                                                     \
+    extern "C" __global__ void attn_combine_##NAME(float* out, const float* gate, const float* partial, const int* positions, int nq, int hd,              \
+            int gate_stride, const KvTables* tables) {                                                                                                    \
+        int ctx = positions[blockIdx.x] + 1;                                                                                                              \
+        wait_for_inputs();                                                                                                                                \
+        attn_combine_body<KV::ROTATED>(ctx, out, gate, partial, nq, hd, gate_stride, tables);                                                             \
+    }

@@ -3,12 +3,12 @@
 //! over the bandwidth measured in the same run, both by a copy kernel and by a read-only kernel),
 //! and prefill tokens/s.
 //!
-//! `cargo run --release --example cuda_bench -- [--presets a,b] [--prompt N] [--decode N] [--prefill N,M] [--no-matmul-kernels]`
+//! `cargo run --release --example cuda_bench -- [--presets a,b] [--prompt N] [--decode N] [--prefill N,M] [--kv-cache-dtype bf16|fp8|tq3|f32] [--no-matmul-kernels]`
 //! Prints one JSON object per preset, then a table.
 
 use kestrel::backend::cuda::CudaBackend;
 use kestrel::model::dummy;
-use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
+use kestrel::backend::{Backend, BatchLayout, CacheSpec, KvDtype, RowKind, RowLayout};
 use kestrel::model::arch::qwen35::Qwen35;
 use kestrel::model::config::ModelConfig;
 use std::time::Instant;
@@ -27,10 +27,12 @@ struct Options {
     profile_step: Option<usize>,
     /// `--no-matmul-kernels`: skip the per-shape matmul timings after each preset.
     matmul_kernels: bool,
+    /// How the KV cache stores keys and values.
+    kv_dtype: KvDtype,
 }
 
 fn parse_args() -> Result<Options, String> {
-    let mut o = Options { matmul_only: None, presets: vec!["qwen3.5-9b".into(), "qwen3.5-35b-a3b".into()], prompt: 512, decode: 64, decode_rows: 1, prefill: vec![512, 4096], profile_step: None, matmul_kernels: true };
+    let mut o = Options { matmul_only: None, presets: vec!["qwen3.5-9b".into(), "qwen3.5-35b-a3b".into()], prompt: 512, decode: 64, decode_rows: 1, prefill: vec![512, 4096], profile_step: None, matmul_kernels: true, kv_dtype: KvDtype::default() };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or(format!("{a} needs a value"));
@@ -48,6 +50,10 @@ fn parse_args() -> Result<Options, String> {
             "--decode-rows" => o.decode_rows = value()?.parse::<usize>().map_err(|e| format!("--decode-rows: {e}"))?.max(1),
             "--prefill" => o.prefill = value()?.split(',').map(|s| s.parse().map_err(|e| format!("--prefill: {e}"))).collect::<Result<_, _>>()?,
             "--no-matmul-kernels" => o.matmul_kernels = false,
+            "--kv-cache-dtype" => {
+                let name = value()?;
+                o.kv_dtype = KvDtype::ALL.into_iter().find(|d| d.name() == name).ok_or(format!("--kv-cache-dtype: unknown format {name}"))?;
+            }
             "--profile-step" => o.profile_step = Some(value()?.parse().map_err(|e| format!("--profile-step: {e}"))?),
             other => return Err(format!("unknown argument {other}")),
         }
@@ -249,7 +255,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: &Bandwidt
     let max_len = o.prefill.iter().copied().max().unwrap_or(0).max(o.prompt + o.decode + 1);
     let blocks = max_len.div_ceil(16) + 1;
     let nrows = o.decode_rows;
-    let mut cache = gpu.alloc_cache(&model.cache_spec(blocks * nrows, 16, nrows, nrows)).map_err(|e| e.to_string())?;
+    let mut cache = gpu.alloc_cache(&CacheSpec { kv_dtype: o.kv_dtype, ..model.cache_spec(blocks * nrows, 16, nrows, nrows) }).map_err(|e| e.to_string())?;
     let vocab = c.vocab_size as u32;
     let ids = |n: usize, salt: u32| -> Vec<u32> { (0..n as u32).map(|i| (i.wrapping_mul(2654435761).wrapping_add(salt)) % vocab).collect() };
 
@@ -358,6 +364,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: &Bandwidt
         "read_bandwidth_bytes_per_s": bandwidth.read,
         "decode": {
             "prompt_tokens": o.prompt,
+            "kv_cache_dtype": o.kv_dtype.name(),
             "rows": nrows,
             "steps": steady.len(),
             "ms_per_token": mean * 1e3,

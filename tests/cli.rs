@@ -317,12 +317,12 @@ fn options_with_help(sub: &str) -> Vec<(String, bool)> {
 fn each_subcommand_lists_only_the_flags_it_uses_each_with_a_help_line() {
     let cases: [(&str, &[&str], &[&str]); 7] = [
         ("run", &["--temperature", "--min-p", "--stop", "--file", "--spec", "--max-model-len", "--device", "--ignore-generation-config"], &["--input", "--port", "--context", "--max-num-seqs"]),
-        ("info", &["--model", "--json", "--load-format"], &["--spec", "--device", "--max-model-len", "--temperature", "--kv-blocks", "--gpu-memory-utilization"]),
-        ("perplexity", &["--file", "--context", "--device", "--allow-long-context"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs", "--prefix-cache-memory"]),
+        ("info", &["--model", "--json", "--load-format"], &["--spec", "--device", "--max-model-len", "--temperature", "--kv-blocks", "--gpu-memory-utilization", "--kv-cache-dtype"]),
+        ("perplexity", &["--file", "--context", "--device", "--allow-long-context", "--kv-cache-dtype"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs", "--cuda-graph-sizes", "--prefix-cache-memory"]),
         ("serve", &["--host", "--max-num-seqs", "--allowed-origins", "--spec", "--max-model-len", "--prefix-cache-memory", "--no-prefix-cache"], &["--temperature", "--input", "--json"]),
         ("batch", &["--input", "--max-num-seqs", "--spec", "--ignore-generation-config"], &["--temperature", "--port", "--json"]),
         ("chat", &["--system", "--temperature", "--spec", "--max-model-len"], &["--json", "--port", "--input"]),
-        ("bench", &["--concurrency", "--spec", "--temperature", "--dataset", "--turns", "--turn-len", "--no-prefix-cache"], &["--port", "--input", "--ignore-generation-config"]),
+        ("bench", &["--concurrency", "--spec", "--temperature", "--dataset", "--turns", "--turn-len", "--no-prefix-cache", "--cuda-graph-sizes", "--max-cuda-graph-size"], &["--port", "--input", "--ignore-generation-config"]),
     ];
     for (sub, present, absent) in cases {
         let options = options_with_help(sub);
@@ -351,11 +351,22 @@ fn hints_point_at_the_fix() {
     let weights = root().join("models/kestrel-coder/model.safetensors");
     fails_with(&["run", "hi", "-m", weights.to_str().unwrap()], "pass the directory itself");
     fails_with(&["info", "--model", root().join("models/kestrel-coder/config.json").to_str().unwrap()], "pass the directory itself");
-    for dtype in ["fp8", "tq3", "bf16"] {
-        let err = fails_with_text(&["run", "hi", "--kv-cache-dtype", dtype], "not implemented yet");
-        assert!(!err.contains("only bf16"), "{err}");
-    }
+    fails_with(&["run", "hi", "--kv-cache-dtype", "q4_0"], "[possible values: auto, f32, bf16, fp8, tq3]");
     fails_with(&["run", "hi", "--quantization", "q2_k"], "invalid value 'q2_k'");
+}
+
+#[test]
+fn bad_cuda_graph_sizes_are_refused_with_the_reason() {
+    fails_with(&["run", "hi", "--cuda-graph-sizes", "1,0,8"], "capture size `0` is not a positive whole number");
+    fails_with(&["run", "hi", "--cuda-graph-sizes", "1,eight"], "capture size `eight`");
+    fails_with(&["run", "hi", "--cuda-graph-sizes", ","], "no capture sizes given");
+    fails_with(&["run", "hi", "--max-cuda-graph-size", "0"], "--max-cuda-graph-size must be at least 1");
+    fails_with(&["run", "hi", "--no-cuda-graphs", "--cuda-graph-sizes", "1,2"], "cannot be used with");
+    // Sizes on the CPU, which replays no graphs: accepted, and the text is the same.
+    let plain = ok_json(&["run", "def f(x):", "--device", "cpu", "-n", "4", "--temperature", "0", "--json"]);
+    let sized = ok_json(&["run", "def f(x):", "--device", "cpu", "-n", "4", "--temperature", "0", "--json", "--cuda-graph-sizes", "1,2", "--max-cuda-graph-size", "2"]);
+    assert_eq!(plain["text"], sized["text"]);
+    assert!(plain["text"].as_str().is_some_and(|t| !t.is_empty()), "{plain}");
 }
 
 /// `--quantization` quantizes the float weights at load (and makes dummy weights in its format);
@@ -471,6 +482,31 @@ fn batch_help_documents_the_input_format() {
     for needle in ["one JSON object per line", "\"prompt\"", "messages", "max_tokens", "min_p", "\"error\"", "in the order requests finish"] {
         assert!(help.contains(needle), "batch --help lacks {needle:?}:\n{help}");
     }
+}
+
+/// Every KV cache format runs end to end on the CPU; `info` gives each one's bytes per token, and
+/// `perplexity` scores with the chosen one.
+#[test]
+fn every_kv_cache_dtype_runs_and_info_gives_its_size() {
+    let mut texts = Vec::new();
+    for dtype in ["auto", "bf16", "fp8", "tq3", "f32"] {
+        let v = ok_json(&["run", "def add(a, b):", "-n", "12", "--json", "--device", "cpu", "--kv-cache-dtype", dtype]);
+        assert_eq!(v["usage"]["completion_tokens"], 12, "{dtype}");
+        texts.push(v["token_ids"].clone());
+    }
+    assert_eq!(texts[0], texts[1], "auto is bf16");
+    let info = ok_json(&["info", "--json"]);
+    let per_token = &info["kv_bytes_per_token"];
+    // The default model: 2 full-attention layers and the MTP head's, 2 kv heads of 64.
+    assert_eq!(per_token["bf16"], 3 * 2 * 2 * 2 * 64, "{info}");
+    assert_eq!(per_token["f32"], 3 * 2 * 2 * 4 * 64, "{info}");
+    assert_eq!(per_token["fp8"], 3 * 2 * 2 * (64 + 2), "{info}");
+    assert_eq!(per_token["tq3"], 3 * 2 * 2 * (24 + 2), "{info}");
+    let text = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(text.path(), "def square(x):\n    return x * x\n\n\ndef cube(x):\n    return x * x * x\n").unwrap();
+    let ppl = |dtype: &str| ok_json(&["perplexity", "--file", text.path().to_str().unwrap(), "--json", "--device", "cpu", "--kv-cache-dtype", dtype])["perplexity"].as_f64().unwrap();
+    let (bf16, tq3) = (ppl("bf16"), ppl("tq3"));
+    assert!(bf16.is_finite() && tq3.is_finite() && bf16 != tq3, "bf16 {bf16}, tq3 {tq3}: the format must reach the cache");
 }
 
 #[test]

@@ -212,6 +212,45 @@ fn cuda_graphs_change_speed_never_text() {
     }
 }
 
+/// Decode and verify steps padded up to the capture sizes (captured at start-up) and replayed:
+/// 17 requests run as 24 rows, and 19, 29 and 45, with ngram and MTP at k 1, 3 and 8, every
+/// request bitwise equal to itself alone, eager, without speculation. The first engine starts on
+/// a fresh GPU backend, so its start-up captures are the backend's first forwards (anything a
+/// forward makes on first use must not be made inside a capture); the references run last.
+#[test]
+fn padded_graph_steps_are_bitwise_equal_to_each_request_alone() {
+    let Some(mut rig) = Rig::new() else { return };
+    let prompts = code_prompts(&rig.files, 45);
+    let mut runs = Vec::new();
+    for n in [17, 19, 29, 45] {
+        for method in [SpecMethod::Ngram, SpecMethod::Mtp] {
+            for k in [1, 3, 8] {
+                let (gpu, model) = rig.parts.take().expect("parts are returned after every run");
+                let config = EngineConfig { max_num_seqs: 64, max_num_batched_tokens: 1024, spec: method, spec_tokens: k, ..EngineConfig::default() };
+                let mut engine = Engine::new(gpu, model, config).expect("engine starts");
+                let report = engine.graph_capture.clone().expect("the GPU captures graphs at start-up");
+                assert!(report.graphs > 0, "no graph captured at start-up");
+                let requests = prompts[..n].iter().enumerate().map(|(i, p)| request(p, max_tokens(i), sampling(Draw::Seeded, i), Some(method))).collect();
+                let got = run_staggered(&mut engine, requests, &vec![0; n]);
+                let padding = engine.stats.padding;
+                let accepted = engine.stats.spec.accepted;
+                let captured = engine.backend.captured_graphs();
+                rig.parts = Some(engine.into_parts());
+                assert!(padding.padded_rows > padding.real_rows, "{n} {method:?} k={k}: no padded row ran: {padding:?}");
+                assert!(accepted > 0, "{n} {method:?} k={k}: no draft accepted");
+                eprintln!("{n} requests {method:?} k={k}: {} graphs at start-up in {:?}, {captured} in all; {padding:?}", report.graphs, report.time);
+                runs.push((n, method, k, got));
+            }
+        }
+    }
+    let refs = rig.references(&prompts, Draw::Seeded);
+    for (n, method, k, got) in runs {
+        for (i, (g, r)) in got.iter().zip(&refs).enumerate() {
+            assert_eq!(g, r, "request {i} of {n} differs from its run alone: {method:?} k={k}");
+        }
+    }
+}
+
 /// Logits rows with planted ties, NaN and -inf, to exercise every rule of the draw.
 fn awkward_logits(rng: &mut Rng, rows: usize, vocab: usize) -> Vec<f32> {
     let mut v = rng.vec(rows * vocab, 6.0);

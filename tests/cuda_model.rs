@@ -1,13 +1,15 @@
 //! The whole forward on the GPU: fixture models against Hugging Face transformers and the CPU
 //! backend, and batch invariance of a row's logits. Runs where a GPU is present.
 
+mod common;
 mod cuda_support;
 
+use common::invariance::{run_invariance, Prefill, STEP_TOKENS};
 use cuda_support::*;
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::cuda::CudaBackend;
 use kestrel::model::dummy;
-use kestrel::backend::{delta_state_in_place, Backend, BatchLayout, RowKind, RowLayout, StateCommit};
+use kestrel::backend::{Backend, BatchLayout, KvDtype, RowKind, RowLayout};
 use kestrel::engine::request::{Request, RequestEvent, SpecMethod};
 use kestrel::backend::sampling::SamplingParams;
 use kestrel::engine::{Engine, EngineConfig};
@@ -148,103 +150,6 @@ fn gpu_backend() -> CudaBackend {
     CudaBackend::new(0).expect("CUDA backend starts")
 }
 
-/// One request of the invariance test: prompt, next position, blocks, slot.
-struct Req {
-    prompt: Vec<u32>,
-    prefilled: usize,
-    generated: usize,
-    table: Vec<u32>,
-    slot: usize,
-}
-
-/// How request 0's prompt is prefilled.
-#[derive(Clone, Copy)]
-enum Prefill {
-    OneChunk,
-    /// Pieces ending at multiples of 64 (the last at the prompt's end).
-    Pieces(usize),
-}
-
-const STEP_TOKENS: [u32; 5] = [7, 11, 13, 17, 19];
-
-/// Runs request 0 with `others` other requests in every step; returns request 0's logits at
-/// the end of its prefill and at every generated token (decode rows and a 3-token verify row).
-fn run_invariance(gpu: &CudaBackend, model: &Qwen35<CudaBackend>, others: usize, prefill: Prefill) -> Vec<Vec<f32>> {
-    let vocab = model.config.vocab_size as u32;
-    let n = others + 1;
-    let blocks_each = 16;
-    let mut cache = gpu.alloc_cache(&model.cache_spec(n * blocks_each, 16, n, 3 * n)).unwrap();
-    let mut reqs: Vec<Req> = (0..n)
-        .map(|i| {
-            let len = if i == 0 { 150 } else { 20 + (i * 37) % 120 };
-            Req { prompt: (0..len).map(|j| ((i * 131 + j * 17 + 3) as u32) % vocab).collect(), prefilled: 0, generated: 0, table: (0..blocks_each as u32).map(|b| (i * blocks_each) as u32 + b).collect(), slot: i }
-        })
-        .collect();
-    for i in 0..n {
-        gpu.reset_states(&mut cache, &[i]);
-    }
-    let mut out = Vec::new();
-    let mut step = 0;
-    while reqs[0].generated < STEP_TOKENS.len() {
-        let mut ids = Vec::new();
-        let mut layout = BatchLayout::default();
-        let mut logit_rows = Vec::new();
-        let mut snap = 0;
-        let mut req0_rows = (0, 0);
-        for (i, r) in reqs.iter().enumerate() {
-            let (kind, tokens): (RowKind, Vec<u32>) = if r.prefilled < r.prompt.len() {
-                let limit = match (i, prefill) {
-                    (0, Prefill::OneChunk) => r.prompt.len(),
-                    (0, Prefill::Pieces(p)) => (r.prefilled / p + 1) * p,
-                    _ => (r.prefilled / 64 + 1) * 64,
-                };
-                (RowKind::Prefill, r.prompt[r.prefilled..limit.min(r.prompt.len())].to_vec())
-            } else {
-                // Request 0's third generate step is a verify row of 3 tokens.
-                let k = if i == 0 && r.generated == 2 { 3 } else { 1 };
-                (RowKind::Generate, (0..k).map(|j| STEP_TOKENS[(r.generated + j) % STEP_TOKENS.len()]).collect())
-            };
-            let start = ids.len();
-            let pos = r.prefilled + r.generated;
-            layout.rows.push(RowLayout { kind, token_start: start, num_tokens: tokens.len(), start_position: pos, block_table: r.table.clone(), state_slot: r.slot, snapshot_base: snap });
-            if kind == RowKind::Generate {
-                snap += tokens.len();
-            }
-            if i == 0 {
-                req0_rows = (logit_rows.len(), tokens.len());
-            }
-            let first_logit = if kind == RowKind::Prefill { start + tokens.len() - 1 } else { start };
-            for t in first_logit..start + tokens.len() {
-                logit_rows.push(t as u32);
-            }
-            ids.extend(tokens);
-        }
-        let fw = model.forward(gpu, &ids, &layout, &logit_rows, &mut cache);
-        let logits = gpu.to_host(&fw.logits);
-        let v = vocab as usize;
-        let r0 = &layout.rows[0];
-        let r0_logits = if r0.kind == RowKind::Prefill { 1 } else { req0_rows.1 };
-        if r0.kind == RowKind::Generate || reqs[0].prefilled + r0.num_tokens == reqs[0].prompt.len() {
-            for j in 0..r0_logits {
-                out.push(logits[(req0_rows.0 + j) * v..(req0_rows.0 + j + 1) * v].to_vec());
-            }
-        }
-        for (i, row) in layout.rows.iter().enumerate() {
-            let r = &mut reqs[i];
-            match row.kind {
-                RowKind::Prefill => r.prefilled += row.num_tokens,
-                RowKind::Generate => {
-                    gpu.commit_states(&mut cache, &[StateCommit { slot: row.state_slot, snapshot: row.snapshot_base + row.num_tokens - 1, conv_only: delta_state_in_place(row.kind, row.num_tokens) }]);
-                    r.generated += row.num_tokens;
-                }
-            }
-        }
-        step += 1;
-        assert!(step < 100, "invariance run did not finish");
-    }
-    out
-}
-
 fn tiny_config(model_type: &str) -> ModelConfig {
     let moe = r#""num_experts":8,"num_experts_per_tok":2,"moe_intermediate_size":64,"shared_expert_intermediate_size":64,"#;
     let json = format!(
@@ -279,7 +184,7 @@ fn row_logits_are_batch_invariant() {
     for (model_type, config) in models {
         let model_type = model_type.as_str();
         let model = dummy::load_random(&gpu, config, 42, &indicatif::ProgressBar::hidden()).expect("random model");
-        let alone = run_invariance(&gpu, &model, 0, Prefill::OneChunk);
+        let alone = run_invariance(&gpu, &model, KvDtype::default(), 0, Prefill::OneChunk);
         assert_eq!(alone.len(), 1 + STEP_TOKENS.len(), "{model_type}: unexpected number of logit rows");
         assert!(alone.iter().flatten().all(|v| v.is_finite()), "{model_type}: non-finite logits");
         for (others, prefill, what) in [
@@ -289,7 +194,7 @@ fn row_logits_are_batch_invariant() {
             (0, Prefill::Pieces(128), "prefilled in pieces of 128"),
             (7, Prefill::Pieces(64), "among 7 others, prefilled in pieces of 64"),
         ] {
-            let got = run_invariance(&gpu, &model, others, prefill);
+            let got = run_invariance(&gpu, &model, KvDtype::default(), others, prefill);
             assert_eq!(got.len(), alone.len(), "{model_type} {what}: logit rows");
             for (i, (a, b)) in got.iter().zip(&alone).enumerate() {
                 assert!(bitwise_equal(a, b), "{model_type}: logits row {i} {what} differ from the row alone (relative {})", relative_error(a, b));

@@ -6,7 +6,7 @@ mod cuda_support;
 use cuda_support::*;
 use kestrel::backend::cpu::{CpuBackend, CpuCache};
 use kestrel::backend::cuda::CudaBackend;
-use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowKind, RowLayout, StateCommit};
+use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, GdnParams, KvDtype, MoeWeights, RowKind, RowLayout, StateCommit};
 use kestrel::backend::shapes::{LinearAttnShape, MoeShape};
 use kestrel::backend::weight_bytes::MatrixBytes;
 use kestrel::model::weights::Dtype;
@@ -256,6 +256,7 @@ fn attention_spec(kv_heads: usize, head_dim: usize, num_blocks: usize) -> CacheS
         block_size: 16,
         kv_heads,
         head_dim,
+        kv_dtype: KvDtype::F32,
         linear_layers: 0,
         linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4, out_heads_tiled: false },
         state_slots: 3,
@@ -265,7 +266,7 @@ fn attention_spec(kv_heads: usize, head_dim: usize, num_blocks: usize) -> CacheS
 }
 
 fn linear_spec(l: LinearAttnShape) -> CacheSpec {
-    CacheSpec { attention_layers: 0, num_blocks: 1, block_size: 16, kv_heads: 1, head_dim: 1, linear_layers: 1, linear: l, state_slots: 3, snapshot_slots: 8, checkpoint_slots: 0 }
+    CacheSpec { attention_layers: 0, num_blocks: 1, block_size: 16, kv_heads: 1, head_dim: 1, kv_dtype: KvDtype::F32, linear_layers: 1, linear: l, state_slots: 3, snapshot_slots: 8, checkpoint_slots: 0 }
 }
 
 #[test]
@@ -294,8 +295,8 @@ fn gated_attention_matches_cpu() {
             advance(&mut seqs, rows);
         }
         let host = gpu.cache_to_host(&gcache);
-        assert!(relative_error(&host.k[0], &ccache.k[0]) < 1e-5, "attention {nq}/{nkv}x{hd}: K cache differs");
-        assert!(relative_error(&host.v[0], &ccache.v[0]) < 1e-6, "attention {nq}/{nkv}x{hd}: V cache differs");
+        assert!(relative_error(&host.kv.keys(0), &ccache.kv.keys(0)) < 1e-5, "attention {nq}/{nkv}x{hd}: K cache differs");
+        assert!(relative_error(&host.kv.values(0), &ccache.kv.values(0)) < 1e-6, "attention {nq}/{nkv}x{hd}: V cache differs");
     }
 }
 
@@ -355,7 +356,7 @@ fn attention_ranges_merge_the_same_in_split_and_walked_blocks() {
     let cached_crowd = gpu.cache_to_host(&gcache);
     let (table, p) = (&seqs[0].table, seqs[0].pos);
     let slot = (table[p / 16] as usize * 16 + p % 16) * nkv * hd;
-    for (what, alone, crowd) in [("key", &cached_alone.k[0], &cached_crowd.k[0]), ("value", &cached_alone.v[0], &cached_crowd.v[0])] {
+    for (what, alone, crowd) in [("key", &cached_alone.kv.keys(0), &cached_crowd.kv.keys(0)), ("value", &cached_alone.kv.values(0), &cached_crowd.kv.values(0))] {
         assert!(bitwise_equal(&alone[slot..slot + nkv * hd], &crowd[slot..slot + nkv * hd]), "the query's cached {what} differs between a 1-token and a {t}-token step");
     }
     let want = cpu.gated_attention(&cpu.from_host(&qg, 1, nq * 2 * hd), &cpu.from_host(&k, 1, nkv * hd), &cpu.from_host(&v, 1, nkv * hd), &cqn, &ckn, &dims, &layout(&seqs, &alone), &mut ccache, 0);

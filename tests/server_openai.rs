@@ -180,7 +180,8 @@ fn logprobs_are_log_softmax_of_the_logits() {
     let model = kestrel::model::arch::qwen35::Qwen35::load(&kestrel::backend::cpu::CpuBackend::new(), files.config.clone(), &files.store, &indicatif::ProgressBar::hidden()).expect("weights load");
     let vocab = files.config.vocab_size;
     let all: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
-    let logits = common::prefill_logits(&model, &all, 64);
+    // The server's cache: the default KV format.
+    let logits = common::prefill_logits_cached_as(&model, &all, 64, kestrel::backend::KvDtype::default());
     for (i, &token) in tokens.iter().enumerate() {
         let row = &logits[(prompt.len() - 1 + i) * vocab..][..vocab];
         let max = row.iter().map(|&l| f64::from(l)).fold(f64::NEG_INFINITY, f64::max);

@@ -38,6 +38,45 @@ const fn e4m3_table() -> [f32; 256] {
     table
 }
 
+/// The e4m3 byte nearest to `x` (ties to even), saturating at ±448 (no infinities: what
+/// `cvt.rn.satfinite.e4m3x2.f32` gives); NaN becomes 0x7F.
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7F;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs();
+    if a >= 448.0 {
+        return sign | 0x7E;
+    }
+    if a < 1.0 / 64.0 {
+        // Subnormals m/8 * 2^-6: m is a * 2^9 rounded (8 is the smallest normal, code 0x08).
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    // Round f32's 23 mantissa bits to 3, ties to even (a carry moves into the exponent), then
+    // rebias the exponent from 127 to 7.
+    let bits = a.to_bits();
+    let rounded = bits + 0x7_FFFF + ((bits >> 20) & 1);
+    sign | ((rounded >> 20) - (120 << 3)).min(0x7E) as u8
+}
+
+/// Stores `x` as e4m3 bytes in `data` with one scale, `amax / 448` rounded to bf16; returns the
+/// scale's bf16 bits. Each element is `x / scale` rounded to e4m3 (saturating, so an element
+/// that the rounded scale puts past 448 stays finite). A zero vector stores zeros.
+pub fn encode_e4m3_scaled(x: &[f32], data: &mut [u8]) -> u16 {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let scale = half::bf16::from_f32(amax / 448.0);
+    let s = scale.to_f32();
+    if s == 0.0 {
+        data.fill(0);
+        return 0;
+    }
+    for (d, v) in data.iter_mut().zip(x) {
+        *d = f32_to_e4m3(v / s);
+    }
+    scale.to_bits()
+}
+
 pub(crate) fn dequantize_e4m3(bytes: &[u8], out: &mut [f32]) {
     for (o, &b) in out.iter_mut().zip(bytes) {
         *o = E4M3[b as usize];
@@ -148,6 +187,49 @@ mod tests {
         assert_eq!(e4m3_to_f32(0x07), 7.0 * 2f32.powi(-9));
         assert_eq!(e4m3_to_f32(0x08), 2f32.powi(-6));
         assert!(e4m3_to_f32(0x7F).is_nan() && e4m3_to_f32(0xFF).is_nan());
+    }
+
+    /// Every finite code encodes back to itself, and any f32 goes to the nearest code (ties to
+    /// the even code), saturating at ±448.
+    #[test]
+    fn encoding_rounds_to_the_nearest_code() {
+        for b in 0..=255u8 {
+            if b & 0x7F != 0x7F {
+                assert_eq!(f32_to_e4m3(e4m3_to_f32(b)) & 0x7F, b & 0x7F, "code {b:#04x}");
+            }
+        }
+        let finite: Vec<(u8, f32)> = (0..0x7Fu8).map(|b| (b, e4m3_to_f32(b))).collect();
+        let mut x = 1e-4f32;
+        while x < 500.0 {
+            for v in [x, -x] {
+                let got = f32_to_e4m3(v);
+                let want = finite.iter().map(|&(b, f)| (b, (f - v.abs()).abs())).fold((0u8, f32::INFINITY), |best, c| if c.1 < best.1 || (c.1 == best.1 && c.0 % 2 == 0) { c } else { best });
+                assert_eq!(got & 0x7F, want.0, "{v}: code {got:#04x}, nearest {:#04x}", want.0);
+                assert_eq!(got & 0x80 != 0, v < 0.0, "{v}: sign");
+            }
+            x *= 1.0137;
+        }
+        assert_eq!(f32_to_e4m3(1e9), 0x7E);
+        assert_eq!(f32_to_e4m3(-1e9), 0xFE);
+        // Halfway between 1.0 and 1.125: to the even mantissa (1.0).
+        assert_eq!(f32_to_e4m3(1.0625), 0x38);
+        assert_eq!(f32_to_e4m3(1.1875), 0x3A);
+    }
+
+    #[test]
+    fn scaled_vectors_keep_a_few_percent() {
+        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 64) as f32 - 31.5) * 0.37).collect();
+        let mut data = vec![0u8; 64];
+        let scale = half::bf16::from_bits(encode_e4m3_scaled(&x, &mut data)).to_f32();
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert!((scale * 448.0 / amax - 1.0).abs() < 0.004, "scale {scale}");
+        for (b, v) in data.iter().zip(&x) {
+            let back = e4m3_to_f32(*b) * scale;
+            assert!((back - v).abs() <= v.abs() / 16.0 + scale * 2f32.powi(-10), "{v} -> {back}");
+        }
+        let mut zeros = vec![9u8; 8];
+        assert_eq!(encode_e4m3_scaled(&[0.0; 8], &mut zeros), 0);
+        assert_eq!(zeros, [0; 8]);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //!
 //! - Element types: F32, F16, BF16 and FP8 E4M3 (one element per "block").
 //! - GGUF block types, byte for byte as llama.cpp writes them ([`gguf`]).
+//! - KV cache formats (bf16, scaled e4m3, TurboQuant 3-bit): [`kv`].
 //! - Two formats of our own for checkpoints whose scales live in separate tensors; the loader
 //!   repacks into them: [`Dtype::Int4`] (GPTQ / AWQ / AutoRound, see [`gptq`]) and
 //!   [`Dtype::F8E4M3Scaled`] (block- or channel-scaled FP8, see [`fp8`]).
@@ -15,6 +16,7 @@ pub mod fp8;
 pub mod gguf;
 pub mod gptq;
 pub mod int4;
+pub mod kv;
 pub mod quantize;
 
 pub use fp8::{e4m3_to_f32, fp8_block_rows, fp8_scaled_rows};

@@ -14,6 +14,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod graph_step;
 pub mod sampling;
 pub mod shapes;
 pub mod weight_bytes;
@@ -21,6 +22,8 @@ pub mod weight_bytes;
 use crate::backend::sampling::{sample_at_position, SamplingParams};
 use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
+pub use kestrel_quant::kv::KvDtype;
+pub use graph_step::{CaptureWhen, GraphInputs, GraphKey, Padded, PaddedShape, Real, RealShape};
 
 /// Tokens per chunk of the chunked delta rule. Chunks are aligned to absolute positions, and the
 /// scheduler cuts prompt pieces at multiples of this size, so any split of a prompt computes
@@ -102,25 +105,6 @@ pub struct StepLimits {
     pub max_blocks_per_row: usize,
 }
 
-/// What fixes the launch sequence of a forward that can be replayed as a CUDA graph: a step of
-/// `rows` generate rows (decodes and verify rows) with `tokens` tokens in all, each token with
-/// a logits row. Everything else a step varies (ids, positions, how the tokens split into rows,
-/// block tables, state and snapshot slots) is read from persistent device buffers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct GraphKey {
-    pub rows: usize,
-    pub tokens: usize,
-}
-
-/// The per-step inputs of a graphed forward, written to the device before it runs or replays.
-pub struct GraphInputs<'a> {
-    pub ids: &'a [u32],
-    pub layout: &'a BatchLayout,
-    /// Rows of the final hidden state that get logits.
-    pub logit_rows: &'a [u32],
-    pub block_size: usize,
-}
-
 /// Sizes of the attention and recurrent caches.
 #[derive(Debug, Clone)]
 pub struct CacheSpec {
@@ -130,6 +114,8 @@ pub struct CacheSpec {
     pub block_size: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// How keys and values are stored (kestrel_quant::kv).
+    pub kv_dtype: KvDtype,
     /// Gated-DeltaNet layers.
     pub linear_layers: usize,
     pub linear: LinearAttnShape,
@@ -142,9 +128,15 @@ pub struct CacheSpec {
 }
 
 impl CacheSpec {
-    /// Device bytes of one KV block over every attention layer (K and V, f32).
+    /// Bytes one token's keys and values take over every attention layer, in the cache's KV
+    /// format (parameters such as scales and norms included).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.attention_layers * self.kv_heads * self.kv_dtype.bytes_per_token_head(self.head_dim)
+    }
+
+    /// Device bytes of one KV block over every attention layer.
     pub fn bytes_per_block(&self) -> usize {
-        self.attention_layers * 2 * self.block_size * self.kv_heads * self.head_dim * 4
+        self.block_size * self.kv_bytes_per_token()
     }
 
     /// Bytes of one request's recurrent state (conv windows and delta-rule states of every
@@ -379,12 +371,40 @@ pub trait Backend: Send + Sync {
         }
     }
 
-    /// Runs `forward` (a whole model forward over `inputs` whose launches depend only on `key`,
-    /// returning its output tensors). A device backend may capture it as a graph the first time
-    /// it sees `key` and replay the graph afterwards, with `inputs` written to the persistent
-    /// buffers the graph reads (DESIGN Invariant 4). This default just runs it.
-    fn run_graphed(&self, _key: GraphKey, _inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<Self::Tensor>) -> Vec<Self::Tensor> {
-        forward()
+    /// Runs `forward` (a whole model forward over the padded step `inputs`, whose launches
+    /// depend only on `inputs.key()`, returning token-indexed outputs: one row per padded
+    /// token) and returns its outputs cut to the real tokens, the first ones. A device backend
+    /// may capture it as a graph and replay the graph afterwards, with the inputs written to
+    /// the persistent buffers the graph reads (DESIGN Invariant 4). This default runs it.
+    fn run_graphed(&self, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<Self::Tensor>) -> Vec<Self::Tensor> {
+        let outputs = forward();
+        if inputs.padded.tokens.0 == inputs.real.tokens.0 {
+            return outputs;
+        }
+        outputs.iter().map(|t| self.first_rows(t, inputs.real.tokens)).collect()
+    }
+
+    /// Captures the graph of `inputs`' key ahead of the steps that replay it (start-up), and
+    /// runs it once; `Ok(false)` where the backend does not replay graphs. `inputs` must be a
+    /// step whose rows are all padding: it writes only scratch cache memory.
+    fn prepare_graph(&self, _inputs: &GraphInputs<'_>, _forward: &mut dyn FnMut() -> Vec<Self::Tensor>) -> Result<bool, BackendError> {
+        Ok(false)
+    }
+
+    /// Whether this backend replays steps as graphs (so padding steps to capture sizes pays).
+    fn replays_graphs(&self) -> bool {
+        false
+    }
+
+    /// Device memory in use now, in bytes; `None` where there is no separate device memory.
+    fn device_memory_used(&self) -> Option<usize> {
+        None
+    }
+
+    /// The first `rows` rows of `x` (a padded step's real rows).
+    fn first_rows(&self, x: &Self::Tensor, rows: Real) -> Self::Tensor {
+        let indices: Vec<u32> = (0..rows.0 as u32).collect();
+        self.gather_rows(x, &indices)
     }
 
     /// Allocates per-step input buffers for steps up to `limits` (a no-op where inputs are host

@@ -99,6 +99,12 @@ pub struct MethodResult {
     pub prompt_tokens_by_turn: Vec<f64>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub cached_tokens_by_turn: Vec<f64>,
+    /// CUDA graph capture sizes in rows (empty: no padding).
+    pub capture_sizes: Vec<usize>,
+    /// Rows run per real row over the steps at a capture size (1.0: no padding), and tokens
+    /// per real token; `None` when no step was graphed.
+    pub padded_rows_per_real: Option<f64>,
+    pub padded_tokens_per_real: Option<f64>,
 }
 
 fn dataset_prompts(args: &BenchArgs, tok: &kestrel::tokenizer::Tokenizer, vocab: usize) -> Result<Vec<Vec<u32>>> {
@@ -194,6 +200,12 @@ fn run_all<B: Backend>(args: &BenchArgs, backend: B, files: &ModelFiles, workloa
                     .engine_config(&backend, &model, files, c, m)
                     .map(|config| EngineConfig { prefix_cache_checkpoints: if cache { config.prefix_cache_checkpoints } else { 0 }, ..config })
                     .and_then(|config| Engine::new(backend, model, config).context("cannot start the engine"))
+                    .inspect(|engine| {
+                        if let Some(line) = super::capture_summary(engine) {
+                            // (println on a hidden bar prints nothing: stderr is not a terminal)
+                            bar.suspend(|| eprintln!("kestrel: {} x{c}: {line}", m.name()));
+                        }
+                    })
                     .and_then(|mut engine| Ok((run_one(&mut engine, workload, shape, m, c, &bar)?, engine)))
                     .with_context(|| format!("{} at concurrency {c}", m.name()));
                 match run {
@@ -309,6 +321,9 @@ fn run_one<B: Backend>(
         ttft_ms_by_turn,
         prompt_tokens_by_turn,
         cached_tokens_by_turn,
+        capture_sizes: engine.capture_sizes().sizes().to_vec(),
+        padded_rows_per_real: engine.stats.padding.row_overhead(),
+        padded_tokens_per_real: engine.stats.padding.token_overhead(),
     })
 }
 
@@ -375,13 +390,14 @@ fn print_results(args: &BenchArgs, results: &[MethodResult]) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<6} {:>5} {:>4} {:>9} {:>9} {:>9} {:>10} {:>8} {:>7} {:>7} {:>7} {:>8}",
-        "method", "cache", "conc", "ttft ms", "tpot ms", "itl ms", "out tok/s", "req/s", "accept", "mal", "tok/fwd", "speedup"
+        "{:<6} {:>5} {:>4} {:>9} {:>9} {:>9} {:>10} {:>8} {:>7} {:>7} {:>7} {:>8} {:>6} {:>6}",
+        "method", "cache", "conc", "ttft ms", "tpot ms", "itl ms", "out tok/s", "req/s", "accept", "mal", "tok/fwd", "speedup", "pad r", "pad t"
     );
+    let overhead = |x: Option<f64>| x.map(|x| format!("{x:.2}x")).unwrap_or_else(|| "-".into());
     for r in results {
         let s = &r.spec;
         println!(
-            "{:<6} {:>5} {:>4} {:>9.1} {:>9.2} {:>9.2} {:>10.1} {:>8.2} {:>7.3} {:>7.2} {:>7.2} {:>8}",
+            "{:<6} {:>5} {:>4} {:>9.1} {:>9.2} {:>9.2} {:>10.1} {:>8.2} {:>7.3} {:>7.2} {:>7.2} {:>8} {:>6} {:>6}",
             r.method,
             if r.prefix_cache { "on" } else { "off" },
             r.concurrency,
@@ -393,8 +409,17 @@ fn print_results(args: &BenchArgs, results: &[MethodResult]) -> Result<()> {
             s["acceptance_rate"].as_f64().unwrap_or(0.0),
             s["mean_acceptance_length"].as_f64().unwrap_or(0.0),
             s["tokens_per_forward"].as_f64().unwrap_or(0.0),
-            r.speedup_vs_none.map(|x| format!("{x:.2}x")).unwrap_or_else(|| "-".into())
+            r.speedup_vs_none.map(|x| format!("{x:.2}x")).unwrap_or_else(|| "-".into()),
+            overhead(r.padded_rows_per_real),
+            overhead(r.padded_tokens_per_real)
         );
+    }
+    // Padding: rows (tokens) run per real row (token) of the graphed steps.
+    let mut sizes: Vec<&Vec<usize>> = results.iter().map(|r| &r.capture_sizes).filter(|s| !s.is_empty()).collect();
+    sizes.dedup();
+    for s in sizes {
+        let list: Vec<String> = s.iter().map(|x| x.to_string()).collect();
+        println!("CUDA graph capture sizes: {} (pad r / pad t: rows / tokens run per real one in graphed steps)", list.join(","));
     }
     print_turns(results);
     Ok(())

@@ -6,6 +6,8 @@ use clap::{Args, ValueEnum};
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::cuda::CudaBackend;
 use kestrel::backend::sampling::{top_k_from_signed, SamplingError, SamplingParams};
+use kestrel::backend::KvDtype;
+use kestrel::engine::padding::CaptureSizes;
 use kestrel::engine::request::SpecMethod;
 use kestrel::model::generation_config::SamplingDefaults;
 use kestrel::model::weights::online::OnlineQuantization;
@@ -29,14 +31,28 @@ pub enum Device {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum KvCacheDtype {
-    /// Keys and values in f32.
+    /// bf16.
     Auto,
-    /// Not implemented yet.
+    /// Full precision, 4 bytes per element (the reference).
+    F32,
+    /// 2 bytes per element (the default).
     Bf16,
-    /// Not implemented yet.
+    /// e4m3 with a scale per token and kv head: a byte per element.
     Fp8,
-    /// TurboQuant 3-bit; not implemented yet.
+    /// TurboQuant 3-bit: keys and values rotated, a 3-bit codebook index per element and a norm
+    /// per token and kv head (about 3.1 bits per element).
     Tq3,
+}
+
+impl KvCacheDtype {
+    pub fn dtype(self) -> KvDtype {
+        match self {
+            KvCacheDtype::Auto | KvCacheDtype::Bf16 => KvDtype::Bf16,
+            KvCacheDtype::F32 => KvDtype::F32,
+            KvCacheDtype::Fp8 => KvDtype::Fp8,
+            KvCacheDtype::Tq3 => KvDtype::Tq3,
+        }
+    }
 }
 
 /// `--quantization`: float linears quantized at load (model/weights/online.rs), or with
@@ -265,6 +281,27 @@ impl LongContextArgs {
     }
 }
 
+/// How the attention cache stores keys and values.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Context and memory")]
+pub struct KvCacheArgs {
+    /// KV cache element type: bf16 (auto), f32, fp8 or tq3 (TurboQuant 3-bit).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub kv_cache_dtype: KvCacheDtype,
+}
+
+impl KvCacheArgs {
+    pub fn dtype(&self) -> KvDtype {
+        self.kv_cache_dtype.dtype()
+    }
+
+    /// Refuses a format the model's attention heads cannot be stored in.
+    pub fn check(&self, files: &ModelFiles) -> Result<()> {
+        let dtype = self.dtype();
+        dtype.check_head_dim(files.config.head_dim).with_context(|| format!("--kv-cache-dtype {dtype} cannot hold {}'s attention heads", files.source))
+    }
+}
+
 /// Context length, KV cache and step size of the engine.
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "Context and memory")]
@@ -275,10 +312,8 @@ pub struct ContextArgs {
     pub max_model_len: Option<usize>,
     #[command(flatten)]
     pub long_context: LongContextArgs,
-    /// KV cache element type: auto keeps keys and values in f32 (bf16, fp8 and tq3 are not
-    /// implemented yet).
-    #[arg(long, value_enum, default_value = "auto")]
-    pub kv_cache_dtype: KvCacheDtype,
+    #[command(flatten)]
+    pub kv_cache: KvCacheArgs,
     /// KV cache size in blocks of 16 tokens (default: room for every concurrent request at full
     /// context, as far as GPU memory allows).
     #[arg(long, value_name = "BLOCKS")]
@@ -289,6 +324,15 @@ pub struct ContextArgs {
     /// Run decode steps one kernel at a time instead of replaying them as CUDA graphs.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Batch sizes (rows) whose CUDA graphs are captured at start-up, comma-separated; decode
+    /// and verify steps are padded up to the smallest that holds them (default: 1,2,4,8,16,24,
+    /// 32, then every 16 up to --max-cuda-graph-size).
+    #[arg(long, value_name = "SIZES", value_parser = parse_capture_sizes, conflicts_with = "no_cuda_graphs")]
+    pub cuda_graph_sizes: Option<CaptureSizes>,
+    /// The largest CUDA graph capture size; larger steps run at their own shape (default: the
+    /// most concurrent requests).
+    #[arg(long, value_name = "ROWS", conflicts_with = "no_cuda_graphs")]
+    pub max_cuda_graph_size: Option<usize>,
     /// Memory for the prefix cache's recurrent-state checkpoints, e.g. 2GiB or 512MiB (default:
     /// 2GiB; on a GPU at most an eighth of the memory left after the weights). Cached prompts'
     /// KV blocks stay in the KV cache's free blocks.
@@ -299,6 +343,10 @@ pub struct ContextArgs {
     pub no_prefix_cache: bool,
 }
 
+fn parse_capture_sizes(s: &str) -> Result<CaptureSizes, String> {
+    CaptureSizes::parse(s).map_err(|e| e.to_string())
+}
+
 /// A size in bytes: a number with an optional unit (B, KiB, MiB, GiB; KB, MB, GB are powers of 10).
 fn parse_memory_size(s: &str) -> Result<usize, String> {
     let size: bytesize::ByteSize = s.trim().parse().map_err(|_| format!("a memory size is a number with an optional unit such as MiB or GiB, got `{s}`"))?;
@@ -307,9 +355,8 @@ fn parse_memory_size(s: &str) -> Result<usize, String> {
 
 impl ContextArgs {
     pub fn check(&self) -> Result<()> {
-        if self.kv_cache_dtype != KvCacheDtype::Auto {
-            let name = self.kv_cache_dtype.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
-            bail!("--kv-cache-dtype {name} is not implemented yet: the KV cache keeps keys and values in f32 (--kv-cache-dtype auto, the default)");
+        if self.max_cuda_graph_size == Some(0) {
+            bail!("--max-cuda-graph-size must be at least 1");
         }
         if self.max_model_len == Some(0) {
             bail!("--max-model-len must be at least 1");

@@ -3,6 +3,8 @@
 use super::flags::ModelArgs;
 use anyhow::Result;
 use clap::Args;
+use kestrel::backend::{CacheSpec, KvDtype};
+use kestrel::model::arch::qwen35::cache_spec;
 use kestrel::model::config::LayerKind;
 use kestrel::model::mtp_tensor_names;
 
@@ -25,6 +27,14 @@ pub fn run(args: InfoArgs) -> Result<()> {
     let params = files.store.matrix_parameters();
     let per_weight = gpu_bytes as f64 / params.max(1) as f64;
     let sampling = &files.sampling_defaults;
+    // Bytes of one token's keys and values per KV cache format (formats the heads cannot be
+    // stored in are left out).
+    let geometry = cache_spec(c, !mtp.is_empty(), 0, 16, 0, 0);
+    let kv_per_token: Vec<(KvDtype, usize)> = [KvDtype::F32, KvDtype::Bf16, KvDtype::Fp8, KvDtype::Tq3]
+        .into_iter()
+        .filter(|d| d.check_head_dim(c.head_dim).is_ok())
+        .map(|kv_dtype| (kv_dtype, CacheSpec { kv_dtype, ..geometry.clone() }.kv_bytes_per_token()))
+        .collect();
     if args.json {
         let obj = serde_json::json!({
             "source": files.source,
@@ -45,6 +55,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
             "gpu_bytes_per_weight": per_weight,
             "eos_token_ids": c.eos_token_ids,
             "sampling_defaults": sampling.to_json(),
+            "kv_bytes_per_token": kv_per_token.iter().map(|(d, b)| (d.name().to_string(), serde_json::json!(b))).collect::<serde_json::Map<_, _>>(),
         });
         println!("{}", serde_json::to_string_pretty(&obj)?);
         return Ok(());
@@ -63,6 +74,8 @@ pub fn run(args: InfoArgs) -> Result<()> {
         None => println!("mlp         dense SwiGLU, width {}", c.intermediate_size),
     }
     println!("context     {} tokens (max_position_embeddings)", c.max_position_embeddings);
+    let per_token: Vec<String> = kv_per_token.iter().map(|(d, b)| format!("{d} {:.1} KiB", *b as f64 / 1024.0)).collect();
+    println!("kv cache    per token {} ({} attention layers x {} kv heads x {})", per_token.join(", "), geometry.attention_layers, c.num_kv_heads, c.head_dim);
     println!("weights     {} tensors, {:.1} MiB", files.store.len(), files.store.total_bytes() as f64 / (1 << 20) as f64);
     if let Some(q) = &c.quantization {
         println!("quantized   {q}");

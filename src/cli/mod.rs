@@ -8,6 +8,7 @@ mod bench_plot;
 pub mod chat;
 pub mod flags;
 pub mod info;
+mod kv_plan;
 pub mod perplexity;
 pub mod run;
 pub mod serve;
@@ -16,7 +17,7 @@ pub mod tokenize;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use flags::{ContextArgs, DeviceArgs, ModelArgs, SelectedBackend, SpecArgs};
-use kestrel::backend::Backend;
+use kestrel::backend::{Backend, CacheSpec};
 use kestrel::engine::request::SpecMethod;
 use kestrel::engine::worker::EngineWorker;
 use kestrel::engine::{Engine, EngineConfig};
@@ -75,6 +76,24 @@ pub fn progress_bar(len: u64, message: &str) -> indicatif::ProgressBar {
     bar
 }
 
+/// Starts an engine, capturing its CUDA graphs with a progress bar and saying what they took.
+pub fn start_engine<B: Backend>(backend: B, model: Qwen35<B>, config: EngineConfig) -> Result<Engine<B>> {
+    let bar = progress_bar(0, "capturing CUDA graphs");
+    let engine = Engine::with_progress(backend, model, config, &bar).context("cannot start the engine")?;
+    bar.finish_and_clear();
+    if let Some(line) = capture_summary(&engine) {
+        eprintln!("kestrel: {line}");
+    }
+    Ok(engine)
+}
+
+/// "captured 27 CUDA graphs (capture sizes 1,2,4,8) in 1.9 s, 412 MiB", where there are graphs.
+pub fn capture_summary<B: Backend>(engine: &Engine<B>) -> Option<String> {
+    let r = engine.graph_capture.as_ref()?;
+    let memory = r.bytes.map(|b| format!(", {} MiB", b >> 20)).unwrap_or_default();
+    Some(format!("captured {} CUDA graphs (capture sizes {}) in {:.1} s{memory}", r.graphs, engine.capture_sizes(), r.time.as_secs_f64()))
+}
+
 /// Uploads the weights to `backend` (random ones with `--load-format dummy`). On a GPU, a model
 /// that cannot fit under `--gpu-memory-utilization` with `activation_bytes` of activations is
 /// refused before anything is uploaded.
@@ -110,6 +129,7 @@ impl EngineArgs {
         self.check()?;
         let files = self.model.open()?;
         self.context.max_model_len(&files)?;
+        self.context.kv_cache.check(&files)?;
         Ok(files)
     }
 
@@ -142,35 +162,27 @@ impl EngineArgs {
             ngram_min: self.spec.ngram_min,
             ngram_max: self.spec.ngram_max,
             cuda_graphs: !self.context.no_cuda_graphs,
+            kv_dtype: self.context.kv_cache.dtype(),
+            cuda_graph_sizes: self.context.cuda_graph_sizes.clone(),
+            max_cuda_graph_size: self.context.max_cuda_graph_size,
             prefix_cache_checkpoints: 0,
         };
         let per_request = (max_model_len + config.spec_tokens).div_ceil(BLOCK_SIZE);
         let wanted = self.context.kv_blocks.unwrap_or(max_num_seqs * per_request);
         let utilization = self.device.gpu_memory_utilization;
-        let state = model.cache_spec(0, BLOCK_SIZE, max_num_seqs, config.snapshot_slots());
+        // The engine keeps one state slot and one KV block more, for padded rows.
+        let state = model.cache_spec(0, BLOCK_SIZE, max_num_seqs + 1, config.snapshot_slots());
         let budget = backend.cache_memory_budget(utilization, self.activation_workspace(files, max_num_seqs)).transpose().context("no GPU memory is left for the KV cache")?;
         let checkpoints = self.prefix_cache_checkpoints(state.bytes_per_state(), budget)?;
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         config.num_blocks = match budget {
             None => wanted,
             Some(budget) => {
-                let fit = budget.saturating_sub(state.state_bytes() + checkpoints * state.bytes_per_state()) / state.bytes_per_block().max(1);
-                if let Some(n) = self.context.kv_blocks.filter(|&n| n > fit) {
-                    bail!("--kv-blocks {n} needs {:.2} GiB, but {:.2} GiB are left under --gpu-memory-utilization {utilization}", gib(n * state.bytes_per_block()), gib(budget));
-                }
-                if fit < per_request {
-                    bail!(
-                        "the KV cache fits {fit} blocks of {BLOCK_SIZE} tokens but one request of --max-model-len {max_model_len} needs {per_request}; lower --max-model-len, --max-num-seqs or --prefix-cache-memory, or raise --gpu-memory-utilization"
-                    );
-                }
-                let blocks = wanted.min(fit);
-                eprintln!(
-                    "kestrel: KV cache {blocks} blocks ({} tokens, {:.2} GiB), recurrent state {:.2} GiB",
-                    blocks * BLOCK_SIZE,
-                    gib(blocks * state.bytes_per_block()),
-                    gib(state.state_bytes())
-                );
-                blocks
+                // The checkpoints' memory comes off the budget with the recurrent state's.
+                let cache = CacheSpec { kv_dtype: config.kv_dtype, checkpoint_slots: checkpoints, ..state.clone() };
+                let plan = kv_plan::plan_kv_blocks(budget, &cache, wanted, self.context.kv_blocks, per_request, utilization)?;
+                eprintln!("kestrel: {}", kv_plan::describe(&plan, &cache));
+                plan.blocks
             }
         };
         // Checkpoints sit 64 tokens apart at least, and one is of use only while the KV blocks
@@ -218,7 +230,7 @@ impl EngineArgs {
         let spec = self.spec.single()?;
         let model = self.load_model(&backend, files, max_num_seqs)?;
         let config = self.engine_config(&backend, &model, files, max_num_seqs, spec)?;
-        Engine::new(backend, model, config).context("cannot start the engine")
+        start_engine(backend, model, config)
     }
 
     /// Starts the engine on a worker thread (for the server and the chat).

@@ -9,11 +9,11 @@
 //! A prediction that is not a finite number (NaN or infinite logits) ends the run with an error
 //! naming the token, rather than a perplexity of NaN.
 
-use super::flags::{DeviceArgs, LongContextArgs, ModelArgs, SelectedBackend};
+use super::flags::{DeviceArgs, KvCacheArgs, LongContextArgs, ModelArgs, SelectedBackend};
 use super::{load_model, progress_bar};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
+use kestrel::backend::{Backend, BatchLayout, CacheSpec, KvDtype, RowKind, RowLayout};
 use kestrel::model::arch::qwen35::Qwen35;
 use std::path::PathBuf;
 
@@ -39,6 +39,8 @@ pub struct PerplexityArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
+    #[command(flatten)]
+    pub kv_cache: KvCacheArgs,
 }
 
 /// The NLL of `target` under one logits row: log-sum-exp in f64 minus the target's logit.
@@ -58,13 +60,14 @@ pub enum Scoring {
     SecondHalf { bos: Option<u32> },
 }
 
-/// Mean NLL (nats) of each predicted token over the windows, and their count. Fails at the
-/// first token whose NLL is not a finite number. The rows of a window are scored on `threads`
-/// threads; the sum runs in token order whatever their number.
-pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, ids: &[u32], context: usize, scoring: Scoring, threads: usize, progress: &indicatif::ProgressBar) -> Result<(f64, usize)> {
+/// Mean NLL (nats) of each predicted token over the windows, with keys and values cached as
+/// `kv_dtype`, and their count. Fails at the first token whose NLL is not a finite number. The
+/// rows of a window are scored on `threads` threads; the sum runs in token order whatever
+/// their number.
+pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, kv_dtype: KvDtype, ids: &[u32], context: usize, scoring: Scoring, threads: usize, progress: &indicatif::ProgressBar) -> Result<(f64, usize)> {
     let block_size = 16;
-    let spec = model.cache_spec(context.div_ceil(block_size), block_size, 1, 0);
-    let mut cache = backend.alloc_cache(&spec).expect("a single-window cache fits in memory");
+    let spec = CacheSpec { kv_dtype, ..model.cache_spec(context.div_ceil(block_size), block_size, 1, 0) };
+    let mut cache = backend.alloc_cache(&spec).with_context(|| format!("cannot hold a window's keys and values as {kv_dtype}"))?;
     let vocab = model.config.vocab_size;
     let (mut total, mut count) = (0.0f64, 0usize);
     let (windows, first): (Vec<&[u32]>, usize) = match scoring {
@@ -131,6 +134,8 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     args.device.check()?;
     let files = args.model.open()?;
     args.long_context.check("--context", args.context, &files)?;
+    args.kv_cache.check(&files)?;
+    let kv_dtype = args.kv_cache.dtype();
     let ids = files.tokenizer.encode(&text, false)?;
     let scoring = if args.score_second_half {
         // The tokenizer adds BOS where encoding with special tokens puts one token before the rest.
@@ -154,11 +159,11 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let (mean_nll, tokens) = match args.device.select_backend()? {
         SelectedBackend::Cpu(b) => {
             let model = load_model(&args.model, &args.device, &b, &files, activations)?;
-            score(&|bar| window_nll(&model, &b, &ids, args.context, scoring, b.threads(), bar))?
+            score(&|bar| window_nll(&model, &b, kv_dtype, &ids, args.context, scoring, b.threads(), bar))?
         }
         SelectedBackend::Cuda(b) => {
             let model = load_model(&args.model, &args.device, &*b, &files, activations)?;
-            score(&|bar| window_nll(&model, &*b, &ids, args.context, scoring, args.device.cpu_threads(), bar))?
+            score(&|bar| window_nll(&model, &*b, kv_dtype, &ids, args.context, scoring, args.device.cpu_threads(), bar))?
         }
     };
     let ppl = mean_nll.exp();

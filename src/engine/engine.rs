@@ -7,12 +7,15 @@ use super::request::{FinishReason, Request, RequestEvent, RequestFailure, Reques
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::spec::mtp::{propose_mtp, MtpCatchUp};
 use super::spec::ngram::{propose_ngram, NgramConfig};
+use super::graphed::{capture_at_startup, forward, CaptureReport, GraphPadding};
+use super::padding::{CaptureSizes, PadLimits, PaddingStats, Scratch};
 use super::plan::StepPlan;
 use super::spec::verify::accept_drafts;
 use crate::backend::sampling::NO_FINITE_LOGIT;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
-use crate::backend::{delta_state_in_place, Backend, BackendError, GraphInputs, GraphKey, RowKind, RowSampling, StateCommit, StepLimits};
+use crate::backend::{delta_state_in_place, Backend, BackendError, CacheSpec, KvDtype, RowKind, RowSampling, StateCommit, StepLimits};
 use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
+use indicatif::ProgressBar;
 use std::collections::HashMap;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -51,6 +54,14 @@ pub struct EngineConfig {
     pub ngram_max: usize,
     /// Replay decode steps as CUDA graphs where the backend can.
     pub cuda_graphs: bool,
+    /// How the attention cache stores keys and values.
+    pub kv_dtype: KvDtype,
+    /// Capture sizes in rows that generate-only steps are padded up to. `None`: the default
+    /// ([`CaptureSizes::default_up_to`]) on a backend that replays graphs, no padding on one
+    /// that does not; empty: every step keeps its exact shape.
+    pub cuda_graph_sizes: Option<CaptureSizes>,
+    /// The largest capture size (default and at most: `max_num_seqs`).
+    pub max_cuda_graph_size: Option<usize>,
     /// Recurrent-state checkpoints the prefix cache may keep; 0 turns prefix caching off.
     pub prefix_cache_checkpoints: usize,
 }
@@ -83,6 +94,9 @@ impl Default for EngineConfig {
             ngram_min: 2,
             ngram_max: 4,
             cuda_graphs: true,
+            kv_dtype: KvDtype::default(),
+            cuda_graph_sizes: None,
+            max_cuda_graph_size: None,
             prefix_cache_checkpoints: 64,
         }
     }
@@ -94,6 +108,8 @@ pub struct EngineStats {
     pub steps: u64,
     pub forward_tokens: u64,
     pub spec: SpecStats,
+    /// Real and padded rows of the steps run at a capture size or replayed at their own shape.
+    pub padding: PaddingStats,
 }
 
 /// A drafter supplied by the caller instead of ngram/MTP: given a request, its committed tokens
@@ -111,10 +127,19 @@ pub struct Engine<B: Backend> {
     next_id: RequestId,
     pub config: EngineConfig,
     pub stats: EngineStats,
+    /// How generate-only steps are padded and graphed; `None` with graphs off.
+    graphs: Option<GraphPadding>,
+    /// What capturing the graphs at start-up took, where they were.
+    pub graph_capture: Option<CaptureReport>,
 }
 
 impl<B: Backend> Engine<B> {
     pub fn new(backend: B, model: Qwen35<B>, config: EngineConfig) -> Result<Self, EngineError> {
+        Engine::with_progress(backend, model, config, &ProgressBar::hidden())
+    }
+
+    /// [`Engine::new`], with `progress` following the capture of the graphs.
+    pub fn with_progress(backend: B, model: Qwen35<B>, config: EngineConfig, progress: &ProgressBar) -> Result<Self, EngineError> {
         if config.max_num_batched_tokens < CHUNK {
             return Err(EngineError::Config(format!("max_num_batched_tokens must be at least {CHUNK}")));
         }
@@ -129,9 +154,13 @@ impl<B: Backend> Engine<B> {
         if config.prefix_cache_checkpoints > 0 && !CHUNK.is_multiple_of(config.block_size) {
             return Err(EngineError::Config(format!("the prefix cache needs a block size that divides {CHUNK}, got {}", config.block_size)));
         }
+        if config.max_cuda_graph_size == Some(0) {
+            return Err(EngineError::Config("max_cuda_graph_size must be at least 1".into()));
+        }
         let snapshot_slots = config.snapshot_slots();
-        let mut spec = model.cache_spec(config.num_blocks, config.block_size, config.max_num_seqs, snapshot_slots);
-        spec.checkpoint_slots = config.prefix_cache_checkpoints;
+        // One KV block and one state slot past those the allocators hand out: padded rows write there.
+        let scratch = Scratch { block: config.num_blocks as u32, state_slot: config.max_num_seqs };
+        let spec = CacheSpec { kv_dtype: config.kv_dtype, checkpoint_slots: config.prefix_cache_checkpoints, ..model.cache_spec(config.num_blocks + 1, config.block_size, config.max_num_seqs + 1, snapshot_slots) };
         let cache = backend.alloc_cache(&spec).map_err(|e: BackendError| EngineError::Config(e.to_string()))?;
         // A step has at most one row per sequence, and every row's table covers at most the context.
         let limits = StepLimits {
@@ -140,6 +169,20 @@ impl<B: Backend> Engine<B> {
             max_blocks_per_row: (config.max_model_len + config.spec_tokens).div_ceil(config.block_size) + 1,
         };
         backend.reserve_step_inputs(limits).map_err(|e| EngineError::Config(e.to_string()))?;
+        let mut cache = cache;
+        backend.reset_states(&mut cache, &[scratch.state_slot]);
+        let graphs = config.cuda_graphs.then(|| {
+            let max = config.max_cuda_graph_size.unwrap_or(config.max_num_seqs).min(config.max_num_seqs);
+            let sizes = match &config.cuda_graph_sizes {
+                Some(sizes) => sizes.capped(max),
+                None if backend.replays_graphs() => CaptureSizes::default_up_to(max),
+                None => CaptureSizes::default_up_to(0),
+            };
+            // A padded step's tokens each take a snapshot slot, past the real rows' ones.
+            let pad_limits = PadLimits { max_tokens: snapshot_slots.min(limits.max_tokens), max_blocks_per_row: limits.max_blocks_per_row, block_size: config.block_size };
+            GraphPadding { sizes, scratch, limits: pad_limits, k: config.spec_tokens }
+        });
+        let graph_capture = graphs.as_ref().and_then(|g| capture_at_startup(&model, &backend, &mut cache, g, config.spec != SpecMethod::None, progress));
         let scheduler = Scheduler::new(
             SchedulerConfig {
                 max_num_seqs: config.max_num_seqs,
@@ -151,7 +194,12 @@ impl<B: Backend> Engine<B> {
             SlotAllocator::new(config.max_num_seqs),
             (config.prefix_cache_checkpoints > 0).then(|| PrefixCache::new(config.prefix_cache_checkpoints)),
         );
-        Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default() })
+        Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default(), graphs, graph_capture })
+    }
+
+    /// The capture sizes steps are padded up to (empty: none, every step at its own shape).
+    pub fn capture_sizes(&self) -> CaptureSizes {
+        self.graphs.as_ref().map_or(CaptureSizes::default_up_to(0), |g| g.sizes.clone())
     }
 
     /// The backend and the model back, for another engine (the caches are dropped).
@@ -263,6 +311,9 @@ impl<B: Backend> Engine<B> {
             return events;
         }
         let (out, mut masks) = self.forward_with_masks(&plan);
+        // Invariant 2: a padded step comes back cut to the plan's real rows.
+        assert_eq!(self.backend.shape(&out.logits).0, plan.logit_rows.len(), "the forward returned logits of rows the plan does not have");
+        assert_eq!(self.backend.shape(&out.hidden).0, plan.num_tokens(), "the forward returned hidden states of tokens the plan does not have");
         let draws = self.row_sampling(&plan);
         let host_rows: Vec<bool> = draws.iter().map(|d| d.on_host).collect();
         let (sampled, host_logits) = self.draw_rows(&out.logits, draws, &host_rows);
@@ -400,10 +451,13 @@ impl<B: Backend> Engine<B> {
             .map(|r| (r.seq, r.drafts.clone()))
             .collect();
         if constrained.is_empty() {
-            return (forward(&self.model, &self.backend, &mut self.cache, &self.config, plan), HashMap::new());
+            let (out, shapes) = forward(&self.model, &self.backend, &mut self.cache, self.graphs.as_ref(), plan, self.config.block_size);
+            self.record_padding(shapes);
+            return (out, HashMap::new());
         }
-        let (model, backend, cache, config, seqs) = (&self.model, &self.backend, &mut self.cache, &self.config, &mut self.seqs);
-        std::thread::scope(|scope| {
+        let (model, backend, cache, graphs, seqs) = (&self.model, &self.backend, &mut self.cache, self.graphs.as_ref(), &mut self.seqs);
+        let block_size = self.config.block_size;
+        let (out, shapes, masks) = std::thread::scope(|scope| {
             let masks = scope.spawn(move || {
                 let mut masks = HashMap::new();
                 for (id, drafts) in constrained {
@@ -413,9 +467,17 @@ impl<B: Backend> Engine<B> {
                 }
                 masks
             });
-            let out = forward(model, backend, cache, config, plan);
-            (out, masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
-        })
+            let (out, shapes) = forward(model, backend, cache, graphs, plan, block_size);
+            (out, shapes, masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+        });
+        self.record_padding(shapes);
+        (out, masks)
+    }
+
+    fn record_padding(&mut self, shapes: Option<(crate::backend::RealShape, crate::backend::PaddedShape)>) {
+        if let Some((real, shape)) = shapes {
+            self.stats.padding.record(real, shape);
+        }
     }
 
     /// Draws every logits row: rows of requests with plain sampling on the backend, the others
@@ -542,24 +604,4 @@ fn summary(seq: Sequence) -> SequenceSummary {
 struct RowDraw {
     sampling: RowSampling,
     on_host: bool,
-}
-
-/// The step's forward. A step of decode and verify rows only (each from its one unfed token on,
-/// every token sampled) has a launch sequence fixed by its row and token counts, so the backend
-/// may replay it as a graph (see [`GraphKey`]).
-fn forward<B: Backend>(model: &Qwen35<B>, backend: &B, cache: &mut B::Cache, config: &EngineConfig, plan: &StepPlan) -> ForwardOutput<B> {
-    let generate_only = plan.rows.iter().all(|r| r.kind == RowKind::Generate && r.committed == 1 && r.logits_start.is_some())
-        && plan.logit_rows.len() == plan.num_tokens()
-        && plan.logit_rows.iter().enumerate().all(|(i, &t)| t as usize == i);
-    if !(config.cuda_graphs && generate_only) {
-        return model.forward(backend, &plan.ids.0, &plan.layout, &plan.logit_rows, cache);
-    }
-    let inputs = GraphInputs { ids: &plan.ids.0, layout: &plan.layout, logit_rows: &plan.logit_rows, block_size: config.block_size };
-    let mut outputs = backend.run_graphed(GraphKey { rows: plan.rows.len(), tokens: plan.num_tokens() }, &inputs, &mut || {
-        let out = model.forward(backend, inputs.ids, inputs.layout, inputs.logit_rows, cache);
-        vec![out.hidden, out.logits]
-    });
-    let logits = outputs.pop().expect("a graphed forward returns hidden and logits");
-    let hidden = outputs.pop().expect("a graphed forward returns hidden and logits");
-    ForwardOutput { hidden, logits }
 }

@@ -3,6 +3,8 @@
 pub mod cache;
 #[allow(clippy::module_inception)]
 pub mod engine;
+pub mod graphed;
+pub mod padding;
 pub mod logits;
 pub mod metrics;
 pub mod plan;

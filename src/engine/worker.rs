@@ -81,6 +81,9 @@ pub struct EngineSnapshot {
     pub spec: SpecStats,
     /// Prefix-cache counters; `None` when prefix caching is off.
     pub prefix_cache: Option<PrefixCacheStats>,
+    /// CUDA graph capture sizes (empty: no padding) and the padding of the steps run at them.
+    pub capture_sizes: Vec<usize>,
+    pub padding: crate::engine::padding::PaddingStats,
     pub steps: u64,
     pub preemptions: u64,
     pub generated_tokens: u64,
@@ -439,6 +442,8 @@ impl<B: Backend> WorkerLoop<B> {
             state_slots_total: slots_total,
             spec,
             prefix_cache: self.engine.prefix_cache_stats(),
+            capture_sizes: self.engine.capture_sizes().sizes().to_vec(),
+            padding: self.engine.stats.padding,
             steps: self.engine.stats.steps,
             preemptions: self.engine.preemptions(),
             tokens_per_second: self.rate.per_second(Instant::now()),

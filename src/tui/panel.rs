@@ -45,8 +45,10 @@ pub fn bar(fraction: f64, width: usize) -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Keep {
     Always,
-    /// Extra detail, dropped second.
+    /// Extra detail, dropped third.
     Detail,
+    /// Figures about the engine's setup, dropped second.
+    Setup,
     /// Blank lines between sections, dropped first.
     Spacer,
 }
@@ -54,7 +56,7 @@ enum Keep {
 /// Keeps the most important lines that fit `height`, in their order.
 fn fit(lines: Vec<(Keep, Line<'static>)>, height: usize) -> Vec<Line<'static>> {
     let mut lines = lines;
-    for drop in [Keep::Spacer, Keep::Detail] {
+    for drop in [Keep::Spacer, Keep::Setup, Keep::Detail] {
         if lines.len() <= height {
             break;
         }
@@ -127,10 +129,19 @@ pub fn panel_lines(reply: Option<&ReplyStats>, spec_tokens: usize, current_metho
         None => "off".to_string(),
     };
     lines.push((Keep::Detail, Line::from(vec![label("prefix cache"), value(prefix_cache)])));
+    lines.push((Keep::Setup, Line::from(vec![label("CUDA graphs"), value(graph_line(snapshot))])));
     if !snapshot.alive {
         lines.insert(0, (Keep::Always, Line::from(Span::styled("engine stopped", Style::default().fg(Color::Red)))));
     }
     fit(lines, height)
+}
+
+/// "to 64, pad 1.18x": the largest capture size and the rows run per real row of the graphed
+/// steps; or "off".
+fn graph_line(snapshot: &EngineSnapshot) -> String {
+    let Some(&largest) = snapshot.capture_sizes.last() else { return "off".to_string() };
+    let pad = snapshot.padding.row_overhead().map(|x| format!(", pad {x:.2}x")).unwrap_or_default();
+    format!("to {largest}{pad}")
 }
 
 pub fn draw_panel(frame: &mut Frame, area: Rect, reply: Option<&ReplyStats>, spec_tokens: usize, current_method: SpecMethod, snapshot: &EngineSnapshot) {

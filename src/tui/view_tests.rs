@@ -170,3 +170,18 @@ fn panel_shows_the_prompt_tokens_served_from_the_prefix_cache() {
     assert!(text.contains("cached       9 (75%)"), "{text}");
     assert!(text.contains("prefix cache 60% hit, 3 ckpt"), "{text}");
 }
+
+#[test]
+fn panel_shows_the_cuda_graph_sizes_and_their_padding() {
+    let mut view = view_with_reply();
+    let text = render(&mut view, 100, 40).join("\n");
+    assert!(text.contains("CUDA graphs  off"), "{text}");
+    let mut padding = crate::engine::padding::PaddingStats::default();
+    padding.record(
+        crate::backend::RealShape { rows: crate::backend::Real(17), tokens: crate::backend::Real(17) },
+        crate::backend::PaddedShape { rows: crate::backend::Padded(24), tokens: crate::backend::Padded(24) },
+    );
+    let sizes = vec![1, 2, 4, 8, 16, 24, 32, 48, 64];
+    let text = render_with(&mut view, 100, 40, &EngineSnapshot { capture_sizes: sizes, padding, ..snapshot() }).join("\n");
+    assert!(text.contains("CUDA graphs  to 64, pad 1.41x"), "{text}");
+}

@@ -4,7 +4,7 @@
 pub mod conversation;
 
 use kestrel::backend::cpu::CpuBackend;
-use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
+use kestrel::backend::{Backend, BatchLayout, CacheSpec, KvDtype, RowKind, RowLayout};
 use kestrel::engine::request::{Request, RequestEvent, RequestId, SpecMethod};
 use kestrel::backend::sampling::SamplingParams;
 use kestrel::engine::{Engine, EngineConfig};
@@ -12,6 +12,8 @@ use kestrel::model::arch::qwen35::Qwen35;
 use kestrel::model::ModelFiles;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+
+pub mod invariance;
 
 pub const FIXTURES: [&str; 3] = ["qwen35-dense", "qwen35-moe", "qwen3-next"];
 
@@ -125,10 +127,17 @@ pub fn rewrite_weights(dir: &std::path::Path, edit: impl Fn(&str, safetensors::D
     safetensors::serialize_to_file(views, None, &path).unwrap();
 }
 
-/// Prefill of `ids` in pieces of `piece` tokens; returns the logits of every token.
+/// Prefill of `ids` in pieces of `piece` tokens over a full-precision cache; returns the logits
+/// of every token. The references these logits meet (transformers) cache keys and values in
+/// f32, and a bf16 cache's rounding would be most of the difference.
 pub fn prefill_logits(model: &Qwen35<CpuBackend>, ids: &[u32], piece: usize) -> Vec<f32> {
+    prefill_logits_cached_as(model, ids, piece, KvDtype::F32)
+}
+
+/// [`prefill_logits`] with keys and values cached as `kv_dtype`.
+pub fn prefill_logits_cached_as(model: &Qwen35<CpuBackend>, ids: &[u32], piece: usize, kv_dtype: KvDtype) -> Vec<f32> {
     let b = CpuBackend::new();
-    let spec = model.cache_spec(64, 16, 1, 0);
+    let spec = CacheSpec { kv_dtype, ..model.cache_spec(64, 16, 1, 0) };
     let mut cache = b.alloc_cache(&spec).unwrap();
     b.reset_states(&mut cache, &[0]);
     let table: Vec<u32> = (0..64).collect();

@@ -6,12 +6,14 @@ mod attention;
 mod dequant;
 pub mod dot;
 pub mod gdn;
+pub mod kv_store;
 pub mod matmul;
 pub mod pool;
 
 use super::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, StateCheckpoint, StateCommit};
 use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
+use kv_store::KvStore;
 pub use dot::Isa;
 pub use matmul::CpuMatrix;
 use matmul::Store;
@@ -26,12 +28,12 @@ pub struct CpuTensor {
     pub cols: usize,
 }
 
-/// Attention KV blocks and recurrent-state slots, each a flat f32 array per layer.
+/// Attention KV blocks in the cache's KV format, and recurrent-state slots, each a flat f32
+/// array per layer.
 pub struct CpuCache {
     pub spec: CacheSpec,
-    /// Per attention layer: `[num_blocks * block_size, kv_heads * head_dim]`.
-    pub k: Vec<Vec<f32>>,
-    pub v: Vec<Vec<f32>>,
+    /// Per attention layer, `num_blocks * block_size` slots of `kv_heads` keys and values.
+    pub kv: KvStore,
     /// Per linear layer: `[state_slots, (K-1) * conv_dim]`, oldest input first.
     pub conv: Vec<Vec<f32>>,
     /// Per linear layer: `[state_slots, nv, dk, dv]`.
@@ -60,6 +62,14 @@ impl CpuBackend {
     /// A backend on every core the process may use, with the widest kernels the CPU has.
     pub fn new() -> Self {
         Self::with_threads(default_threads())
+    }
+
+    /// The attention part of [`Backend::gated_attention`] alone: every token's query heads
+    /// (from the q/gate projection, normed and rotated as there) attend over what `cache`
+    /// already holds, the step's own keys and values included; nothing is written. The GPU
+    /// tests check a device's reads of its own cache against it.
+    pub fn attention_over_cache(&self, q_gate: &CpuTensor, q_norm: &[f32], dims: &AttentionDims, layout: &BatchLayout, cache: &CpuCache, attention_layer: usize) -> CpuTensor {
+        attention::attend(&self.pool, q_gate, q_norm, dims, layout, cache, attention_layer)
     }
 
     /// A backend on `threads` threads (at least one), with the widest kernels the CPU has.
@@ -186,7 +196,6 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_cache(&self, spec: &CacheSpec) -> Result<CpuCache, BackendError> {
-        let kv_len = spec.num_blocks * spec.block_size * spec.kv_heads * spec.head_dim;
         let conv_len = spec.linear.conv_state_len();
         let rec_len = spec.linear.recurrent_state_len();
         let alloc = |n: usize, layers: usize| -> Result<Vec<Vec<f32>>, BackendError> {
@@ -200,8 +209,7 @@ impl Backend for CpuBackend {
             Ok(out)
         };
         Ok(CpuCache {
-            k: alloc(kv_len, spec.attention_layers)?,
-            v: alloc(kv_len, spec.attention_layers)?,
+            kv: KvStore::new(spec)?,
             conv: alloc(spec.state_slots * conv_len, spec.linear_layers)?,
             rec: alloc(spec.state_slots * rec_len, spec.linear_layers)?,
             conv_snap: alloc(spec.snapshot_slots * conv_len, spec.linear_layers)?,

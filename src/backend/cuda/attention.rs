@@ -2,7 +2,9 @@
 
 use super::cache::CudaCache;
 use super::{Arg, CudaBackend, CudaTensor, CudaVector};
-use crate::backend::{AttentionDims, BatchLayout};
+use crate::backend::{AttentionDims, BackendError, BatchLayout, CacheSpec, KvDtype};
+use kestrel_quant::kv::KvCodec;
+use cudarc::driver::{CudaFunction, CudaSlice};
 
 /// Keys per tile of the attention kernel (fixed: tiles are aligned to absolute positions).
 const KEY_TILE: usize = 64;
@@ -16,6 +18,40 @@ const MAX_BLOCK_ELEMS: usize = 2048;
 const GROUPED_HEADS_MIN_TOKENS: usize = 64;
 /// Context ranges per query (ATTN_SPLITS in cuda/attention.cu).
 const ATTN_SPLITS: usize = 32;
+
+/// The kernels of one KV format (cuda/attention.cu, a module per format).
+struct AttnKernels<'a> {
+    prep: &'a CudaFunction,
+    core: &'a CudaFunction,
+    decode: &'a CudaFunction,
+    /// The merge of a split step's ranges (rotating the output back for a rotated format).
+    combine: &'a CudaFunction,
+    rotated: bool,
+}
+
+fn kernels(be: &CudaBackend, dtype: KvDtype) -> AttnKernels<'_> {
+    let k = &be.k;
+    let (prep, core, decode, combine) = match dtype {
+        KvDtype::F32 => (&k.attn_prep_f32, &k.attn_core_f32, &k.attn_decode_f32, &k.attn_combine_f32),
+        KvDtype::Bf16 => (&k.attn_prep_bf16, &k.attn_core_bf16, &k.attn_decode_bf16, &k.attn_combine_bf16),
+        KvDtype::Fp8 => (&k.attn_prep_fp8, &k.attn_core_fp8, &k.attn_decode_fp8, &k.attn_combine_fp8),
+        KvDtype::Tq3 => (&k.attn_prep_tq3, &k.attn_core_tq3, &k.attn_decode_tq3, &k.attn_combine_tq3),
+        KvDtype::Tq3UniformValues => unreachable!("refused when the cache was allocated (kv_tables)"),
+    };
+    AttnKernels { prep, core, decode, combine, rotated: dtype.value_format().rotated() }
+}
+
+/// `struct KvCache` of cuda/kv_formats.cuh: one attention layer's planes and the format's
+/// tables, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KvCacheArg {
+    k: u64,
+    kp: u64,
+    v: u64,
+    vp: u64,
+    tables: u64,
+}
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gated_attention(
@@ -47,7 +83,15 @@ pub(super) fn gated_attention(
     let base = dl.base;
     let at = |off: usize| base + 4 * off as u64;
     let inv_freq = be.rope_table(d.rope_theta, d.rotary_dim);
-    let (kc, vc) = (be.ptr(&cache.k[layer]), be.ptr(&cache.v[layer]));
+    let kernels = kernels(be, cache.spec.kv_dtype);
+    let tables = be.ptr(&cache.kv_tables);
+    let kv = KvCacheArg {
+        k: be.ptr(&cache.k[layer].data),
+        kp: be.ptr(&cache.k[layer].params),
+        v: be.ptr(&cache.v[layer].data),
+        vp: be.ptr(&cache.v[layer].params),
+        tables,
+    };
     let group = nq / nkv;
     let heads_per_block = if t >= GROUPED_HEADS_MIN_TOKENS && group * hd <= MAX_BLOCK_ELEMS { group } else { 1 };
     let out = be.tensor(t, nq * hd);
@@ -59,11 +103,15 @@ pub(super) fn gated_attention(
     let partial = split.then(|| be.alloc_f32(t * nq * ATTN_SPLITS * (hd + 2)));
     let partial_ptr = partial.as_ref().map_or(0, |p| be.ptr(p));
     let scale = 1.0 / (hd as f32).sqrt();
+    let combine = |gate: u64, gate_stride: usize, partial: &CudaSlice<f32>| {
+        let args = [Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(gate), Arg::Ptr(be.ptr(partial)), Arg::Ptr(at(dl.pos_off)), Arg::I32(nq as i32), Arg::I32(hd as i32), Arg::I32(gate_stride as i32), Arg::Ptr(tables)];
+        let smem = if kernels.rotated { hd * 4 } else { 0 };
+        be.launch(kernels.combine, (t as u32, nq as u32, 1), hd.div_ceil(32) as u32 * 32, smem, &args);
+    };
     // What attn_prep and attn_decode read to prepare the step's heads: their arguments after
     // the first two, in the same order.
     let head_inputs = [
-        Arg::Ptr(kc),
-        Arg::Ptr(vc),
+        Arg::Kv(kv),
         Arg::Ptr(be.ptr(&q_gate.data)),
         Arg::Ptr(be.ptr(&k.data)),
         Arg::Ptr(be.ptr(&v.data)),
@@ -85,24 +133,24 @@ pub(super) fn gated_attention(
     // attention launch prepares each query and its kv head's new key and value itself.
     if be.attn_decode && heads_per_block == 1 && layout.rows.iter().all(|r| r.num_tokens == 1) {
         // attn_body's part from a 16-byte boundary, then DecodeSmem's (cuda/attention.cu).
-        let smem = ((hd + KEY_TILE + 5).next_multiple_of(4) + (KEY_TILE + 4) * hd + d.rotary_dim / 2) * 4;
+        let smem = ((hd + KEY_TILE + 5).next_multiple_of(4) + (KEY_TILE + 6) * hd + d.rotary_dim / 2) * 4;
         assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
         let args = [&[Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(partial_ptr)][..], &head_inputs, &[Arg::F32(scale)]].concat();
-        be.launch(&be.k.attn_decode, (t as u32, nq as u32, splits), 256, smem, &args);
+        be.launch(kernels.decode, (t as u32, nq as u32, splits), 256, smem, &args);
         if let Some(partial) = &partial {
             // The gates are the q/gate projection's second halves.
-            combine_ranges(be, &out, be.ptr(&q_gate.data) + 4 * hd as u64, 2 * hd, partial, at(dl.pos_off), t, nq, hd);
+            combine(be.ptr(&q_gate.data) + 4 * hd as u64, 2 * hd, partial);
         }
         return out;
     }
     let q = be.tensor(t, nq * hd);
     let gate = be.tensor(t, nq * hd);
     let args = [&[Arg::Ptr(be.ptr(&q.data)), Arg::Ptr(be.ptr(&gate.data))][..], &head_inputs].concat();
-    be.launch(&be.k.attn_prep, (t as u32, (nq + nkv) as u32, 1), 64, (2 * hd + d.rotary_dim / 2) * 4, &args);
+    be.launch(kernels.prep, (t as u32, (nq + nkv) as u32, 1), 64, (4 * hd + d.rotary_dim / 2) * 4, &args);
     let smem = heads_per_block * (hd + KEY_TILE + 5) * 4;
     assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
     be.launch(
-        &be.k.attn_core,
+        kernels.core,
         (t as u32, (nq / heads_per_block) as u32, splits),
         256,
         smem,
@@ -110,8 +158,7 @@ pub(super) fn gated_attention(
             Arg::Ptr(be.ptr(&out.data)),
             Arg::Ptr(be.ptr(&q.data)),
             Arg::Ptr(be.ptr(&gate.data)),
-            Arg::Ptr(kc),
-            Arg::Ptr(vc),
+            Arg::Kv(kv),
             Arg::Ptr(at(dl.tok_row_off)),
             Arg::Ptr(at(dl.pos_off)),
             Arg::Ptr(base),
@@ -126,20 +173,39 @@ pub(super) fn gated_attention(
         ],
     );
     if let Some(partial) = &partial {
-        combine_ranges(be, &out, be.ptr(&gate.data), hd, partial, at(dl.pos_off), t, nq, hd);
+        combine(be.ptr(&gate.data), hd, partial);
     }
     out
 }
 
-/// Merges the context ranges of a split step into `out`, gated by `gate` (element d of head h
-/// of token t at `(t * nq + h) * gate_stride + d` floats).
-#[allow(clippy::too_many_arguments)]
-fn combine_ranges(be: &CudaBackend, out: &CudaTensor, gate: u64, gate_stride: usize, partial: &cudarc::driver::CudaSlice<f32>, positions: u64, t: usize, nq: usize, hd: usize) {
-    be.launch(
-        &be.k.attn_combine,
-        (t as u32, nq as u32, 1),
-        hd.div_ceil(32) as u32 * 32,
-        0,
-        &[Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(gate), Arg::Ptr(be.ptr(partial)), Arg::Ptr(positions), Arg::I32(nq as i32), Arg::I32(hd as i32), Arg::I32(gate_stride as i32)],
-    );
+/// The KV formats the attention kernels read and write (vLLM's uniform values, kept on the CPU
+/// for comparison, have none).
+const DEVICE_KV_DTYPES: [KvDtype; 4] = [KvDtype::F32, KvDtype::Bf16, KvDtype::Fp8, KvDtype::Tq3];
+
+/// The constant tables a cache's attention kernels read: for a rotated format (TurboQuant), the
+/// 8 codebook levels, the 7 cell boundaries, the rotation's scale `1/√d` and its `d` signs, in
+/// the order of `struct KvTables` in cuda/attention.cu; a placeholder otherwise. Refuses a
+/// format the kernels do not have.
+pub(super) fn kv_tables(be: &CudaBackend, spec: &CacheSpec) -> Result<CudaSlice<f32>, BackendError> {
+    let dtype = spec.kv_dtype;
+    if !DEVICE_KV_DTYPES.contains(&dtype) {
+        let names: Vec<&str> = DEVICE_KV_DTYPES.iter().map(|d| d.name()).collect();
+        return Err(BackendError::Invalid(format!("--kv-cache-dtype {dtype} is not available on the CUDA backend (it has {}); use --device cpu or one of those", names.join(", "))));
+    }
+    dtype.check_head_dim(spec.head_dim).map_err(|e| BackendError::Invalid(format!("--kv-cache-dtype {dtype}: {e}")))?;
+    if spec.head_dim > MAX_HEAD_DIM {
+        return Err(BackendError::Invalid(format!("head dimension {} exceeds the attention kernels' limit of {MAX_HEAD_DIM}", spec.head_dim)));
+    }
+    let mut tables = vec![0.0f32];
+    if dtype.value_format().rotated() || dtype.key_format().rotated() {
+        let codec = KvCodec::new(dtype.key_format(), spec.head_dim).map_err(|e| BackendError::Invalid(format!("--kv-cache-dtype {dtype}: {e}")))?;
+        let (codebook, rotation) = (codec.codebook().expect("a rotated format has a codebook"), codec.rotation().expect("and a rotation"));
+        tables = codebook.centroids.to_vec();
+        tables.extend(codebook.boundaries);
+        tables.push(rotation.scale());
+        tables.extend(rotation.signs());
+        // `signs` holds MAX_HEAD_DIM floats.
+        tables.resize(16 + MAX_HEAD_DIM, 0.0);
+    }
+    be.stream.clone_htod(&tables).map_err(|e| BackendError::Device(format!("{e:?}")))
 }

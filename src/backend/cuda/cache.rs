@@ -1,18 +1,31 @@
 //! Attention KV blocks and recurrent-state slots on the device, in the CPU backend's layouts:
-//! per attention layer K and V `[num_blocks * block_size, kv_heads * head_dim]`; per linear
-//! layer conv windows `[slots, (K-1) * conv_dim]` (oldest input first) and delta-rule states
+//! per attention layer K and V each a data plane `[slot][kv_head][data bytes]` and a parameter
+//! plane `[slot][kv_head][params]` in the cache's KV format (backend/cpu/kv_store.rs); per
+//! linear layer conv windows `[slots, (K-1) * conv_dim]` (oldest input first) and delta-rule states
 //! `[slots, nv, dk * dv]`, each with a snapshot array of the same shape per snapshot slot and
 //! a checkpoint array per prefix-cache checkpoint. A head's `dk * dv` state elements are in
 //! the decode kernel's thread order ([`recurrent_state_index`]) rather than the CPU's row order.
 
 use super::{ck, Arg, CudaBackend};
+use crate::backend::cpu::kv_store::{KvPlanes, KvStore};
 use crate::backend::{BackendError, CacheSpec, StateCheckpoint, StateCommit};
 use cudarc::driver::CudaSlice;
+use kestrel_quant::kv::VectorFormat;
+
+/// One attention layer's K or V on the device.
+pub(super) struct DevicePlanes {
+    pub data: CudaSlice<u8>,
+    pub params: CudaSlice<u16>,
+}
 
 pub struct CudaCache {
     pub spec: CacheSpec,
-    pub(super) k: Vec<CudaSlice<f32>>,
-    pub(super) v: Vec<CudaSlice<f32>>,
+    /// Per attention layer.
+    pub(super) k: Vec<DevicePlanes>,
+    pub(super) v: Vec<DevicePlanes>,
+    /// What the kernels of a rotated KV format read: the codebook and the rotation
+    /// (attention::kv_tables).
+    pub(super) kv_tables: CudaSlice<f32>,
     pub(super) conv: Vec<CudaSlice<f32>>,
     pub(super) rec: Vec<CudaSlice<f32>>,
     pub(super) conv_snap: Vec<CudaSlice<f32>>,
@@ -50,7 +63,16 @@ pub(super) fn alloc(be: &CudaBackend, spec: &CacheSpec) -> Result<CudaCache, Bac
     let zeros = |n: usize, layers: usize| -> Result<Vec<CudaSlice<f32>>, BackendError> {
         (0..layers).map(|_| be.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| BackendError::OutOfMemory(format!("{} MiB for the cache: {e:?}", (n * 4) >> 20)))).collect()
     };
-    let kv = spec.num_blocks * spec.block_size * spec.kv_heads * spec.head_dim;
+    let vectors = spec.num_blocks * spec.block_size * spec.kv_heads;
+    let planes = |format: VectorFormat| -> Result<Vec<DevicePlanes>, BackendError> {
+        let oom = |n: usize| move |e| BackendError::OutOfMemory(format!("{} MiB for the KV cache: {e:?}", n >> 20));
+        let (data, params) = (vectors * format.data_bytes(spec.head_dim), vectors * format.params());
+        (0..spec.attention_layers)
+            .map(|_| Ok(DevicePlanes { data: be.stream.alloc_zeros::<u8>(data.max(1)).map_err(oom(data))?, params: be.stream.alloc_zeros::<u16>(params.max(1)).map_err(oom(2 * params))? }))
+            .collect()
+    };
+    let kv_tables = super::attention::kv_tables(be, spec)?;
+    let (k, v) = (planes(spec.kv_dtype.key_format())?, planes(spec.kv_dtype.value_format())?);
     let conv_len = |s: &CacheSpec| s.linear.conv_state_len();
     let rec_len = |s: &CacheSpec| s.linear.recurrent_state_len();
     let (conv, rec) = (zeros(spec.state_slots * conv_len(spec), spec.linear_layers)?, zeros(spec.state_slots * rec_len(spec), spec.linear_layers)?);
@@ -69,7 +91,7 @@ pub(super) fn alloc(be: &CudaBackend, spec: &CacheSpec) -> Result<CudaCache, Bac
         conv_ckpt: table(&conv_ckpt)?,
         rec_ckpt: table(&rec_ckpt)?,
     };
-    Ok(CudaCache { k: zeros(kv, spec.attention_layers)?, v: zeros(kv, spec.attention_layers)?, conv, rec, conv_snap, rec_snap, conv_ckpt, rec_ckpt, tables, spec: spec.clone() })
+    Ok(CudaCache { k, v, kv_tables, conv, rec, conv_snap, rec_snap, conv_ckpt, rec_ckpt, tables, spec: spec.clone() })
 }
 
 /// Threads and delta-rule chunks per (request, layer) of the state kernels (cuda/gdn.cu).
@@ -191,13 +213,22 @@ impl CudaBackend {
                 .collect()
         };
         let s = &cache.spec;
-        let kv = s.num_blocks * s.block_size * s.kv_heads * s.head_dim;
+        let mut kv = KvStore::new(s).expect("the device holds a cache of this format");
+        let copy = |d: &DevicePlanes, h: &mut KvPlanes| {
+            let (n, p) = (h.data.len(), h.params.len());
+            h.data = ck(self.stream.clone_dtoh(&d.data), "device to host copy");
+            h.data.truncate(n);
+            h.params = ck(self.stream.clone_dtoh(&d.params), "device to host copy");
+            h.params.truncate(p);
+        };
+        for (d, h) in cache.k.iter().zip(&mut kv.k).chain(cache.v.iter().zip(&mut kv.v)) {
+            copy(d, h);
+        }
         let (conv, rec) = (s.linear.conv_state_len(), s.linear.recurrent_state_len());
         let (dk, dv) = (s.linear.key_head_dim, s.linear.value_head_dim);
         crate::backend::cpu::CpuCache {
             spec: s.clone(),
-            k: host(&cache.k, kv),
-            v: host(&cache.v, kv),
+            kv,
             conv: host(&cache.conv, s.state_slots * conv),
             rec: host(&cache.rec, s.state_slots * rec).iter().map(|r| recurrent_states_to_row_order(r, dk, dv)).collect(),
             conv_snap: host(&cache.conv_snap, s.snapshot_slots * conv),

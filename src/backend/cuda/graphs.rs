@@ -5,9 +5,13 @@
 //! (ids, the packed layout, the logits rows) sit in persistent buffers at fixed addresses, with
 //! offsets that depend only on those counts (see layout.rs), and every grid size is a function
 //! of the shapes. So the first such forward of each key is captured, and later steps write
-//! their inputs into those buffers and replay it. A key is captured on its
-//! [`CAPTURE_AFTER`]th forward: a capture costs a few eager forwards, and with speculation many
-//! (rows, tokens) keys occur only once or twice. Past [`MAX_GRAPHS`] keys, forwards run eagerly.
+//! their inputs into those buffers and replay it. The engine pads steps up to capture sizes,
+//! whose keys are captured at start-up (or after one eager forward, [`CaptureWhen::Now`]),
+//! each after an eager forward of its shape has made what such a forward makes on first use
+//! (rope tables, run-time compiled kernels: a capture would record their uploads); a step no capture
+//! size holds keeps its exact key, captured on its [`CAPTURE_AFTER`]th forward (a capture costs
+//! a few eager forwards, and such keys may occur only once or twice). Past [`MAX_GRAPHS`] keys,
+//! forwards run eagerly. Outputs are token-indexed; only the real tokens' rows are copied out.
 //!
 //! Activations are allocated inside the graph (stream-ordered allocation nodes) and all of
 //! them are freed inside it too: the outputs are first copied into buffers shared by every
@@ -17,14 +21,14 @@
 
 use super::{ck, CudaBackend, CudaTensor};
 use cudarc::driver::CudaSlice;
-use crate::backend::{GraphInputs, GraphKey};
+use crate::backend::{Backend, BackendError, CaptureWhen, GraphInputs, GraphKey, Real};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
 /// Most graphs kept: every row count with every verify-row length of a busy engine.
-const MAX_GRAPHS: usize = 256;
+const MAX_GRAPHS: usize = 512;
 
 /// Forwards of one key before it is captured (the earlier ones run eagerly).
 const CAPTURE_AFTER: u32 = 3;
@@ -64,17 +68,25 @@ impl Graphs {
 }
 
 impl CudaBackend {
-    /// Copies of a graph's outputs out of the shared buffers.
-    fn read_graph_outputs(&self, buffers: &[CudaSlice<f32>], shapes: &[(usize, usize)]) -> Vec<CudaTensor> {
+    /// Copies of the first `real` rows of a graph's outputs out of the shared buffers.
+    fn read_graph_outputs(&self, buffers: &[CudaSlice<f32>], shapes: &[(usize, usize)], real: Real) -> Vec<CudaTensor> {
         shapes
             .iter()
             .zip(buffers)
             .map(|(&(rows, cols), buf)| {
-                let mut out = self.tensor(rows, cols);
-                ck(self.stream.memcpy_dtod(&buf.slice(0..rows * cols), &mut out.data), "graph output copy");
+                assert!(real.0 <= rows, "a graph output of {rows} rows cannot hold {} real rows", real.0);
+                let mut out = self.tensor(real.0, cols);
+                if real.0 > 0 {
+                    ck(self.stream.memcpy_dtod(&buf.slice(0..real.0 * cols), &mut out.data), "graph output copy");
+                }
                 out
             })
             .collect()
+    }
+
+    /// The first `real` rows of eager outputs.
+    fn cut_outputs(&self, outputs: Vec<CudaTensor>, real: Real) -> Vec<CudaTensor> {
+        outputs.into_iter().map(|t| if t.rows == real.0 { t } else { self.first_rows(&t, real) }).collect()
     }
 
     /// Writes a graphed forward's inputs to the persistent buffers its kernels read.
@@ -87,22 +99,56 @@ impl CudaBackend {
         step.gather.write(self, &rows);
     }
 
-    pub(super) fn run_graphed_forward(&self, key: GraphKey, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<CudaTensor>) -> Vec<CudaTensor> {
+    pub(super) fn run_graphed_forward(&self, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<CudaTensor>) -> Vec<CudaTensor> {
         // Per-op timing records events between launches; it measures the plain launches.
         if self.profiler.enabled {
-            return forward();
+            return self.cut_outputs(forward(), inputs.real.tokens);
         }
+        let key = inputs.key();
         self.write_graph_inputs(inputs);
         let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(captured) = graphs.by_key.get(&key) {
-            ck(captured.graph.0.launch(), "graph launch");
-            return self.read_graph_outputs(&graphs.outputs, &captured.shapes);
+        if !graphs.by_key.contains_key(&key) {
+            let seen = graphs.seen.entry(key).or_insert(0);
+            *seen += 1;
+            let wait = *seen < if inputs.capture == CaptureWhen::Now { 2 } else { CAPTURE_AFTER };
+            if wait || graphs.by_key.len() >= MAX_GRAPHS {
+                drop(graphs);
+                return self.cut_outputs(forward(), inputs.real.tokens);
+            }
+            self.capture(&mut graphs, key, forward);
         }
-        let seen = graphs.seen.entry(key).or_insert(0);
-        *seen += 1;
-        if *seen < CAPTURE_AFTER || graphs.by_key.len() >= MAX_GRAPHS {
-            return forward();
+        let captured = &graphs.by_key[&key];
+        // Capturing ran nothing: a launch computes the step.
+        ck(captured.graph.0.launch(), "graph launch");
+        self.read_graph_outputs(&graphs.outputs, &captured.shapes, inputs.real.tokens)
+    }
+
+    /// Captures (and runs once) the graph of a step of padded rows only, ahead of the steps
+    /// that will replay it.
+    pub(super) fn prepare_graphed_forward(&self, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<CudaTensor>) -> Result<bool, BackendError> {
+        if self.profiler.enabled {
+            return Ok(false);
         }
+        if inputs.real.rows.0 != 0 {
+            return Err(BackendError::Invalid("a graph prepared ahead of its steps must have padded rows only".into()));
+        }
+        let key = inputs.key();
+        self.write_graph_inputs(inputs);
+        let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        if !graphs.by_key.contains_key(&key) {
+            if graphs.by_key.len() >= MAX_GRAPHS {
+                return Ok(false);
+            }
+            self.capture(&mut graphs, key, forward);
+        }
+        // The first launch maps the graph's activation memory: pay for it now.
+        ck(graphs.by_key[&key].graph.0.launch(), "graph launch");
+        ck(self.stream.synchronize(), "graph warm-up");
+        Ok(true)
+    }
+
+    /// Captures `forward` as the graph of `key`.
+    fn capture(&self, graphs: &mut Graphs, key: GraphKey, forward: &mut dyn FnMut() -> Vec<CudaTensor>) {
         // The second attempt fits: the first grows the shared output buffers when they are small.
         for _ in 0..2 {
             ck(self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "begin graph capture");
@@ -142,15 +188,13 @@ impl CudaBackend {
                     .collect();
                 continue;
             }
-            // Capturing ran nothing: this launch computes the step.
-            ck(graph.launch(), "graph launch");
-            let outputs = self.read_graph_outputs(&graphs.outputs, &shapes);
             graphs.by_key.insert(key, CapturedForward { shapes, graph: OwnedGraph(graph) });
             graphs.seen.remove(&key);
-            return outputs;
+            return;
         }
         unreachable!("the shared output buffers fit after growing")
     }
+
     /// Graphs captured so far (for tests and reports).
     pub fn captured_graphs(&self) -> usize {
         self.graphs.lock().unwrap_or_else(|p| p.into_inner()).len()

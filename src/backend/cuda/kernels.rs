@@ -10,11 +10,15 @@ pub const COMMON_SOURCE: &str = include_str!("../../../cuda/common.cuh");
 
 /// Every kernel source: (module name, text). The MoE routing (cuda/routing.cuh) goes in front
 /// of both modules that route: moe.cu, and matmul.cu, whose router matmul routes in its last
-/// block.
-pub const SOURCES: [(&str, &str); 6] = [
+/// block. Attention is one module per KV cache format: the formats (cuda/kv_formats.cuh), the
+/// kernels' code (cuda/attention.cu), and their instantiation for the format.
+pub const SOURCES: [(&str, &str); 9] = [
     ("elementwise", include_str!("../../../cuda/elementwise.cu")),
     ("matmul", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/matmul_common.cuh"), include_str!("../../../cuda/matmul.cu"), include_str!("../../../cuda/matmul_stream.cu"), include_str!("../../../cuda/moe_stream.cu"))),
-    ("attention", include_str!("../../../cuda/attention.cu")),
+    ("attention_f32", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), "ATTN_KERNELS(f32, KvF32)\n")),
+    ("attention_bf16", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), "ATTN_KERNELS(bf16, KvBf16)\n")),
+    ("attention_fp8", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), "ATTN_KERNELS(fp8, KvFp8)\n")),
+    ("attention_tq3", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), "ATTN_KERNELS(tq3, KvTq3)\n")),
     ("gdn", include_str!("../../../cuda/gdn.cu")),
     ("moe", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/moe.cu"))),
     ("sample", include_str!("../../../cuda/sample.cu")),
@@ -38,9 +42,9 @@ pub fn quant_module_body(id: u32) -> String {
 pub enum KernelError {
     #[error("NVRTC library (libnvrtc.so.13) not found")]
     NoNvrtc,
-    #[error("NVRTC failed on {module}.cu for {arch}: {reason}\n{log}")]
+    #[error("NVRTC failed on {module} for {arch}: {reason}\n{log}")]
     Compile { module: String, arch: String, reason: String, log: String },
-    #[error("NVRTC error on {module}.cu: {reason}")]
+    #[error("NVRTC error on {module}: {reason}")]
     Nvrtc { module: String, reason: String },
 }
 
@@ -61,6 +65,10 @@ fn options(arch: &str, trace: bool) -> Vec<String> {
     if trace {
         // Kernels record their start times (profile.rs, KESTREL_CUDA_TRACE=1).
         o.push("-DKESTREL_TRACE".to_string());
+    }
+    if cfg!(feature = "plant-verify-skips-cache") {
+        // The deliberate bug the verify-row tests must catch (Cargo.toml).
+        o.push("-DPLANT_VERIFY_SKIPS_CACHE=1".to_string());
     }
     // Kernel tuning constants overridden for an experiment (`KESTREL_CUDA_DEFINES="A=1 B=2"`),
     // so that variants can be timed against each other without rebuilding; part of the cache key.

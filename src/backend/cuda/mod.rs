@@ -91,6 +91,9 @@ pub(super) enum Arg {
     /// Weights the streaming router pulls into L2 (moe::L2Ahead, `struct L2Ahead` in
     /// cuda/matmul_stream.cu).
     L2Ahead(moe::L2Ahead),
+    /// One attention layer's cache (attention::KvCacheArg, `struct KvCache` in
+    /// cuda/kv_formats.cuh).
+    Kv(attention::KvCacheArg),
 }
 
 macro_rules! kernel_table {
@@ -100,10 +103,23 @@ macro_rules! kernel_table {
 
         impl Kernels {
             fn load(ctx: &Arc<CudaContext>, arch: &str, trace: bool) -> Result<(Self, Vec<Arc<CudaModule>>), CudaInitError> {
+                // Every module's CUBIN, the ones not in the disk cache compiled side by side (NVRTC
+                // compiles one program on one thread).
+                let names = [$($module),*];
+                let cubins: Vec<Result<Vec<u8>, KernelError>> = std::thread::scope(|s| {
+                    let compiles: Vec<_> = names
+                        .iter()
+                        .map(|&m| {
+                            let body = kernels::SOURCES.iter().find(|s| s.0 == m).map(|s| s.1).unwrap_or("");
+                            s.spawn(move || kernels::cached_cubin(m, body, arch, trace))
+                        })
+                        .collect();
+                    compiles.into_iter().map(|c| c.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+                });
+                let mut cubins = cubins.into_iter();
                 let mut modules = Vec::new();
                 $(
-                    let body = kernels::SOURCES.iter().find(|s| s.0 == $module).map(|s| s.1).unwrap_or("");
-                    let cubin = kernels::cached_cubin($module, body, arch, trace)?;
+                    let cubin = cubins.next().expect("a CUBIN per module")?;
                     let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(|e| CudaInitError::Driver(format!("loading {}.cu: {e:?}", $module)))?;
                     $(let $name = module.load_function(stringify!($name)).map_err(|e| CudaInitError::Driver(format!("kernel {}: {e:?}", stringify!($name))))?;)*
                     modules.push(module);
@@ -122,7 +138,10 @@ macro_rules! kernel_table {
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth, read_bandwidth],
     "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_stream_norm_nt1, matmul_stream_norm_nt2, matmul_stream_norm_nt4, matmul_stream_combine_nt1, matmul_stream_combine_nt2, matmul_stream_combine_nt4, matmul_router, matmul_router_stream, moe_down_combine, moe_route_gate_up, matmul_tiled, matmul_pipelined, split_activations],
-    "attention" => [attn_prep, attn_core, attn_decode, attn_combine],
+    "attention_f32" => [attn_prep_f32, attn_core_f32, attn_decode_f32, attn_combine_f32],
+    "attention_bf16" => [attn_prep_bf16, attn_core_bf16, attn_decode_bf16, attn_combine_bf16],
+    "attention_fp8" => [attn_prep_fp8, attn_core_fp8, attn_decode_fp8, attn_combine_fp8],
+    "attention_tq3" => [attn_prep_tq3, attn_core_tq3, attn_decode_tq3, attn_combine_tq3],
     "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunked, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
     "sample" => [sample_rows],
@@ -271,7 +290,8 @@ impl CudaBackend {
             Ok(fixed)
         };
         let mut max_dynamic_smem = optin;
-        for f in [&k.gdn_chunked, &k.attn_core, &k.attn_decode, &k.moe_group_few, &k.matmul_pipelined] {
+        let attention_kernels = [&k.attn_core_f32, &k.attn_core_bf16, &k.attn_core_fp8, &k.attn_core_tq3, &k.attn_decode_f32, &k.attn_decode_bf16, &k.attn_decode_fp8, &k.attn_decode_tq3];
+        for f in [&k.gdn_chunked, &k.moe_group_few, &k.matmul_pipelined].into_iter().chain(attention_kernels) {
             max_dynamic_smem = max_dynamic_smem.min(optin - open_dynamic_smem(f)?);
         }
         let sm_count = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)?.max(1) as usize;
@@ -486,6 +506,7 @@ impl CudaBackend {
                 Arg::Epilogue(v) => (v as *const matmul::Epilogue).cast_mut().cast(),
                 Arg::MoeCombine(v) => (v as *const matmul::MoeCombine).cast_mut().cast(),
                 Arg::L2Ahead(v) => (v as *const moe::L2Ahead).cast_mut().cast(),
+                Arg::Kv(v) => (v as *const attention::KvCacheArg).cast_mut().cast(),
             };
         }
         // SAFETY: an all-zero launch attribute is a valid (empty) value of the C union.
@@ -592,6 +613,8 @@ impl CudaBackend {
         tables
             .entry((theta.to_bits(), rotary_dim))
             .or_insert_with(|| {
+                // Inside a capture the upload would be recorded, not run, into graph memory.
+                assert!(!self.capturing(), "a new rope table inside a graph capture");
                 let inv: Vec<f32> = (0..rotary_dim / 2).map(|j| 1.0f32 / (theta as f32).powf((2 * j) as f32 / rotary_dim as f32)).collect();
                 let inv = if inv.is_empty() { vec![0.0] } else { inv };
                 Arc::new(ck(self.stream.clone_htod(&inv), "host to device copy"))

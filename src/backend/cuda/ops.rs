@@ -5,7 +5,7 @@ use super::cache::{self, CudaCache};
 use super::quant_tiles::RowOrder;
 use super::tensor::{StackedPart, WeightStorage};
 use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, CudaVector};
-use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StateCheckpoint, StateCommit, StepLimits, GraphInputs, GraphKey};
+use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StateCheckpoint, StateCommit, StepLimits, GraphInputs, Real};
 use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
 use kestrel_quant::Dtype;
@@ -432,8 +432,29 @@ impl Backend for CudaBackend {
         super::sample::logits_rows_to_host(self, logits, rows)
     }
 
-    fn run_graphed(&self, key: GraphKey, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<CudaTensor>) -> Vec<CudaTensor> {
-        self.run_graphed_forward(key, inputs, forward)
+    fn run_graphed(&self, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<CudaTensor>) -> Vec<CudaTensor> {
+        self.run_graphed_forward(inputs, forward)
+    }
+
+    fn prepare_graph(&self, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<CudaTensor>) -> Result<bool, BackendError> {
+        self.prepare_graphed_forward(inputs, forward)
+    }
+
+    fn replays_graphs(&self) -> bool {
+        true
+    }
+
+    fn device_memory_used(&self) -> Option<usize> {
+        self.memory_info().ok().map(|(free, total)| total - free)
+    }
+
+    fn first_rows(&self, x: &CudaTensor, rows: Real) -> CudaTensor {
+        assert!(rows.0 <= x.rows, "first_rows: {} of {} rows", rows.0, x.rows);
+        let mut out = self.tensor(rows.0, x.cols);
+        if rows.0 > 0 {
+            ck(self.stream.memcpy_dtod(&x.data.slice(0..rows.0 * x.cols), &mut out.data), "row cut");
+        }
+        out
     }
 
     fn reserve_step_inputs(&self, limits: StepLimits) -> Result<(), BackendError> {

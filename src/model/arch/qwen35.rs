@@ -9,7 +9,7 @@
 //! Zero-centred norms store `w` and scale by `1 + w`; the 1 is folded in when loading.
 
 use super::mtp::Mtp;
-use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights};
+use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, KvDtype, MoeWeights};
 use crate::model::config::{LayerKind, ModelConfig, ModelFamily};
 use crate::model::weights::online::OnlineQuantization;
 use crate::model::weights::quantized::QuantizationConfig;
@@ -245,22 +245,11 @@ impl<B: Backend> Qwen35<B> {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
-    /// Cache geometry for this model; MTP layers get attention-layer indices after the main ones.
-    /// No prefix-cache checkpoints: the engine sets `checkpoint_slots` when it wants some.
+    /// Cache geometry for this model, keys and values in the default KV format (bf16); MTP
+    /// layers get attention-layer indices after the main ones. No prefix-cache checkpoints: the
+    /// engine sets `checkpoint_slots` when it wants some.
     pub fn cache_spec(&self, num_blocks: usize, block_size: usize, state_slots: usize, snapshot_slots: usize) -> CacheSpec {
-        let c = &self.config;
-        CacheSpec {
-            attention_layers: c.full_attention_layers() + usize::from(self.mtp.is_some()),
-            num_blocks,
-            block_size,
-            kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-            linear_layers: c.linear_attention_layers(),
-            linear: c.linear.clone(),
-            state_slots,
-            snapshot_slots,
-            checkpoint_slots: 0,
-        }
+        cache_spec(&self.config, self.mtp.is_some(), num_blocks, block_size, state_slots, snapshot_slots)
     }
 
     pub(crate) fn attention_dims(&self) -> AttentionDims {
@@ -501,6 +490,24 @@ impl<B: Backend> Loader<'_, B> {
     }
 }
 
+/// Cache geometry of a model of `config` (with its MTP head's attention layer if `mtp`), keys
+/// and values in the default KV format (bf16); what [`Qwen35::cache_spec`] gives once loaded.
+pub fn cache_spec(config: &ModelConfig, mtp: bool, num_blocks: usize, block_size: usize, state_slots: usize, snapshot_slots: usize) -> CacheSpec {
+    CacheSpec {
+        attention_layers: config.full_attention_layers() + usize::from(mtp),
+        num_blocks,
+        block_size,
+        kv_heads: config.num_kv_heads,
+        head_dim: config.head_dim,
+        kv_dtype: KvDtype::default(),
+        linear_layers: config.linear_attention_layers(),
+        linear: config.linear.clone(),
+        state_slots,
+        snapshot_slots,
+        checkpoint_slots: 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::logits_of_rows;
@@ -529,3 +536,4 @@ mod tests {
         }
     }
 }
+
