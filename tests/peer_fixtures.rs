@@ -114,7 +114,8 @@ fn a_gguf_other_than_the_reference_one_is_named() {
 }
 
 /// `--score-second-half` scores what llama-perplexity scores: whole windows only, and in each the
-/// tokens CONTEXT/2+1 .. CONTEXT-1, here recomputed from the model's logits window by window.
+/// tokens CONTEXT/2+1 .. CONTEXT-1, here recomputed from the model's logits window by window
+/// (keys and values kept in f32 on both sides, so the figures agree to rounding).
 #[test]
 fn second_half_scoring_is_llama_perplexity_s_choice() {
     let text: String = std::fs::read_to_string(root().join("models/kestrel-coder/heldout.txt")).unwrap().chars().take(1500).collect();
@@ -134,7 +135,7 @@ fn second_half_scoring_is_llama_perplexity_s_choice() {
             count += 1;
         }
     }
-    let v = kestrel_json(&["perplexity", "--file", file.to_str().unwrap(), "--context", "64", "--score-second-half", "--device", "cpu", "--json"]);
+    let v = kestrel_json(&["perplexity", "--file", file.to_str().unwrap(), "--context", "64", "--score-second-half", "--device", "cpu", "--kv-cache-dtype", "f32", "--json"]);
     assert_eq!(v["tokens"].as_u64().unwrap() as usize, count);
     assert_eq!(count, ids.len() / context * (context - context / 2 - 1));
     let (got, want) = (v["mean_nll"].as_f64().unwrap(), total / count as f64);
@@ -204,7 +205,7 @@ fn second_half_scoring_starts_each_window_with_bos_where_the_tokenizer_adds_one(
     };
     let (with_bos, without) = (second_half_nll(Some(BOS)), second_half_nll(None));
     assert!((with_bos - without).abs() > 1e-4 * without, "BOS changes the scores: {with_bos} vs {without}");
-    let v = kestrel_json(&["perplexity", "--model", gguf.to_str().unwrap(), "--file", file.to_str().unwrap(), "--context", "64", "--score-second-half", "--device", "cpu", "--json"]);
+    let v = kestrel_json(&["perplexity", "--model", gguf.to_str().unwrap(), "--file", file.to_str().unwrap(), "--context", "64", "--score-second-half", "--device", "cpu", "--kv-cache-dtype", "f32", "--json"]);
     let got = v["mean_nll"].as_f64().unwrap();
     assert!((got - with_bos).abs() < 1e-6 * with_bos, "mean NLL {got}: with BOS {with_bos}, without {without}");
 }
