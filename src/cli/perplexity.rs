@@ -2,6 +2,10 @@
 //!
 //! The token stream is cut into consecutive windows of `--context` tokens; each window runs
 //! from an empty state and predicts its tokens 1..len (a last window shorter than 2 is dropped).
+//! With `--score-second-half` it scores the tokens that `llama-perplexity -c CONTEXT` scores, so
+//! the two figures compare on the same file: only whole windows (the tail is dropped), each
+//! starting with the BOS token where the tokenizer adds one, and in each only the predictions
+//! made with at least half a window of context (tokens CONTEXT/2+1 .. CONTEXT-1).
 //! A prediction that is not a finite number (NaN or infinite logits) ends the run with an error
 //! naming the token, rather than a perplexity of NaN.
 
@@ -24,6 +28,10 @@ pub struct PerplexityArgs {
     pub context: usize,
     #[command(flatten)]
     pub long_context: LongContextArgs,
+    /// Score as llama-perplexity does: whole windows only, each from BOS (where the tokenizer
+    /// adds one), and only the tokens predicted from its second half.
+    #[arg(long)]
+    pub score_second_half: bool,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -42,27 +50,47 @@ fn token_nll(l: &[f32], target: u32) -> f64 {
     lse - l[target as usize] as f64
 }
 
+/// Which tokens of the stream are scored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoring {
+    /// Every window, the last one possibly short; tokens 1..len of each.
+    EveryToken,
+    /// llama-perplexity's choice: whole windows only, the first token of each replaced by `bos`
+    /// where the tokenizer adds one, and tokens context/2+1 .. context-1 of each.
+    SecondHalf { bos: Option<u32> },
+}
+
 /// Mean NLL (nats) of each predicted token over the windows, with keys and values cached as
 /// `kv_dtype`, and their count. Fails at the first token whose NLL is not a finite number. The
 /// rows of a window are scored on `threads` threads; the sum runs in token order whatever
 /// their number.
-pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, kv_dtype: KvDtype, ids: &[u32], context: usize, threads: usize, progress: &indicatif::ProgressBar) -> Result<(f64, usize)> {
+pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, kv_dtype: KvDtype, ids: &[u32], context: usize, scoring: Scoring, threads: usize, progress: &indicatif::ProgressBar) -> Result<(f64, usize)> {
     let block_size = 16;
     let spec = CacheSpec { kv_dtype, ..model.cache_spec(context.div_ceil(block_size), block_size, 1, 0) };
     let mut cache = backend.alloc_cache(&spec).with_context(|| format!("cannot hold a window's keys and values as {kv_dtype}"))?;
     let vocab = model.config.vocab_size;
     let (mut total, mut count) = (0.0f64, 0usize);
-    let windows: Vec<&[u32]> = ids.chunks(context).filter(|w| w.len() >= 2).collect();
+    let (windows, first): (Vec<&[u32]>, usize) = match scoring {
+        Scoring::EveryToken => (ids.chunks(context).filter(|w| w.len() >= 2).collect(), 0),
+        Scoring::SecondHalf { .. } => (ids.chunks_exact(context).collect(), context / 2),
+    };
+    if windows.is_empty() {
+        bail!("the file holds {} tokens: fewer than one whole window of --context {context} tokens to score", ids.len());
+    }
     progress.set_length(windows.len() as u64);
     for (window, w) in windows.into_iter().enumerate() {
+        let mut w = w.to_vec();
+        if let Scoring::SecondHalf { bos: Some(bos) } = scoring {
+            w[0] = bos;
+        }
         backend.reset_states(&mut cache, &[0]);
         let layout = BatchLayout {
             rows: vec![RowLayout { kind: RowKind::Prefill, token_start: 0, num_tokens: w.len(), start_position: 0, block_table: (0..spec.num_blocks as u32).collect(), state_slot: 0, snapshot_base: 0 }],
         };
-        let rows: Vec<u32> = (0..w.len() as u32 - 1).collect();
-        let out = model.forward(backend, w, &layout, &rows, &mut cache);
+        let rows: Vec<u32> = (first as u32..w.len() as u32 - 1).collect();
+        let out = model.forward(backend, &w, &layout, &rows, &mut cache);
         let logits = backend.to_host(&out.logits);
-        let targets = &w[1..];
+        let targets = &w[first + 1..];
         let per_thread = targets.len().div_ceil(threads.max(1));
         let nlls: Vec<f64> = std::thread::scope(|s| {
             let parts: Vec<_> = targets
@@ -79,9 +107,9 @@ pub fn window_nll<B: Backend>(model: &Qwen35<B>, backend: &B, kv_dtype: KvDtype,
             if !nll.is_finite() {
                 bail!(
                     "the model's prediction of token {} (window {}, position {}) is not a finite number ({nll}): its logits hold NaN or infinite values, so its weights or configuration are broken",
-                    window * context + i + 1,
+                    window * context + first + i + 1,
                     window + 1,
-                    i + 1
+                    first + i + 1
                 );
             }
             total += nll;
@@ -99,6 +127,9 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     if args.context < 2 {
         bail!("--context must be at least 2");
     }
+    if args.score_second_half && args.context < 3 {
+        bail!("--score-second-half needs --context of at least 3 (it scores tokens CONTEXT/2+1 .. CONTEXT-1 of each window)");
+    }
     let text = std::fs::read_to_string(&args.file).with_context(|| format!("cannot read {}", args.file.display()))?;
     args.device.check()?;
     let files = args.model.open()?;
@@ -106,6 +137,14 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     args.kv_cache.check(&files)?;
     let kv_dtype = args.kv_cache.dtype();
     let ids = files.tokenizer.encode(&text, false)?;
+    let scoring = if args.score_second_half {
+        // The tokenizer adds BOS where encoding with special tokens puts one token before the rest.
+        let with_special = files.tokenizer.encode(&text, true)?;
+        let bos = (with_special.len() == ids.len() + 1 && with_special[1..] == ids[..]).then(|| with_special[0]);
+        Scoring::SecondHalf { bos }
+    } else {
+        Scoring::EveryToken
+    };
     if ids.len() < 2 {
         bail!("{} holds fewer than 2 tokens", args.file.display());
     }
@@ -120,11 +159,11 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let (mean_nll, tokens) = match args.device.select_backend()? {
         SelectedBackend::Cpu(b) => {
             let model = load_model(&args.model, &args.device, &b, &files, activations)?;
-            score(&|bar| window_nll(&model, &b, kv_dtype, &ids, args.context, b.threads(), bar))?
+            score(&|bar| window_nll(&model, &b, kv_dtype, &ids, args.context, scoring, b.threads(), bar))?
         }
         SelectedBackend::Cuda(b) => {
             let model = load_model(&args.model, &args.device, &*b, &files, activations)?;
-            score(&|bar| window_nll(&model, &*b, kv_dtype, &ids, args.context, args.device.cpu_threads(), bar))?
+            score(&|bar| window_nll(&model, &*b, kv_dtype, &ids, args.context, scoring, args.device.cpu_threads(), bar))?
         }
     };
     let ppl = mean_nll.exp();
