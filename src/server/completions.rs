@@ -142,20 +142,15 @@ fn stream_response(state: ServerState, generations: Vec<Generation>, response: C
             let (state, response, events) = (state.clone(), response.clone(), events.clone());
             tasks.spawn(async move { stream_choice(&state, index, generation, &response, &events).await });
         }
-        let mut endings = Vec::new();
-        let mut failure = None;
-        while let Some(joined) = tasks.join_next().await {
-            match joined {
-                Ok(Ok(Some(ending))) => endings.push(ending),
-                Ok(Ok(None)) => return,
-                Ok(Err(err)) => failure = Some(err),
-                Err(err) => failure = Some(ApiError::internal(format!("a choice failed: {err}"))),
+        let endings = match generation::join_choices(tasks).await {
+            Ok(Some(endings)) => endings,
+            // The client is gone: nobody reads the rest.
+            Ok(None) => return,
+            Err(err) => {
+                generation::send_error(&events, &err);
+                return;
             }
-        }
-        if let Some(err) = failure {
-            generation::send_error(&events, &err);
-            return;
-        }
+        };
         if include_usage {
             let usage = json!({
                 "id": response.id, "object": "text_completion", "created": response.created, "model": response.model,

@@ -125,6 +125,22 @@ pub async fn drive(
     Ok(Some(Ending { finish_reason, completion_tokens: output.tokens_used(), cached_tokens }))
 }
 
+/// Waits for every choice of a streamed request: their endings in the order they ended,
+/// `None` as soon as one finds the client gone, or the first failure once all have ended.
+pub async fn join_choices(mut tasks: tokio::task::JoinSet<Result<Option<Ending>, ApiError>>) -> Result<Option<Vec<Ending>>, ApiError> {
+    let mut endings = Vec::new();
+    let mut failure = None;
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok(Ok(Some(ending))) => endings.push(ending),
+            Ok(Ok(None)) => return Ok(None),
+            Ok(Err(err)) => failure = failure.or(Some(err)),
+            Err(err) => failure = failure.or(Some(ApiError::internal(format!("a choice failed: {err}")))),
+        }
+    }
+    failure.map_or(Ok(Some(endings)), Err)
+}
+
 /// An SSE response fed by `events`; the body ends when the sender is dropped.
 pub fn sse_response(events: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Response {
     let stream = UnboundedReceiverStream::new(events).map(Ok::<Event, Infallible>);
