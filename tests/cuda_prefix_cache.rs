@@ -11,7 +11,7 @@
 mod common;
 mod cuda_support;
 
-use common::conversation::{humaneval_messages, run_batch, run_conversations, BatchRun, Conversation, Turn};
+use common::conversation::{humaneval_messages, run_batch, run_conversations, with_prefix, BatchRun, Conversation, Turn};
 use common::request;
 use cuda_support::*;
 use kestrel::backend::cpu::CpuBackend;
@@ -116,15 +116,7 @@ fn conversations_on_the_gpu_give_the_same_turns_with_and_without_the_cache() {
 fn a_prefix_shared_by_several_running_requests_on_the_gpu() {
     let Some(mut rig) = Rig::new() else { return };
     let prefix: Vec<u32> = rig.messages(40, 4, 200).concat();
-    let prompts: Vec<Vec<u32>> = rig
-        .messages(50, 8, 16)
-        .into_iter()
-        .map(|tail| {
-            let mut p = prefix.clone();
-            p.extend(tail);
-            p
-        })
-        .collect();
+    let prompts = with_prefix(&prefix, rig.messages(50, 8, 16));
     for spec in METHODS {
         for params in draws() {
             let requests = |ps: &[Vec<u32>]| ps.iter().map(|p| request(p, 40, params.clone(), Some(spec))).collect::<Vec<Request>>();
@@ -150,15 +142,7 @@ fn a_prefix_shared_by_several_running_requests_on_the_gpu() {
 fn preemption_on_the_gpu_while_a_cached_prefix_is_shared() {
     let Some(mut rig) = Rig::new() else { return };
     let prefix: Vec<u32> = rig.messages(60, 2, 120).concat();
-    let prompts: Vec<Vec<u32>> = rig
-        .messages(70, 12, 16)
-        .into_iter()
-        .map(|tail| {
-            let mut p = prefix.clone();
-            p.extend(tail);
-            p
-        })
-        .collect();
+    let prompts = with_prefix(&prefix, rig.messages(70, 12, 16));
     for spec in METHODS {
         for params in draws() {
             let run = |e: &mut Engine<CudaBackend>| {

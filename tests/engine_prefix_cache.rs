@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::conversation::{humaneval_messages, run_batch, run_conversations, Conversation, Turn};
+use common::conversation::{humaneval_messages, run_batch, run_conversations, with_prefix, Conversation, Turn};
 use kestrel::engine::request::Request;
 use common::{default_model, engine, request};
 use kestrel::backend::sampling::SamplingParams;
@@ -94,14 +94,7 @@ fn conversations_side_by_side_share_the_cache() {
 fn shared_prefix_prompts(n: usize) -> (Vec<u32>, Vec<Vec<u32>>) {
     let (files, _) = default_model();
     let prefix: Vec<u32> = humaneval_messages(&files.tokenizer, 40, 3, 100).concat();
-    let prompts = humaneval_messages(&files.tokenizer, 50, n, 12)
-        .into_iter()
-        .map(|tail| {
-            let mut p = prefix.clone();
-            p.extend_from_slice(&tail);
-            p
-        })
-        .collect();
+    let prompts = with_prefix(&prefix, humaneval_messages(&files.tokenizer, 50, n, 12));
     (prefix, prompts)
 }
 

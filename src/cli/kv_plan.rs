@@ -4,6 +4,7 @@
 
 use anyhow::{bail, Result};
 use kestrel::backend::CacheSpec;
+use kestrel::engine::padding::Scratch;
 
 /// The blocks a cache gets and the blocks that would fit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,8 +22,8 @@ fn gib(bytes: usize) -> f64 {
 /// `per_request` blocks one request of the full context needs.
 pub fn plan_kv_blocks(budget: usize, cache: &CacheSpec, wanted: usize, requested: Option<usize>, per_request: usize, utilization: f32) -> Result<KvPlan> {
     let per_block = cache.bytes_per_block().max(1);
-    // One block past those handed out is the scratch block padded rows write to.
-    let fit = (budget.saturating_sub(cache.state_bytes()) / per_block).saturating_sub(1);
+    // The engine keeps scratch blocks for padded rows past those the plan hands out.
+    let fit = (budget.saturating_sub(cache.state_bytes()) / per_block).saturating_sub(Scratch::BLOCKS);
     if let Some(n) = requested.filter(|&n| n > fit) {
         bail!("--kv-blocks {n} needs {:.2} GiB, but {:.2} GiB are left under --gpu-memory-utilization {utilization}", gib(n * per_block), gib(budget));
     }

@@ -159,8 +159,12 @@ impl<B: Backend> Engine<B> {
         }
         let snapshot_slots = config.snapshot_slots();
         // One KV block and one state slot past those the allocators hand out: padded rows write there.
-        let scratch = Scratch { block: config.num_blocks as u32, state_slot: config.max_num_seqs };
-        let spec = CacheSpec { kv_dtype: config.kv_dtype, checkpoint_slots: config.prefix_cache_checkpoints, ..model.cache_spec(config.num_blocks + 1, config.block_size, config.max_num_seqs + 1, snapshot_slots) };
+        let scratch = Scratch::after(config.num_blocks, config.max_num_seqs);
+        let spec = CacheSpec {
+            kv_dtype: config.kv_dtype,
+            checkpoint_slots: config.prefix_cache_checkpoints,
+            ..model.cache_spec(config.num_blocks + Scratch::BLOCKS, config.block_size, config.max_num_seqs + Scratch::STATE_SLOTS, snapshot_slots)
+        };
         let cache = backend.alloc_cache(&spec).map_err(|e: BackendError| EngineError::Config(e.to_string()))?;
         // A step has at most one row per sequence, and every row's table covers at most the context.
         let limits = StepLimits {

@@ -139,6 +139,18 @@ pub struct Scratch {
     pub state_slot: usize,
 }
 
+impl Scratch {
+    /// KV blocks and state slots the cache holds past those the allocators hand out.
+    pub const BLOCKS: usize = 1;
+    pub const STATE_SLOTS: usize = 1;
+
+    /// The scratch of a cache whose allocators hand out `num_blocks` blocks and
+    /// `max_num_seqs` state slots: the first ones past them.
+    pub fn after(num_blocks: usize, max_num_seqs: usize) -> Scratch {
+        Scratch { block: num_blocks as u32, state_slot: max_num_seqs }
+    }
+}
+
 /// A step's forward inputs padded to a capture shape: the real rows' ids, rows and logits
 /// rows first, unchanged, then the padded rows'.
 #[derive(Debug, Clone)]

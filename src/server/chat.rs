@@ -207,15 +207,7 @@ fn stream_response(state: ServerState, generations: Vec<Generation>, response: C
             let (state, response, events) = (state.clone(), response.clone(), events.clone());
             tasks.spawn(async move { stream_choice(&state, index, generation, &response, &events).await });
         }
-        let endings = match generation::join_choices(tasks).await {
-            Ok(Some(endings)) => endings,
-            // The client is gone: nobody reads the rest.
-            Ok(None) => return,
-            Err(err) => {
-                generation::send_error(&events, &err);
-                return;
-            }
-        };
+        let Some(endings) = generation::finish_choices(tasks, &events).await else { return };
         if include_usage {
             generation::send_json(&events, &response.usage_chunk(generation::usage_json(prompt_tokens, &endings)));
         }

@@ -125,20 +125,27 @@ pub async fn drive(
     Ok(Some(Ending { finish_reason, completion_tokens: output.tokens_used(), cached_tokens }))
 }
 
-/// Waits for every choice of a streamed request: their endings in the order they ended,
-/// `None` as soon as one finds the client gone, or the first failure once all have ended.
-pub async fn join_choices(mut tasks: tokio::task::JoinSet<Result<Option<Ending>, ApiError>>) -> Result<Option<Vec<Ending>>, ApiError> {
+/// Waits for every choice of a streamed request and returns their endings, in the order they
+/// ended. `None` means the stream is over: a choice found the client gone (nobody reads the
+/// rest), or one failed, which is sent as the stream's error once all have ended.
+pub async fn finish_choices(mut tasks: tokio::task::JoinSet<Result<Option<Ending>, ApiError>>, events: &UnboundedSender<Event>) -> Option<Vec<Ending>> {
     let mut endings = Vec::new();
     let mut failure = None;
     while let Some(joined) = tasks.join_next().await {
         match joined {
             Ok(Ok(Some(ending))) => endings.push(ending),
-            Ok(Ok(None)) => return Ok(None),
+            Ok(Ok(None)) => return None,
             Ok(Err(err)) => failure = failure.or(Some(err)),
             Err(err) => failure = failure.or(Some(ApiError::internal(format!("a choice failed: {err}")))),
         }
     }
-    failure.map_or(Ok(Some(endings)), Err)
+    match failure {
+        Some(err) => {
+            send_error(events, &err);
+            None
+        }
+        None => Some(endings),
+    }
 }
 
 /// An SSE response fed by `events`; the body ends when the sender is dropped.

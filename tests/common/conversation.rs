@@ -115,3 +115,8 @@ pub fn humaneval_messages(tokenizer: &kestrel::tokenizer::Tokenizer, first: usiz
         })
         .collect()
 }
+
+/// Prompts that begin with `prefix` (a system prompt, say) and end with each of `tails`.
+pub fn with_prefix(prefix: &[u32], tails: Vec<Vec<u32>>) -> Vec<Vec<u32>> {
+    tails.into_iter().map(|tail| [prefix, &tail[..]].concat()).collect()
+}
