@@ -159,17 +159,18 @@ __device__ __forceinline__ void flash_merge_row(FlashRow& r, int i, float acc[FL
     r.l = 0.0f;
 }
 
-// grid (ceil(T / tokens_per_block), nkv, 1 or FLASH_SPLITS), 64 threads per 16 query rows
-// (rows = tokens_per_block * group, at most 64); with FLASH_SPLITS, tokens_per_block is 1 and
+// grid (ceil(T / tokens_per_block), nkv, 1 or FLASH_SPLITS), 256 threads: 2 warps per 16 query
+// rows (rows = tokens_per_block * group, at most 64; the warps of unused rows only load, so a
+// decode block of one token loads its tiles with all 8); with FLASH_SPLITS, tokens_per_block is 1 and
 // block z computes range z of its token's query heads into `partial` ([T][nq][FLASH_SPLITS]
-// [hd + 2]: m, l, then the hd accumulators). Dynamic shared memory: (rows rounded up to 16 +
-// 2 * KEY_TILE) * (hd + 8) bf16 (queries, keys, values; rows padded by 16 bytes so that
+// [hd + 2]: m, l, then the hd accumulators). Dynamic shared memory: (64 + 2 * KEY_TILE) *
+// (hd + 8) bf16 (queries, keys, values; rows padded by 16 bytes so that
 // ldmatrix's eight rows fall in distinct banks).
 template <class KV>
 __device__ __forceinline__ void attn_flash_body(float* out, const float* q, const float* gate, KvCache kv, const int* tok_row, const int* positions, const RowInfo* rows,
         const int* block_tables, int num_tokens, int nq, int nkv, int hd, int block_size, int tokens_per_block, float scale, float* partial) {
     extern __shared__ __align__(16) unsigned char flash_smem[];
-    const int stride = hd + 8, nrt = blockDim.x / 64;
+    const int stride = hd + 8, nrt = FLASH_ROW_TILES;
     bf16_t* qs = (bf16_t*)flash_smem;
     bf16_t* ks = qs + nrt * 16 * stride;
     bf16_t* vs = ks + KEY_TILE * stride;
@@ -234,6 +235,8 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
             __syncthreads();
             FlashTile<KV>::load(ks, vs, kv, nkv, kvh, hd, stride);
             __syncthreads();
+            // Warps whose 16 rows are all unused only help with the loads.
+            if (rt * 16 >= (t1 - t0) * group) continue;
             // Scores of the warp's 16 rows against the tile's 64 keys, in order of head dims.
             float s[8][4];
 #pragma unroll

@@ -190,7 +190,7 @@ fn flash_attention_prefill_pieces_are_bitwise_equal() {
         for (nq, nkv, hd, rot) in [(16, 4, 256, 64), (3, 1, 16, 4)] {
             let what = format!("{dtype} {nq}/{nkv}x{hd}");
             let layer = Layer::new(&mut rng, nq, nkv, hd, rot);
-            let n = 2200;
+            let n: usize = 2200;
             let seqs = sequences(&mut rng, 1, n.div_ceil(16));
             let x = layer.inputs(&mut rng, n);
             let mut outputs = Vec::new();

@@ -146,15 +146,14 @@ pub(super) fn gated_attention(
         if split {
             tokens_per_block = 1;
         }
-        let row_tiles = (tokens_per_block * group).div_ceil(16);
         // Query rows, then the key and value tiles, bf16 rows of hd + 8 (cuda/attention_flash.cu).
-        let smem = (row_tiles * 16 + 2 * KEY_TILE) * (hd + 8) * 2;
+        let smem = (FLASH_ROWS + 2 * KEY_TILE) * (hd + 8) * 2;
         assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
         let partial = split.then(|| be.alloc_f32(t * nq * FLASH_SPLITS * (hd + 2)));
         be.launch(
             flash,
             (t.div_ceil(tokens_per_block) as u32, nkv as u32, if split { FLASH_SPLITS as u32 } else { 1 }),
-            64 * row_tiles as u32,
+            256,
             smem,
             &[
                 Arg::Ptr(be.ptr(&out.data)),
