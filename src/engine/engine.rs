@@ -9,13 +9,15 @@ use super::spec::mtp::{propose_mtp, MtpCatchUp};
 use super::spec::ngram::{propose_ngram, NgramConfig};
 use super::graphed::{capture_at_startup, forward, CaptureReport, GraphPadding};
 use super::padding::{CaptureSizes, PadLimits, PaddingStats, Scratch};
-use super::plan::StepPlan;
-use super::spec::verify::accept_drafts;
+use super::logits::logprobs::TokenLogprob;
+use super::plan::{PlannedRow, StepPlan};
+use super::spec::verify::{accept_drafts, VerifyOutcome};
 use crate::backend::sampling::NO_FINITE_LOGIT;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
 use crate::backend::{delta_state_in_place, Backend, BackendError, CacheSpec, KvDtype, RowKind, RowSampling, StateCommit, StepLimits};
 use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
 use indicatif::ProgressBar;
+use rayon::prelude::*;
 use std::collections::HashMap;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -321,7 +323,7 @@ impl<B: Backend> Engine<B> {
         let draws = self.row_sampling(&plan);
         let host_rows: Vec<bool> = draws.iter().map(|d| d.on_host).collect();
         let (sampled, host_logits) = self.draw_rows(&out.logits, draws, &host_rows);
-        let vocab = self.model.config.vocab_size;
+        let mut host_draws = self.draw_on_host(&plan, &host_rows, &host_logits, &mut masks);
         self.stats.steps += 1;
         self.stats.forward_tokens += plan.num_tokens() as u64;
 
@@ -337,11 +339,8 @@ impl<B: Backend> Engine<B> {
             let mut logprobs = Vec::new();
             let mut committed_now = row.committed;
             let conv_only = delta_state_in_place(layout.kind, layout.num_tokens);
-            // Rows adjusted or read on the host are drawn there, by the same rule.
-            let drawn_on_host = row.logits_start.filter(|&l| host_rows[l]).map(|l| {
-                let rows: Vec<&[f32]> = (l..=l + row.drafts.len()).map(|r| &host_logits[&r][..vocab]).collect();
-                seq.logits.draw(&rows, &row.drafts, &masks.remove(&seq.id).unwrap_or_default(), &seq.params, seq.num_generated() as u64)
-            });
+            // Rows adjusted or read on the host were drawn there, by the same rule.
+            let drawn_on_host = host_draws.remove(&row.seq);
             match (row.kind, row.logits_start) {
                 (RowKind::Prefill, sample) => {
                     seq.num_computed += row.committed;
@@ -462,14 +461,11 @@ impl<B: Backend> Engine<B> {
         let (model, backend, cache, graphs, seqs) = (&self.model, &self.backend, &mut self.cache, self.graphs.as_ref(), &mut self.seqs);
         let block_size = self.config.block_size;
         let (out, shapes, masks) = std::thread::scope(|scope| {
+            // Each sequence's grammar is its own matcher: their masks are computed in parallel
+            // (on the global pool), and all of them while the forward runs.
             let masks = scope.spawn(move || {
-                let mut masks = HashMap::new();
-                for (id, drafts) in constrained {
-                    if let Some(seq) = seqs.iter_mut().find(|s| s.id == id) {
-                        masks.insert(id, seq.logits.masks(&drafts));
-                    }
-                }
-                masks
+                let constrained: HashMap<RequestId, Vec<u32>> = constrained.into_iter().collect();
+                seqs.par_iter_mut().filter_map(|seq| constrained.get(&seq.id).map(|drafts| (seq.id, seq.logits.masks(drafts)))).collect::<HashMap<_, _>>()
             });
             let (out, shapes) = forward(model, backend, cache, graphs, plan, block_size);
             (out, shapes, masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
@@ -505,6 +501,31 @@ impl<B: Backend> Engine<B> {
         let copied = self.backend.logits_rows_to_host(logits, &host);
         let host_logits = host.iter().enumerate().map(|(k, &i)| (i, copied[k * vocab..(k + 1) * vocab].to_vec())).collect();
         (sampled, host_logits)
+    }
+
+    /// Draws the rows of `plan` whose logits came to the host (`host_logits`, by logits row),
+    /// each request's rows with its own masks, the requests in parallel: a draw depends only on
+    /// the row's logits, drafts and position, so the order they run in changes nothing.
+    fn draw_on_host(&mut self, plan: &StepPlan, host_rows: &[bool], host_logits: &HashMap<usize, Vec<f32>>, masks: &mut HashMap<RequestId, Vec<TokenMask>>) -> HashMap<RequestId, (VerifyOutcome, Vec<TokenLogprob>)> {
+        let vocab = self.model.config.vocab_size;
+        let work: HashMap<RequestId, (&PlannedRow, usize, Vec<TokenMask>)> = plan
+            .rows
+            .iter()
+            .filter_map(|row| row.logits_start.filter(|&l| host_rows[l]).map(|l| (row.seq, (row, l, masks.remove(&row.seq).unwrap_or_default()))))
+            .collect();
+        if work.is_empty() {
+            return HashMap::new();
+        }
+        // A sequence is drawn by the thread that holds it mutably: its grammar matcher is Send,
+        // not shareable.
+        self.seqs
+            .par_iter_mut()
+            .filter_map(|seq| {
+                let (row, l, row_masks) = work.get(&seq.id)?;
+                let rows: Vec<&[f32]> = (*l..=l + row.drafts.len()).map(|r| &host_logits[&r][..vocab]).collect();
+                Some((seq.id, seq.logits.draw(&rows, &row.drafts, row_masks, &seq.params, seq.num_generated() as u64)))
+            })
+            .collect()
     }
 
     /// How to draw each logits row of `plan`: a prefill row that samples predicts the request's
