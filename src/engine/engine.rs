@@ -11,6 +11,7 @@ use super::graphed::{capture_at_startup, forward, CaptureReport, GraphPadding};
 use super::padding::{CaptureSizes, PadLimits, PaddingStats, Scratch};
 use super::logits::logprobs::TokenLogprob;
 use super::plan::{PlannedRow, StepPlan};
+use super::spec::backoff::{NextStepRows, SpecBackoff};
 use super::spec::verify::{accept_drafts, VerifyOutcome};
 use crate::backend::sampling::NO_FINITE_LOGIT;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
@@ -19,6 +20,7 @@ use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
 use indicatif::ProgressBar;
 use rayon::prelude::*;
 use std::collections::HashMap;
+use std::time::Instant;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum EngineError {
@@ -66,6 +68,9 @@ pub struct EngineConfig {
     pub max_cuda_graph_size: Option<usize>,
     /// Recurrent-state checkpoints the prefix cache may keep; 0 turns prefix caching off.
     pub prefix_cache_checkpoints: usize,
+    /// Verify fewer drafts per row (down to none) when measured step costs say they would not
+    /// pay ([`SpecBackoff`]); off: every step offers `spec_tokens`.
+    pub spec_backoff: bool,
 }
 
 impl EngineConfig {
@@ -100,6 +105,7 @@ impl Default for EngineConfig {
             cuda_graph_sizes: None,
             max_cuda_graph_size: None,
             prefix_cache_checkpoints: 64,
+            spec_backoff: false,
         }
     }
 }
@@ -112,6 +118,8 @@ pub struct EngineStats {
     pub spec: SpecStats,
     /// Real and padded rows of the steps run at a capture size or replayed at their own shape.
     pub padding: PaddingStats,
+    /// Steps whose rows were offered fewer drafts than `spec_tokens` by the back-off.
+    pub backed_off_steps: u64,
 }
 
 /// A drafter supplied by the caller instead of ngram/MTP: given a request, its committed tokens
@@ -133,6 +141,10 @@ pub struct Engine<B: Backend> {
     graphs: Option<GraphPadding>,
     /// What capturing the graphs at start-up took, where they were.
     pub graph_capture: Option<CaptureReport>,
+    /// Chooses each step's drafts per row, with `spec_backoff`.
+    backoff: Option<SpecBackoff>,
+    /// Drafts per row the rows of the next step were offered.
+    offered_drafts: usize,
 }
 
 impl<B: Backend> Engine<B> {
@@ -200,7 +212,9 @@ impl<B: Backend> Engine<B> {
             SlotAllocator::new(config.max_num_seqs),
             (config.prefix_cache_checkpoints > 0).then(|| PrefixCache::new(config.prefix_cache_checkpoints)),
         );
-        Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default(), graphs, graph_capture })
+        let backoff = config.spec_backoff.then(|| SpecBackoff::new(config.spec_tokens));
+        let offered_drafts = config.spec_tokens;
+        Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default(), graphs, graph_capture, backoff, offered_drafts })
     }
 
     /// The capture sizes steps are padded up to (empty: none, every step at its own shape).
@@ -316,6 +330,7 @@ impl<B: Backend> Engine<B> {
             assert!(self.seqs.is_empty(), "scheduler produced no rows with {} requests queued", self.seqs.len());
             return events;
         }
+        let started = Instant::now();
         let (out, mut masks) = self.forward_with_masks(&plan);
         // Invariant 2: a padded step comes back cut to the plan's real rows.
         assert_eq!(self.backend.shape(&out.logits).0, plan.logit_rows.len(), "the forward returned logits of rows the plan does not have");
@@ -324,6 +339,9 @@ impl<B: Backend> Engine<B> {
         let host_rows: Vec<bool> = draws.iter().map(|d| d.on_host).collect();
         let (sampled, host_logits) = self.draw_rows(&out.logits, draws, &host_rows);
         let mut host_draws = self.draw_on_host(&plan, &host_rows, &host_logits, &mut masks);
+        if let Some(backoff) = self.backoff.as_mut().filter(|_| plan.rows.iter().all(|r| r.kind == RowKind::Generate)) {
+            backoff.record_forward(plan.num_tokens(), started.elapsed().as_secs_f64());
+        }
         self.stats.steps += 1;
         self.stats.forward_tokens += plan.num_tokens() as u64;
 
@@ -367,6 +385,9 @@ impl<B: Backend> Engine<B> {
                     seq.num_computed += committed_now;
                     if seq.spec.record_step(row.drafts.len(), outcome.accepted).is_err() {
                         debug_assert!(false, "verify returned more accepted drafts than drafted");
+                    }
+                    if let Some(backoff) = self.backoff.as_mut().filter(|_| self.custom_drafter.is_none()) {
+                        backoff.record_row(seq.method, self.offered_drafts, row.drafts.len(), outcome.accepted);
                     }
                     emitted = outcome.tokens;
                 }
@@ -548,7 +569,8 @@ impl<B: Backend> Engine<B> {
 
     /// Drafts for each running sequence's next step.
     fn propose(&mut self, step_hidden: &B::Tensor, mut mtp_items: Vec<(RequestId, MtpCatchUp)>) {
-        let k = self.config.spec_tokens;
+        let k = self.drafts_to_offer();
+        self.offered_drafts = k;
         let max_len = self.config.max_model_len;
         for seq in self.seqs.iter_mut() {
             seq.drafts.clear();
@@ -563,7 +585,7 @@ impl<B: Backend> Engine<B> {
                 }
                 continue;
             }
-            if seq.method == SpecMethod::Ngram {
+            if seq.method == SpecMethod::Ngram && k > 0 {
                 let cfg = NgramConfig { min_n: self.config.ngram_min, max_n: self.config.ngram_max, k };
                 seq.drafts = propose_ngram(&seq.tokens, &cfg, left);
             }
@@ -576,7 +598,7 @@ impl<B: Backend> Engine<B> {
         for (id, item) in mtp_items.iter_mut() {
             let Some(seq) = self.seqs.iter_mut().find(|s| s.id == *id) else { continue };
             let left = seq.max_useful_drafts(max_len);
-            item.drafts_wanted = item.drafts_wanted.min(left);
+            item.drafts_wanted = item.drafts_wanted.min(left).min(k);
             if item.drafts_wanted > 0 {
                 let mut table = std::mem::take(&mut seq.block_table);
                 if self.scheduler.blocks.ensure(&mut table, seq.num_computed + 1 + item.drafts_wanted).is_err() {
@@ -588,13 +610,34 @@ impl<B: Backend> Engine<B> {
             }
         }
         let items: Vec<MtpCatchUp> = mtp_items.iter().map(|(_, it)| it.clone()).collect();
+        let started = Instant::now();
         let drafts = propose_mtp(&self.model, &self.backend, &mut self.cache, step_hidden, &items);
+        if let Some(backoff) = self.backoff.as_mut() {
+            backoff.record_mtp_drafting(k, started.elapsed().as_secs_f64());
+        }
         for ((id, _), d) in mtp_items.iter().zip(drafts) {
             if let Some(seq) = self.seqs.iter_mut().find(|s| s.id == *id) {
                 seq.drafts = d;
             }
         }
         self.keep_valid_drafts();
+    }
+
+    /// Drafts per row to offer the next step: `spec_tokens`, or with the back-off on what it
+    /// chooses for the running rows (a custom drafter is always offered `spec_tokens`).
+    fn drafts_to_offer(&mut self) -> usize {
+        let Some(backoff) = self.backoff.as_mut().filter(|_| self.custom_drafter.is_none()) else { return self.config.spec_tokens };
+        let mut rows = NextStepRows::default();
+        for seq in self.seqs.iter().filter(|s| s.status == SeqStatus::Running && !s.in_prefill()) {
+            match seq.method {
+                SpecMethod::None => rows.plain += 1,
+                SpecMethod::Ngram => rows.ngram += 1,
+                SpecMethod::Mtp => rows.mtp += 1,
+            }
+        }
+        let k = backoff.choose(rows);
+        self.stats.backed_off_steps = backoff.backed_off_steps;
+        k
     }
 
     /// Cuts each grammar-constrained request's drafts where its grammar stops allowing them:
