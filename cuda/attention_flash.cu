@@ -2,16 +2,19 @@
 // query heads of one kv head for up to 64 / group consecutive tokens of one sequence (a query
 // tile of at most 64 rows, a row being a (token, query head) pair) and walks the key tiles of 64
 // keys aligned to absolute positions, reading each tile once for all its rows. QK^T and PV run
-// as mma.sync m16n8k16 bf16 with f32 accumulation: q and the softmax weights are rounded to
-// bf16, as FlashAttention does; fp8 keys and values are turned into bf16 tiles in shared memory
+// as mma.sync m16n8k16 bf16 with f32 accumulation. Keys and values are bf16 (fp8's e4m3 values
+// are bf16 values); q and the softmax weights are f32, so each is split into a bf16 part and a
+// bf16 remainder, two MMAs per product (FlashAttention rounds them to bf16 once; that left
+// outputs 2e-3 off the f32 reference, more than the GPU-against-CPU model checks allow).
+// fp8 keys and values are turned into bf16 tiles in shared memory
 // (e4m3 values are bf16 values) with their per-vector scales applied in f32 to the scores and to
 // the weights. An MMA output element depends only on its own row of A and column of B, and every
 // other step is per row, so a query's bits depend on its own context only:
 //
-// - A query with ctx keys cuts its tiles into ranges of flash_span(ctx) tiles (a power of two,
-//   so at most FLASH_SPLITS ranges): each range an online softmax over its tiles, the ranges
-//   merged in order with merge_scales / merge_sum. Rows of one tile whose spans differ merge at
-//   their own boundaries.
+// - A query with ctx keys cuts its tiles into at most FLASH_SPLITS ranges of flash_span(ctx)
+//   tiles: each range an online softmax over its tiles, the ranges merged in order with
+//   merge_scales / merge_sum. Rows of one query tile whose spans differ merge at their own
+//   boundaries.
 // - Keys after a query's position get weight exactly 0 (its maximum and sum then stay as they
 //   were, its accumulators gain exact zeros), so the tiles a query's neighbours add leave its
 //   bits unchanged. Key rows past the tile's last context are zero-filled, never read.
@@ -28,13 +31,10 @@
 #define FLASH_MAX_NT 16
 #define FLASH_MAX_KSTEPS 16
 
-// Tiles per range for a query with ctx keys: the least power of two that leaves at most
-// FLASH_SPLITS ranges.
+// Tiles per range for a query with ctx keys: the fewest that leave at most FLASH_SPLITS ranges.
 __device__ __forceinline__ int flash_span(int ctx) {
     int tiles = (ctx + KEY_TILE - 1) / KEY_TILE;
-    int need = (tiles + FLASH_SPLITS - 1) / FLASH_SPLITS, span = 1;
-    while (span < need) span <<= 1;
-    return span;
+    return (tiles + FLASH_SPLITS - 1) / FLASH_SPLITS;
 }
 __device__ __forceinline__ int flash_ranges(int ctx) {
     int tiles = (ctx + KEY_TILE - 1) / KEY_TILE, span = flash_span(ctx);
@@ -45,6 +45,15 @@ __device__ __forceinline__ void flash_mma(float c[4], const u32 a[4], u32 b0, u3
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Two floats as bf16 pairs: their nearest bf16 values and the bf16 of what those leave out
+// (a + b in bf16 pairs carries 16 significant bits of each float; K and V tiles are bf16 already,
+// so scores and outputs come within f32 rounding of the f32 products).
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, u32* hi, u32* lo) {
+    u32 h = pack_bf16x2(x0, x1);
+    float r0 = __fsub_rn(x0, __uint_as_float(h << 16)), r1 = __fsub_rn(x1, __uint_as_float(h & 0xffff0000u));
+    *hi = h;
+    *lo = pack_bf16x2(r0, r1);
 }
 __device__ __forceinline__ void ldsm_x4(u32 r[4], const bf16_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
@@ -163,7 +172,7 @@ __device__ __forceinline__ void flash_merge_row(FlashRow& r, int i, float acc[FL
 // rows (rows = tokens_per_block * group, at most 64; the warps of unused rows only load, so a
 // decode block of one token loads its tiles with all 8); with FLASH_SPLITS, tokens_per_block is 1 and
 // block z computes range z of its token's query heads into `partial` ([T][nq][FLASH_SPLITS]
-// [hd + 2]: m, l, then the hd accumulators). Dynamic shared memory: (64 + 2 * KEY_TILE) *
+// [hd + 2]: m, l, then the hd accumulators). Dynamic shared memory: (2 * 64 + 2 * KEY_TILE) *
 // (hd + 8) bf16 (queries, keys, values; rows padded by 16 bytes so that
 // ldmatrix's eight rows fall in distinct banks).
 template <class KV>
@@ -171,8 +180,9 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
         const int* block_tables, int num_tokens, int nq, int nkv, int hd, int block_size, int tokens_per_block, float scale, float* partial) {
     extern __shared__ __align__(16) unsigned char flash_smem[];
     const int stride = hd + 8, nrt = FLASH_ROW_TILES;
-    bf16_t* qs = (bf16_t*)flash_smem;
-    bf16_t* ks = qs + nrt * 16 * stride;
+    bf16_t* qs = (bf16_t*)flash_smem;              // q's bf16 parts
+    bf16_t* qr = qs + nrt * 16 * stride;           // and its remainders
+    bf16_t* ks = qr + nrt * 16 * stride;
     bf16_t* vs = ks + KEY_TILE * stride;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g4 = lane >> 2, tig = lane & 3;
     int rt = warp % nrt, dh = warp / nrt;
@@ -192,12 +202,13 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
         // The run's query rows as bf16 (zero rows for the tile's unused rows).
         for (int e = tid; e < nrt * 16 * half; e += blockDim.x) {
             int r = e / half, d = 2 * (e % half), t = t0 + r / group;
-            u32 v = 0;
+            u32 hi = 0, lo = 0;
             if (r < nrows && t < t1) {
                 const float* src = q + ((long long)t * nq + kvh * group + r % group) * hd + d;
-                v = pack_bf16x2(src[0], src[1]);
+                split_bf16x2(src[0], src[1], &hi, &lo);
             }
-            *(u32*)(qs + r * stride + d) = v;
+            *(u32*)(qs + r * stride + d) = hi;
+            *(u32*)(qr + r * stride + d) = lo;
         }
         // This thread's two rows: g4 and g4 + 8 of the warp's row tile.
         FlashRow row[2];
@@ -246,14 +257,18 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
 #pragma unroll
             for (int kk = 0; kk < FLASH_MAX_KSTEPS; ++kk) {
                 if (kk >= ksteps) break;
-                u32 a[4];
-                ldsm_x4(a, qs + (rt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + kk * 16 + ((lane >> 4) & 1) * 8);
+                u32 a[4], ar[4];
+                int qoff = (rt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + kk * 16 + ((lane >> 4) & 1) * 8;
+                ldsm_x4(a, qs + qoff);
+                ldsm_x4(ar, qr + qoff);
 #pragma unroll
                 for (int np = 0; np < 4; ++np) {
                     u32 b[4];
                     ldsm_x4(b, ks + (np * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * stride + kk * 16 + ((lane >> 3) & 1) * 8);
                     flash_mma(s[2 * np], a, b[0], b[1]);
+                    flash_mma(s[2 * np], ar, b[0], b[1]);
                     flash_mma(s[2 * np + 1], a, b[2], b[3]);
+                    flash_mma(s[2 * np + 1], ar, b[2], b[3]);
                 }
             }
             // Online softmax per row: the row's 64 scores sit in the four lanes of a quad,
@@ -283,7 +298,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                 corr[i] = expf(__fsub_rn(row[i].m, base[i]));
                 row[i].m = mn;
             }
-            u32 pa[4][4];
+            u32 pa[4][4], pr[4][4];
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
                 float pv[4];
@@ -294,8 +309,8 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                     pv[c] = KV::SCALED ? __fmul_rn(p, flash_vscale[n * 8 + 2 * tig + (c & 1)]) : p;
                 }
                 // The weights as the A fragment of key step n / 2 (keys 16 (n / 2) ...).
-                pa[n >> 1][(n & 1) * 2] = pack_bf16x2(pv[0], pv[1]);
-                pa[n >> 1][(n & 1) * 2 + 1] = pack_bf16x2(pv[2], pv[3]);
+                split_bf16x2(pv[0], pv[1], &pa[n >> 1][(n & 1) * 2], &pr[n >> 1][(n & 1) * 2]);
+                split_bf16x2(pv[2], pv[3], &pa[n >> 1][(n & 1) * 2 + 1], &pr[n >> 1][(n & 1) * 2 + 1]);
             }
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
@@ -316,7 +331,11 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                     u32 b[4];
                     ldsm_x4_trans(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + dh * half + np * 16 + ((lane >> 4) & 1) * 8);
                     flash_mma(acc[2 * np], pa[kk], b[0], b[1]);
-                    if (2 * np + 1 < nt) flash_mma(acc[2 * np + 1], pa[kk], b[2], b[3]);
+                    flash_mma(acc[2 * np], pr[kk], b[0], b[1]);
+                    if (2 * np + 1 < nt) {
+                        flash_mma(acc[2 * np + 1], pa[kk], b[2], b[3]);
+                        flash_mma(acc[2 * np + 1], pr[kk], b[2], b[3]);
+                    }
                 }
             }
         }

@@ -18,9 +18,10 @@ use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, KvDtype, 
 /// The formats whose attention runs on tensor cores.
 const FLASH_DTYPES: [KvDtype; 2] = [KvDtype::Bf16, KvDtype::Fp8];
 
-/// q and the softmax weights are rounded to bf16 before their products (as FlashAttention
-/// does), so outputs sit within a few bf16 steps of the f32 reference, not 1e-4.
-const TOLERANCE: f32 = 1e-2;
+/// q and the softmax weights enter the MMAs as two bf16 parts each and the MMAs accumulate in
+/// f32 in their own order: close to f32 products, with a margin (one bf16 rounding of q and
+/// the weights, as FlashAttention does, left 2e-3).
+const TOLERANCE: f32 = 1e-3;
 
 fn seed() -> u64 {
     let s = std::env::var("KESTREL_TEST_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));

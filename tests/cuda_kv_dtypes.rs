@@ -116,11 +116,12 @@ fn compare_stored(what: &str, gpu: &CpuCache, cpu: &CpuCache) {
 }
 
 /// How close the device's attention comes to the f32 CPU reference over the same cache: bf16
-/// and fp8 run on tensor cores with q and the softmax weights rounded to bf16 (as
-/// FlashAttention does), so within a few bf16 steps; f32 and tq3 keep f32 products.
+/// and fp8 run on tensor cores (q and the softmax weights as two bf16 parts each, f32
+/// accumulation in the MMA's own order), with a margin over f32 products; f32 and tq3 keep
+/// f32 products.
 fn tolerance(dtype: KvDtype) -> f32 {
     if matches!(dtype, KvDtype::Bf16 | KvDtype::Fp8) {
-        1e-2
+        1e-3
     } else {
         1e-4
     }

@@ -146,8 +146,9 @@ pub(super) fn gated_attention(
         if split {
             tokens_per_block = 1;
         }
-        // Query rows, then the key and value tiles, bf16 rows of hd + 8 (cuda/attention_flash.cu).
-        let smem = (FLASH_ROWS + 2 * KEY_TILE) * (hd + 8) * 2;
+        // Query rows (bf16 parts and remainders), then the key and value tiles, bf16 rows of
+        // hd + 8 (cuda/attention_flash.cu).
+        let smem = (2 * FLASH_ROWS + 2 * KEY_TILE) * (hd + 8) * 2;
         assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
         let partial = split.then(|| be.alloc_f32(t * nq * FLASH_SPLITS * (hd + 2)));
         be.launch(
