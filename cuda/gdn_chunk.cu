@@ -75,32 +75,44 @@ __device__ __forceinline__ void chunk_span(const RowInfo& row, int c, int* i0, i
     *len = min(CHUNK - (row.start_position + *i0) % CHUNK, row.num_tokens - *i0);
 }
 
-// dst[l * ld + c] = src[l * stride + c] * factor(l) for l < rows and c < n, 0 elsewhere in
-// l < CHUNK, c < np (np a multiple of 8, ld a multiple of 4). factor: a shared array, or none (1).
-__device__ __forceinline__ void load_rows(float* dst, int ld, const float* src, long long stride, int n, int np, int rows, const float* factor) {
+// Whether load_rows copies with cp.async (1: all of a thread's 16-byte copies in flight at once,
+// where a loop of plain loads and shared stores waited for each load in turn) or with plain
+// loads (0, for A/B runs through `KESTREL_CUDA_DEFINES=GDN_CHUNK_ASYNC=0`).
+#ifndef GDN_CHUNK_ASYNC
+#define GDN_CHUNK_ASYNC 1
+#endif
+
+__device__ __forceinline__ void copy16_async(float* dst, const float* src) {
+#if GDN_CHUNK_ASYNC
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+#else
+    *(float4*)dst = *(const float4*)src;
+#endif
+}
+
+// Waits for this thread's copies of load_rows; a __syncthreads must follow before others read.
+__device__ __forceinline__ void load_rows_wait() {
+#if GDN_CHUNK_ASYNC
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// dst[l * ld + c] = src[l * stride + c] for l < rows and c < n, 0 elsewhere in l < CHUNK,
+// c < np (np a multiple of 8, ld a multiple of 4, dst 16-byte aligned). Rows of whole float4s
+// are copied asynchronously: load_rows_wait, then __syncthreads, before they are read.
+__device__ __forceinline__ void load_rows(float* dst, int ld, const float* src, long long stride, int n, int np, int rows) {
     if ((n & 3) == 0 && (stride & 3) == 0 && ((unsigned long long)src & 15) == 0) {
         int quads = np / 4;
         for (int e = threadIdx.x; e < CHUNK * quads; e += blockDim.x) {
             int l = e / quads, c = (e % quads) * 4;
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (l < rows && c < n) {
-                v = *(const float4*)(src + l * stride + c);
-                if (factor) {
-                    float f = factor[l];
-                    v.x *= f;
-                    v.y *= f;
-                    v.z *= f;
-                    v.w *= f;
-                }
-            }
-            *(float4*)(dst + l * ld + c) = v;
+            if (l < rows && c < n) copy16_async(dst + l * ld + c, src + l * stride + c);
+            else *(float4*)(dst + l * ld + c) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
     } else {
         for (int e = threadIdx.x; e < CHUNK * np; e += blockDim.x) {
             int l = e / np, c = e % np;
-            float v = 0.0f;
-            if (l < rows && c < n) v = src[l * stride + c] * (factor ? factor[l] : 1.0f);
-            dst[l * ld + c] = v;
+            dst[l * ld + c] = l < rows && c < n ? src[l * stride + c] : 0.0f;
         }
     }
 }
@@ -125,7 +137,7 @@ __device__ __forceinline__ int chunk_owner(const RowInfo* rows, const int* row_i
 // gam [CHUNK] at (s * nv + h) times their sizes.
 
 // Grid (chunk slots, nv), GC_THREADS threads. Dynamic shared memory, floats:
-// CHUNK * (dkp + 4) (k) + CHUNK * (max(dkp, dvp) + 4) (q, then beta exp(gam) k, then beta v)
+// CHUNK * (dkp + 4) (k) + CHUNK * (max(dkp, dvp) + 4) (q, then exp(gam) k, then v)
 // + 2 * CHUNK * GC_LDC (A, T) + 2 * CHUNK (gam, beta); dkp = dk rounded up to 16, dvp = dv
 // rounded up to 8.
 extern "C" __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_prep(float* w_out, float* u_out, float* p_out, float* gam_out, const float* qn, const float* kn,
@@ -151,13 +163,14 @@ extern "C" __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_prep(float* w
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const long long t0 = row.token_start + i0;
 
-    load_rows(ks, ldk, kn + t0 * key_dim + kh * dk, key_dim, dk, dkp, len, nullptr);
-    load_rows(xs, ldx, qn + t0 * key_dim + kh * dk, key_dim, dk, dkp, len, nullptr);
+    load_rows(ks, ldk, kn + t0 * key_dim + kh * dk, key_dim, dk, dkp, len);
+    load_rows(xs, ldx, qn + t0 * key_dim + kh * dk, key_dim, dk, dkp, len);
     if (tid < CHUNK) {
         // Tokens past the chunk's end: no decay, no write (their k, q and v are zero).
         gam[tid] = tid < len ? g[(t0 + tid) * nv + h] : 0.0f;
         bet[tid] = tid < len ? beta[(t0 + tid) * nv + h] : 0.0f;
     }
+    load_rows_wait();
     __syncthreads();
     if (tid == 0) {
         // In token order, as the CPU sums.
@@ -189,10 +202,10 @@ extern "C" __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_prep(float* w
         }
     }
     __syncthreads();
-    // q is no longer needed: the right-hand side of W, beta exp(gam) k.
+    // q is no longer needed: the right-hand side of W, exp(gam) k.
     for (int e = tid; e < CHUNK * dkp; e += blockDim.x) {
         int l = e / dkp, a = e % dkp;
-        xs[l * ldx + a] = bet[l] * expf(gam[l]) * ks[l * ldk + a];
+        xs[l * ldx + a] = expf(gam[l]) * ks[l * ldk + a];
     }
     // T = (I + A)^-1, row by row: T[l][j] = [l == j] - sum_{j <= m < l} A[l][m] T[m][j]. Thread
     // (column j, part p) sums the m = p mod 4; the 4 parts are adjacent lanes.
@@ -206,13 +219,21 @@ extern "C" __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_prep(float* w
             __syncthreads();
         }
     }
-    // W = T X, U = T (beta v): T is lower triangular, so tile row mi needs k < 16 (mi + 1).
+    // T diag(beta), the factor both W and U start with.
+    for (int e = tid; e < CHUNK * CHUNK; e += blockDim.x) {
+        int l = e / CHUNK, m = e % CHUNK;
+        ts[l * GC_LDC + m] *= bet[m];
+    }
+    __syncthreads();
+    // W = T diag(beta) X, U = T diag(beta) V: T is lower triangular, so tile row mi needs
+    // k < 16 (mi + 1).
     for (int pass = 0; pass < 2; ++pass) {
         int n = pass == 0 ? dk : dv, np = pass == 0 ? dkp : dvp;
         float* dst = (pass == 0 ? w_out : u_out) + scratch * CHUNK * n;
         if (pass == 1) {
             __syncthreads();
-            load_rows(xs, ldx, conv_out + t0 * conv_dim + value_channel(key_dim, h, dv, 0), conv_dim, dv, dvp, len, bet);
+            load_rows(xs, ldx, conv_out + t0 * conv_dim + value_channel(key_dim, h, dv, 0), conv_dim, dv, dvp, len);
+            load_rows_wait();
             __syncthreads();
         }
         for (int tile = warp; tile < (CHUNK / 16) * (np / 8); tile += GC_WARPS) {
@@ -229,21 +250,22 @@ extern "C" __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_prep(float* w
 }
 
 // Grid (rows listed in row_ids, nv, ceil(dv / COLS)), GC_THREADS threads. Dynamic shared
-// memory, floats: 2 * CHUNK * (dkp + 4) (W, exp(gam) q) + CHUNK * (dkp + 8) (exp(gam_last -
-// gam) k) + CHUNK * GC_LDC (P) + CHUNK * (COLS + 8) (U, then V') + dkp * (COLS + 8) (S)
-// + 2 * CHUNK (the row factors of q and k).
+// memory, floats: 2 * CHUNK * (dkp + 4) (W, q) + CHUNK * (dkp + 8) (k) + CHUNK * GC_LDC (P)
+// + 2 * CHUNK * (COLS + 8) (U then V', and V' scaled) + dkp * (COLS + 8) (S) + 2 * CHUNK (the
+// row factors of q and V').
 template <int COLS>
 __device__ __forceinline__ void chunk_state_body(float* core, float* rec, const float* w_in, const float* u_in, const float* p_in, const float* gam_in,
         const float* qn, const float* kn, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv) {
     extern __shared__ float state_smem[];
     const int dkp = round_up(dk, 16), ldw = dkp + 4, ldk = dkp + 8, ldv = COLS + 8;
-    float* ws = state_smem;                   // [CHUNK][ldw]
+    float* ws = state_smem;           // [CHUNK][ldw]
     float* qs = ws + CHUNK * ldw;     // [CHUNK][ldw]
     float* ks = qs + CHUNK * ldw;     // [CHUNK][ldk]
     float* ps = ks + CHUNK * ldk;     // [CHUNK][GC_LDC]
     float* vs = ps + CHUNK * GC_LDC;  // [CHUNK][ldv]
     float* ss = vs + CHUNK * ldv;     // [dkp][ldv]
-    float* fq = ss + dkp * ldv;       // [CHUNK]
+    float* vk = ss + dkp * ldv;       // [CHUNK][ldv]  diag(exp(gam_last - gam)) V'
+    float* fq = vk + CHUNK * ldv;     // [CHUNK]
     float* fk = fq + CHUNK;           // [CHUNK]
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int h = blockIdx.y, kh = h / (nv / nk), key_dim = nk * dk, j0 = blockIdx.z * COLS;
@@ -264,28 +286,31 @@ __device__ __forceinline__ void chunk_state_body(float* core, float* rec, const 
         int i0, len;
         chunk_span(row, c, &i0, &len);
         const long long t0 = row.token_start + i0, scratch = (long long)slot * nv + h;
+        // What the last chunk read is free: its last reads came before its last __syncthreads.
+        load_rows(ws, ldw, w_in + scratch * CHUNK * dk, dk, dk, dkp, CHUNK);
+        load_rows(qs, ldw, qn + t0 * key_dim + kh * dk, key_dim, dk, dkp, len);
+        load_rows(ks, ldk, kn + t0 * key_dim + kh * dk, key_dim, dk, dkp, len);
+        load_rows(ps, GC_LDC, p_in + scratch * CHUNK * CHUNK, CHUNK, CHUNK, CHUNK, CHUNK);
+        load_rows(vs, ldv, u_in + scratch * CHUNK * dv + j0, dv, cols, COLS, CHUNK);
         const float glast = gam_in[scratch * CHUNK + len - 1];
         if (tid < CHUNK) {
             float gl = gam_in[scratch * CHUNK + tid];
             fq[tid] = tid < len ? expf(gl) : 0.0f;
             fk[tid] = tid < len ? expf(glast - gl) : 0.0f;
         }
+        load_rows_wait();
         __syncthreads();
-        load_rows(ws, ldw, w_in + scratch * CHUNK * dk, dk, dk, dkp, CHUNK, nullptr);
-        load_rows(qs, ldw, qn + t0 * key_dim + kh * dk, key_dim, dk, dkp, len, fq);
-        load_rows(ks, ldk, kn + t0 * key_dim + kh * dk, key_dim, dk, dkp, len, fk);
-        load_rows(ps, GC_LDC, p_in + scratch * CHUNK * CHUNK, CHUNK, CHUNK, CHUNK, CHUNK, nullptr);
-        load_rows(vs, ldv, u_in + scratch * CHUNK * dv + j0, dv, cols, COLS, CHUNK, nullptr);
-        __syncthreads();
-        // V' = U - W S
+        // V' = U - W S, and diag(exp(gam_last - gam)) V' for the state's increment.
         for (int tile = warp; tile < (CHUNK / 16) * (COLS / 8); tile += GC_WARPS) {
             int mi = tile / (COLS / 8), ni = tile % (COLS / 8);
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             tile_mma(acc, ws + mi * 16 * ldw, ldw, 1, ss + ni * 8, ldv, 1, dkp);
 #pragma unroll
             for (int x = 0; x < 4; ++x) {
-                float* v = vs + (mi * 16 + acc_row(lane, x)) * ldv + ni * 8 + acc_col(lane, x);
-                *v = *v - acc[x];
+                int l = mi * 16 + acc_row(lane, x), at = l * ldv + ni * 8 + acc_col(lane, x);
+                float v = vs[at] - acc[x];
+                vs[at] = v;
+                vk[at] = v * fk[l];
             }
         }
         __syncthreads();
@@ -294,6 +319,8 @@ __device__ __forceinline__ void chunk_state_body(float* core, float* rec, const 
             int mi = tile / (COLS / 8), ni = tile % (COLS / 8);
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             tile_mma(acc, qs + mi * 16 * ldw, ldw, 1, ss + ni * 8, ldv, 1, dkp);
+#pragma unroll
+            for (int x = 0; x < 4; ++x) acc[x] *= fq[mi * 16 + acc_row(lane, x)];
             tile_mma(acc, ps + mi * 16 * GC_LDC, GC_LDC, 1, vs + ni * 8, ldv, 1, 16 * (mi + 1));
 #pragma unroll
             for (int x = 0; x < 4; ++x) {
@@ -301,7 +328,7 @@ __device__ __forceinline__ void chunk_state_body(float* core, float* rec, const 
                 if (l < len && cc < cols) core[(t0 + l) * nv * dv + h * dv + j0 + cc] = acc[x];
             }
         }
-        // S increment (diag(exp(gam_last - gam)) K)^T V': A(i, l) = ks[l][i].
+        // S increment K^T diag(exp(gam_last - gam)) V': A(i, l) = ks[l][i].
         float sacc[4][4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -310,7 +337,7 @@ __device__ __forceinline__ void chunk_state_body(float* core, float* rec, const 
             for (int x = 0; x < 4; ++x) sacc[q][x] = 0.0f;
             if (tile < s_tiles) {
                 int mi = tile / (COLS / 8), ni = tile % (COLS / 8);
-                tile_mma(sacc[q], ks + mi * 16, 1, ldk, vs + ni * 8, ldv, 1, CHUNK);
+                tile_mma(sacc[q], ks + mi * 16, 1, ldk, vk + ni * 8, ldv, 1, CHUNK);
             }
         }
         __syncthreads();

@@ -191,7 +191,7 @@ fn chunked_delta_rule(be: &CudaBackend, layout: &BatchLayout, dl: &super::layout
     let blocks_32 = dl.num_prefill * nv * dv.div_ceil(32);
     let cols = if 2 * blocks_32 <= be.sm_count { 16 } else { 32 };
     let kernel = if cols == 16 { &be.k.gdn_chunk_state_16 } else { &be.k.gdn_chunk_state_32 };
-    let state_smem = (2 * CHUNK * (dkp + 4) + CHUNK * (dkp + 8) + CHUNK * ldc + (CHUNK + dkp) * (cols + 8) + 2 * CHUNK) * 4;
+    let state_smem = (2 * CHUNK * (dkp + 4) + CHUNK * (dkp + 8) + CHUNK * ldc + (2 * CHUNK + dkp) * (cols + 8) + 2 * CHUNK) * 4;
     assert!(state_smem <= be.max_dynamic_smem, "gated_delta_net: dk {dk} needs {state_smem} bytes of shared memory");
     be.launch(
         kernel,
