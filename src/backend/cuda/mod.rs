@@ -142,7 +142,7 @@ kernel_table! {
     "attention_bf16" => [attn_prep_bf16, attn_core_bf16, attn_decode_bf16, attn_combine_bf16, attn_flash_bf16, attn_flash_combine_bf16],
     "attention_fp8" => [attn_prep_fp8, attn_core_fp8, attn_decode_fp8, attn_combine_fp8, attn_flash_fp8, attn_flash_combine_fp8],
     "attention_tq3" => [attn_prep_tq3, attn_core_tq3, attn_decode_tq3, attn_combine_tq3],
-    "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunked, gdn_out_norm, commit_states, reset_states],
+    "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunk_prep, gdn_chunk_state_32, gdn_chunk_state_16, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
     "sample" => [sample_rows],
 }
@@ -294,7 +294,7 @@ impl CudaBackend {
         };
         let mut max_dynamic_smem = optin;
         let attention_kernels = [&k.attn_core_f32, &k.attn_core_bf16, &k.attn_core_fp8, &k.attn_core_tq3, &k.attn_decode_f32, &k.attn_decode_bf16, &k.attn_decode_fp8, &k.attn_decode_tq3, &k.attn_flash_bf16, &k.attn_flash_fp8];
-        for f in [&k.gdn_chunked, &k.moe_group_few, &k.matmul_pipelined].into_iter().chain(attention_kernels) {
+        for f in [&k.gdn_chunk_prep, &k.gdn_chunk_state_32, &k.gdn_chunk_state_16, &k.moe_group_few, &k.matmul_pipelined].into_iter().chain(attention_kernels) {
             max_dynamic_smem = max_dynamic_smem.min(optin - open_dynamic_smem(f)?);
         }
         let sm_count = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)?.max(1) as usize;
