@@ -20,7 +20,7 @@ use kestrel::backend::cpu::{CpuBackend, CpuCache};
 use kestrel::backend::cuda::CudaBackend;
 use kestrel::backend::sampling::SamplingParams;
 use kestrel::backend::shapes::LinearAttnShape;
-use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, KvDtype, RowKind, RowLayout};
+use kestrel::backend::{AttentionDims, Backend, CacheSpec, KvDtype, RowKind};
 use kestrel::engine::request::SpecMethod;
 use kestrel::engine::{Engine, EngineConfig};
 use kestrel::model::arch::qwen35::Qwen35;
@@ -36,41 +36,6 @@ fn seed() -> u64 {
     let s = std::env::var("KESTREL_TEST_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
     eprintln!("seed {s}");
     s
-}
-
-/// One request of a cache test: its block table and next position.
-struct Seq {
-    table: Vec<u32>,
-    pos: usize,
-}
-
-/// Rows (kind, seq index, tokens) laid out one after another.
-fn layout(seqs: &[Seq], rows: &[(RowKind, usize, usize)]) -> BatchLayout {
-    let (mut start, mut snap) = (0, 0);
-    let mut out = BatchLayout::default();
-    for &(kind, s, n) in rows {
-        out.rows.push(RowLayout { kind, token_start: start, num_tokens: n, start_position: seqs[s].pos, block_table: seqs[s].table.clone(), state_slot: s, snapshot_base: snap });
-        start += n;
-        if kind == RowKind::Generate {
-            snap += n;
-        }
-    }
-    out
-}
-
-fn advance(seqs: &mut [Seq], rows: &[(RowKind, usize, usize)]) {
-    for &(_, s, n) in rows {
-        seqs[s].pos += n;
-    }
-}
-
-/// Three sequences with shuffled blocks of 16 positions.
-fn sequences(rng: &mut Rng, blocks_each: usize) -> Vec<Seq> {
-    let mut blocks: Vec<u32> = (0..(3 * blocks_each) as u32).collect();
-    for i in (1..blocks.len()).rev() {
-        blocks.swap(i, rng.below(i + 1));
-    }
-    (0..3).map(|i| Seq { table: blocks[i * blocks_each..(i + 1) * blocks_each].to_vec(), pos: 0 }).collect()
 }
 
 /// One attention layer's cache of `kv_dtype` (blocks of 16 positions) and no linear layers.
@@ -155,9 +120,9 @@ fn attention_matches_the_cpu_for_each_kv_dtype() {
             let (mut gcache, mut ccache) = (gpu.alloc_cache(&spec).unwrap(), cpu.alloc_cache(&spec).unwrap());
             let (qn, kn): (Vec<f32>, Vec<f32>) = (rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect(), rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect());
             let (gqn, gkn) = (gpu.upload_vector(&qn).unwrap(), gpu.upload_vector(&kn).unwrap());
-            let mut seqs = sequences(&mut rng, 10);
+            let mut seqs = cache_sequences(&mut rng, 3, 10);
             for (step, rows) in cache_steps().iter().enumerate() {
-                let lay = layout(&seqs, rows);
+                let lay = layout_rows(&seqs, rows);
                 let t = lay.num_tokens();
                 let (qg, k, v) = step_inputs(&mut rng, t, nq, nkv, hd);
                 let got = gpu.to_host(&gpu.gated_attention(&gpu.from_host(&qg, t, nq * 2 * hd), &gpu.from_host(&k, t, nkv * hd), &gpu.from_host(&v, t, nkv * hd), &gqn, &gkn, &dims, &lay, &mut gcache, 0));
@@ -168,7 +133,7 @@ fn attention_matches_the_cpu_for_each_kv_dtype() {
                 let err = relative_error(&got, &want);
                 assert!(err < tolerance(dtype), "{what} step {step}: relative error {err}");
                 compare_stored(&format!("{what} step {step}"), &stored, &ccache);
-                advance(&mut seqs, rows);
+                advance_rows(&mut seqs, rows);
             }
         }
     }
@@ -191,9 +156,9 @@ fn attention_rows_are_bitwise_invariant_for_each_kv_dtype() {
             let mut gcache = gpu.alloc_cache(&attention_spec(dtype, nkv, hd, 3 * 90)).unwrap();
             let (cqn, ckn): (Vec<f32>, Vec<f32>) = (rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect(), rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect());
             let (qn, kn) = (gpu.upload_vector(&cqn).unwrap(), gpu.upload_vector(&ckn).unwrap());
-            let mut seqs = sequences(&mut rng, 90);
-            let run = |cache: &mut kestrel::backend::cuda::CudaCache, seqs: &[Seq], rows: &[(RowKind, usize, usize)], qg: &[f32], k: &[f32], v: &[f32]| {
-                let lay = layout(seqs, rows);
+            let mut seqs = cache_sequences(&mut rng, 3, 90);
+            let run = |cache: &mut kestrel::backend::cuda::CudaCache, seqs: &[CacheSeq], rows: &[(RowKind, usize, usize)], qg: &[f32], k: &[f32], v: &[f32]| {
+                let lay = layout_rows(seqs, rows);
                 let t = lay.num_tokens();
                 gpu.to_host(&gpu.gated_attention(&gpu.from_host(qg, t, nq * 2 * hd), &gpu.from_host(k, t, nkv * hd), &gpu.from_host(v, t, nkv * hd), &qn, &kn, &dims, &lay, cache, 0))
             };
@@ -201,7 +166,7 @@ fn attention_rows_are_bitwise_invariant_for_each_kv_dtype() {
             for (s, n) in [(0, 1100), (1, 700)] {
                 let (qg, k, v) = step_inputs(&mut rng, n, nq, nkv, hd);
                 run(&mut gcache, &seqs, &[(RowKind::Prefill, s, n)], &qg, &k, &v);
-                advance(&mut seqs, &[(RowKind::Prefill, s, n)]);
+                advance_rows(&mut seqs, &[(RowKind::Prefill, s, n)]);
             }
             // The same query alone (split ranges, attn_decode) and beside 150 prefill tokens
             // (walked ranges, grouped heads, attn_prep and attn_core).
@@ -225,7 +190,7 @@ fn attention_rows_are_bitwise_invariant_for_each_kv_dtype() {
                 assert_eq!(alone.params[pr.clone()], crowd.params[pr], "{what}: the query's stored {plane} scale differs between the steps");
             }
             // And the device read that cache as the CPU does.
-            let lay = layout(&seqs, &[(RowKind::Generate, 0, 1)]);
+            let lay = layout_rows(&seqs, &[(RowKind::Generate, 0, 1)]);
             let want = cpu.to_host(&cpu.attention_over_cache(&cpu.from_host(&qg, 1, nq * 2 * hd), &cqn, &dims, &lay, &stored_alone, 0));
             let err = relative_error(&single, &want);
             assert!(err < tolerance(dtype), "{what}: decode attention over 1101 keys: relative error {err}");

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use kestrel::backend::cuda::{probe, CudaBackend, CudaInitError};
+use kestrel::backend::{BatchLayout, RowKind, RowLayout};
 use kestrel::backend::weight_bytes::{MatrixBytes, SharedBytes};
 use kestrel::model::weights::Dtype;
 
@@ -73,5 +74,48 @@ pub fn random_matrix(rng: &mut Rng, rows: usize, cols: usize, dtype: Dtype) -> M
             MatrixBytes { data: SharedBytes::from_static(Box::leak(bytes.into_boxed_slice())), start: 0, dtype, rows, cols }
         }
         _ => MatrixBytes::from_f32(values, rows, cols),
+    }
+}
+
+/// One request of a cache test: its block table, state slot and next position.
+#[derive(Clone)]
+pub struct CacheSeq {
+    pub table: Vec<u32>,
+    pub slot: usize,
+    pub pos: usize,
+}
+
+/// `n` sequences of `blocks_each` shuffled blocks each, sequence i in state slot i.
+pub fn cache_sequences(rng: &mut Rng, n: usize, blocks_each: usize) -> Vec<CacheSeq> {
+    let mut blocks: Vec<u32> = (0..(n * blocks_each) as u32).collect();
+    for i in (1..blocks.len()).rev() {
+        blocks.swap(i, rng.below(i + 1));
+    }
+    (0..n).map(|i| CacheSeq { table: blocks[i * blocks_each..(i + 1) * blocks_each].to_vec(), slot: i, pos: 0 }).collect()
+}
+
+/// The layout of one row of `seq`.
+pub fn cache_row(kind: RowKind, seq: &CacheSeq, token_start: usize, n: usize, snapshot_base: usize) -> RowLayout {
+    RowLayout { kind, token_start, num_tokens: n, start_position: seq.pos, block_table: seq.table.clone(), state_slot: seq.slot, snapshot_base }
+}
+
+/// Rows (kind, sequence index, tokens) laid out one after another; snapshot bases in order.
+pub fn layout_rows(seqs: &[CacheSeq], rows: &[(RowKind, usize, usize)]) -> BatchLayout {
+    let (mut start, mut snap) = (0, 0);
+    let mut out = BatchLayout::default();
+    for &(kind, s, n) in rows {
+        out.rows.push(cache_row(kind, &seqs[s], start, n, snap));
+        start += n;
+        if kind == RowKind::Generate {
+            snap += n;
+        }
+    }
+    out
+}
+
+/// Moves each row's sequence past its tokens.
+pub fn advance_rows(seqs: &mut [CacheSeq], rows: &[(RowKind, usize, usize)]) {
+    for &(_, s, n) in rows {
+        seqs[s].pos += n;
     }
 }
