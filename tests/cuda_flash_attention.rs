@@ -12,8 +12,7 @@ mod cuda_support;
 use cuda_support::*;
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::cuda::{CudaBackend, CudaCache};
-use kestrel::backend::shapes::LinearAttnShape;
-use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, KvDtype, RowKind};
+use kestrel::backend::{AttentionDims, Backend, BatchLayout, KvDtype, RowKind};
 
 /// The formats whose attention runs on tensor cores.
 const FLASH_DTYPES: [KvDtype; 2] = [KvDtype::Bf16, KvDtype::Fp8];
@@ -27,23 +26,6 @@ fn seed() -> u64 {
     let s = std::env::var("KESTREL_TEST_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
     eprintln!("seed {s}");
     s
-}
-
-/// One request: its block table (blocks of 16 positions) and next position.
-fn attention_spec(kv_dtype: KvDtype, kv_heads: usize, head_dim: usize, num_blocks: usize, sequences: usize) -> CacheSpec {
-    CacheSpec {
-        attention_layers: 1,
-        num_blocks,
-        block_size: 16,
-        kv_heads,
-        head_dim,
-        kv_dtype,
-        linear_layers: 0,
-        linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4, out_heads_tiled: false },
-        state_slots: sequences,
-        snapshot_slots: 8,
-        checkpoint_slots: 0,
-    }
 }
 
 /// One attention layer's shapes, norm weights and step inputs.

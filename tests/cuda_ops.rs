@@ -196,35 +196,6 @@ fn row_ops_match_cpu() {
     }
 }
 
-/// Steps of a cache test: prefill rows from position 0, a prefill continuing at an unaligned
-/// position, generate rows of 1 and 3 tokens, then a plain decode step (every row one token).
-fn cache_steps() -> Vec<Vec<(RowKind, usize, usize)>> {
-    use RowKind::*;
-    vec![
-        vec![(Prefill, 0, 37), (Prefill, 1, 100)],
-        vec![(Prefill, 0, 40), (Generate, 1, 3), (Prefill, 2, 5)],
-        vec![(Generate, 0, 1), (Generate, 2, 2), (Generate, 1, 1)],
-        vec![(Generate, 1, 1), (Generate, 0, 1), (Generate, 2, 1)],
-    ]
-}
-
-/// One attention layer's cache (blocks of 16 positions) and no linear layers.
-fn attention_spec(kv_heads: usize, head_dim: usize, num_blocks: usize) -> CacheSpec {
-    CacheSpec {
-        attention_layers: 1,
-        num_blocks,
-        block_size: 16,
-        kv_heads,
-        head_dim,
-        kv_dtype: KvDtype::F32,
-        linear_layers: 0,
-        linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4, out_heads_tiled: false },
-        state_slots: 3,
-        snapshot_slots: 8,
-        checkpoint_slots: 0,
-    }
-}
-
 fn linear_spec(l: LinearAttnShape) -> CacheSpec {
     CacheSpec { attention_layers: 0, num_blocks: 1, block_size: 16, kv_heads: 1, head_dim: 1, kv_dtype: KvDtype::F32, linear_layers: 1, linear: l, state_slots: 3, snapshot_slots: 8, checkpoint_slots: 0 }
 }
@@ -236,7 +207,7 @@ fn gated_attention_matches_cpu() {
     let mut rng = Rng::new(seed());
     for (nq, nkv, hd, rot) in [(4, 2, 32, 8), (3, 1, 16, 4), (6, 3, 64, 16), (16, 4, 256, 64)] {
         let dims = AttentionDims { num_heads: nq, num_kv_heads: nkv, head_dim: hd, rotary_dim: rot, rope_theta: 1e6, eps: 1e-6 };
-        let spec = attention_spec(nkv, hd, 30);
+        let spec = attention_spec(KvDtype::F32, nkv, hd, 30, 3);
         let mut gcache = gpu.alloc_cache(&spec).unwrap();
         let mut ccache = cpu.alloc_cache(&spec).unwrap();
         let (qn, kn) = (rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect::<Vec<_>>(), rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect::<Vec<_>>());
@@ -273,7 +244,7 @@ fn attention_ranges_merge_the_same_in_split_and_walked_blocks() {
     let mut rng = Rng::new(seed());
     let (nq, nkv, hd) = (4, 2, 64);
     let dims = AttentionDims { num_heads: nq, num_kv_heads: nkv, head_dim: hd, rotary_dim: 16, rope_theta: 1e6, eps: 1e-6 };
-    let spec = attention_spec(nkv, hd, 3 * 90);
+    let spec = attention_spec(KvDtype::F32, nkv, hd, 3 * 90, 3);
     let (mut gcache, mut ccache) = (gpu.alloc_cache(&spec).unwrap(), cpu.alloc_cache(&spec).unwrap());
     let (cqn, ckn): (Vec<f32>, Vec<f32>) = (rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect(), rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect());
     let (qn, kn) = (gpu.upload_vector(&cqn).unwrap(), gpu.upload_vector(&ckn).unwrap());

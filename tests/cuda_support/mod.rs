@@ -2,7 +2,8 @@
 #![allow(dead_code)]
 
 use kestrel::backend::cuda::{probe, CudaBackend, CudaInitError};
-use kestrel::backend::{BatchLayout, RowKind, RowLayout};
+use kestrel::backend::shapes::LinearAttnShape;
+use kestrel::backend::{BatchLayout, CacheSpec, KvDtype, RowKind, RowLayout};
 use kestrel::backend::weight_bytes::{MatrixBytes, SharedBytes};
 use kestrel::model::weights::Dtype;
 
@@ -118,4 +119,35 @@ pub fn advance_rows(seqs: &mut [CacheSeq], rows: &[(RowKind, usize, usize)]) {
     for &(_, s, n) in rows {
         seqs[s].pos += n;
     }
+}
+
+/// One attention layer's cache of `kv_dtype` (blocks of 16 positions) for `sequences`
+/// sequences, and no linear layers.
+pub fn attention_spec(kv_dtype: KvDtype, kv_heads: usize, head_dim: usize, num_blocks: usize, sequences: usize) -> CacheSpec {
+    CacheSpec {
+        attention_layers: 1,
+        num_blocks,
+        block_size: 16,
+        kv_heads,
+        head_dim,
+        kv_dtype,
+        linear_layers: 0,
+        linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4, out_heads_tiled: false },
+        state_slots: sequences,
+        snapshot_slots: 8,
+        checkpoint_slots: 0,
+    }
+}
+
+/// Steps of a cache test over three sequences: prefill rows from position 0, a prefill
+/// continuing at an unaligned position beside a verify row, generate rows of 1 and 2 tokens,
+/// then a plain decode step (every row one token).
+pub fn cache_steps() -> Vec<Vec<(RowKind, usize, usize)>> {
+    use RowKind::*;
+    vec![
+        vec![(Prefill, 0, 37), (Prefill, 1, 100)],
+        vec![(Prefill, 0, 40), (Generate, 1, 3), (Prefill, 2, 5)],
+        vec![(Generate, 0, 1), (Generate, 2, 2), (Generate, 1, 1)],
+        vec![(Generate, 1, 1), (Generate, 0, 1), (Generate, 2, 1)],
+    ]
 }
