@@ -12,9 +12,9 @@
 //! ```
 //!
 //! ```compile_fail
-//! use kestrel::backend::graph_step::{Real, RealShape};
+//! use kestrel::backend::graph_step::{GraphedForward, Real, RealShape};
 //! // A graph key is made from a padded shape only.
-//! let key = kestrel::backend::GraphKey::from(RealShape { rows: Real(1), tokens: Real(1) });
+//! let key = kestrel::backend::GraphKey::new(GraphedForward::Step, RealShape { rows: Real(1), tokens: Real(1) });
 //! ```
 
 use crate::backend::BatchLayout;
@@ -65,19 +65,32 @@ impl PaddedShape {
     }
 }
 
-/// What fixes the launch sequence of a forward that can be replayed as a CUDA graph: a step of
-/// `rows` generate rows (decodes and verify rows) with `tokens` tokens in all, each token with
-/// a logits row. Everything else a step varies (ids, positions, how the tokens split into rows,
-/// block tables, state and snapshot slots) is read from persistent device buffers.
+/// Which forward a graph replays: two forwards of the same shape launch different kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GraphedForward {
+    /// The model's step: generate rows (decodes and verify rows), every token with a logits
+    /// row; its outputs have a row per token.
+    Step,
+    /// One forward of the MTP drafter (a catch-up or a chained draft): rows of the drafter's
+    /// layer with a hidden-state input per token, a logits row at every row's last token; its
+    /// outputs have a row per row.
+    Mtp,
+}
+
+/// What fixes the launch sequence of a forward that can be replayed as a CUDA graph: the
+/// forward, its `rows` rows and `tokens` tokens in all. Everything else a step varies (ids,
+/// positions, how the tokens split into rows, block tables, state and snapshot slots, the
+/// drafter's hidden-state input) is read from persistent device buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GraphKey {
+    pub forward: GraphedForward,
     pub rows: Padded,
     pub tokens: Padded,
 }
 
-impl From<PaddedShape> for GraphKey {
-    fn from(shape: PaddedShape) -> GraphKey {
-        GraphKey { rows: shape.rows, tokens: shape.tokens }
+impl GraphKey {
+    pub fn new(forward: GraphedForward, shape: PaddedShape) -> GraphKey {
+        GraphKey { forward, rows: shape.rows, tokens: shape.tokens }
     }
 }
 
@@ -95,9 +108,11 @@ pub enum CaptureWhen {
 /// The per-step inputs of a graphed forward (the padded step's), written to the device before
 /// it runs or replays.
 pub struct GraphInputs<'a> {
+    pub forward: GraphedForward,
     pub ids: &'a [u32],
     pub layout: &'a BatchLayout,
-    /// Rows of the final hidden state that get logits (every token: 0, 1, ...).
+    /// Rows of the final hidden state that get logits (a step: every token, 0, 1, ...; the
+    /// drafter: every row's last token).
     pub logit_rows: &'a [u32],
     pub block_size: usize,
     /// The real rows and tokens: the first ones of the padded step.
@@ -108,6 +123,23 @@ pub struct GraphInputs<'a> {
 
 impl GraphInputs<'_> {
     pub fn key(&self) -> GraphKey {
-        GraphKey::from(self.padded)
+        GraphKey::new(self.forward, self.padded)
+    }
+
+    /// How many of the outputs' rows are real (the first ones): a row per real token of a
+    /// step, per real row of a drafter forward.
+    pub fn real_output_rows(&self) -> Real {
+        match self.forward {
+            GraphedForward::Step => self.real.tokens,
+            GraphedForward::Mtp => self.real.rows,
+        }
+    }
+
+    /// Rows of every output, padded ones included.
+    pub fn padded_output_rows(&self) -> Padded {
+        match self.forward {
+            GraphedForward::Step => self.padded.tokens,
+            GraphedForward::Mtp => self.padded.rows,
+        }
     }
 }

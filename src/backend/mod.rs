@@ -23,7 +23,7 @@ use crate::backend::sampling::{sample_at_position, SamplingParams};
 use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
 pub use kestrel_quant::kv::KvDtype;
-pub use graph_step::{CaptureWhen, GraphInputs, GraphKey, Padded, PaddedShape, Real, RealShape};
+pub use graph_step::{CaptureWhen, GraphInputs, GraphKey, GraphedForward, Padded, PaddedShape, Real, RealShape};
 
 /// Tokens per chunk of the chunked delta rule. Chunks are aligned to absolute positions, and the
 /// scheduler cuts prompt pieces at multiples of this size, so any split of a prompt computes
@@ -49,7 +49,7 @@ pub enum RowKind {
 }
 
 /// One request's rows in a step.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RowLayout {
     pub kind: RowKind,
     /// First token of this row in the step's token-indexed arrays.
@@ -372,16 +372,36 @@ pub trait Backend: Send + Sync {
     }
 
     /// Runs `forward` (a whole model forward over the padded step `inputs`, whose launches
-    /// depend only on `inputs.key()`, returning token-indexed outputs: one row per padded
-    /// token) and returns its outputs cut to the real tokens, the first ones. A device backend
+    /// depend only on `inputs.key()`, returning outputs of one row per padded token, or per
+    /// padded row for a drafter forward: [`GraphInputs::padded_output_rows`]) and returns its
+    /// outputs cut to the real rows, the first ones. A device backend
     /// may capture it as a graph and replay the graph afterwards, with the inputs written to
     /// the persistent buffers the graph reads (DESIGN Invariant 4). This default runs it.
     fn run_graphed(&self, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<Self::Tensor>) -> Vec<Self::Tensor> {
         let outputs = forward();
-        if inputs.padded.tokens.0 == inputs.real.tokens.0 {
+        if inputs.padded_output_rows().0 == inputs.real_output_rows().0 {
             return outputs;
         }
-        outputs.iter().map(|t| self.first_rows(t, inputs.real.tokens)).collect()
+        outputs.iter().map(|t| self.first_rows(t, inputs.real_output_rows())).collect()
+    }
+
+    /// [`Backend::run_graphed`] of a forward that also reads a hidden-state input of a row per
+    /// padded token: rows `rows` of `x` for the real tokens, then rows for the padded ones
+    /// (finite values that only padded rows read). A device backend gathers them into a buffer
+    /// at a fixed address, which its graph reads. This default gathers them (the padded tokens'
+    /// from `x`'s first row) and runs `forward`.
+    fn run_graphed_on_rows(&self, inputs: &GraphInputs<'_>, x: &Self::Tensor, rows: &[u32], forward: &mut dyn FnMut(&Self::Tensor) -> Vec<Self::Tensor>) -> Vec<Self::Tensor> {
+        assert_eq!(rows.len(), inputs.real.tokens.0, "a hidden-state row per real token");
+        let mut all = rows.to_vec();
+        all.resize(inputs.padded.tokens.0, 0);
+        let hidden = self.gather_rows(x, &all);
+        self.run_graphed(inputs, &mut || forward(&hidden))
+    }
+
+    /// [`Backend::prepare_graph`] of a forward with a hidden-state input `cols` wide (see
+    /// [`Backend::run_graphed_on_rows`]).
+    fn prepare_graph_on_rows(&self, _inputs: &GraphInputs<'_>, _cols: usize, _forward: &mut dyn FnMut(&Self::Tensor) -> Vec<Self::Tensor>) -> Result<bool, BackendError> {
+        Ok(false)
     }
 
     /// Captures the graph of `inputs`' key ahead of the steps that replay it (start-up), and

@@ -200,7 +200,7 @@ impl<B: Backend> Engine<B> {
             let pad_limits = PadLimits { max_tokens: snapshot_slots.min(limits.max_tokens), max_blocks_per_row: limits.max_blocks_per_row, block_size: config.block_size };
             GraphPadding { sizes, scratch, limits: pad_limits, k: config.spec_tokens }
         });
-        let graph_capture = graphs.as_ref().and_then(|g| capture_at_startup(&model, &backend, &mut cache, g, config.spec != SpecMethod::None, progress));
+        let graph_capture = graphs.as_ref().and_then(|g| capture_at_startup(&model, &backend, &mut cache, g, config.spec != SpecMethod::None, config.spec == SpecMethod::Mtp, progress));
         let scheduler = Scheduler::new(
             SchedulerConfig {
                 max_num_seqs: config.max_num_seqs,
@@ -610,7 +610,7 @@ impl<B: Backend> Engine<B> {
         }
         let items: Vec<MtpCatchUp> = mtp_items.iter().map(|(_, it)| it.clone()).collect();
         let started = Instant::now();
-        let drafts = propose_mtp(&self.model, &self.backend, &mut self.cache, step_hidden, &items);
+        let drafts = propose_mtp(&self.model, &self.backend, &mut self.cache, step_hidden, &items, self.graphs.as_ref());
         if let Some(backoff) = self.backoff.as_mut() {
             backoff.record_mtp_drafting(k, started.elapsed().as_secs_f64());
         }

@@ -3,7 +3,8 @@
 
 use super::padding::{fits, pad_step, padded_shape, real_shape, CaptureSizes, PadLimits, PaddedStep, Scratch};
 use super::plan::StepPlan;
-use crate::backend::{Backend, CaptureWhen, GraphInputs, Padded, PaddedShape, RealShape, RowKind};
+use super::spec::mtp::capture_mtp_at_startup;
+use crate::backend::{Backend, CaptureWhen, GraphInputs, GraphedForward, Padded, PaddedShape, RealShape, RowKind};
 use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
 use std::time::{Duration, Instant};
 
@@ -20,7 +21,10 @@ pub struct GraphPadding {
 /// What capturing the graphs at start-up took.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CaptureReport {
+    /// Graphs captured, the drafter's included.
     pub graphs: usize,
+    /// Of those, the MTP drafter's.
+    pub drafter_graphs: usize,
     pub time: Duration,
     /// Device memory the graphs hold, where the backend can tell.
     pub bytes: Option<usize>,
@@ -43,15 +47,18 @@ pub fn startup_shapes(padding: &GraphPadding, speculating: bool) -> Vec<PaddedSh
 }
 
 /// Captures the graph of every start-up shape: steps of padded rows only, which touch nothing
-/// but scratch memory. `None` where the backend does not replay graphs.
-pub fn capture_at_startup<B: Backend>(model: &Qwen35<B>, backend: &B, cache: &mut B::Cache, padding: &GraphPadding, speculating: bool, progress: &indicatif::ProgressBar) -> Option<CaptureReport> {
+/// but scratch memory; with `drafter` (MTP speculation), the MTP drafter's forward at every
+/// one of those shapes too (a catch-up has up to k + 1 tokens per row, a chained draft one).
+/// `None` where the backend does not replay graphs.
+pub fn capture_at_startup<B: Backend>(model: &Qwen35<B>, backend: &B, cache: &mut B::Cache, padding: &GraphPadding, speculating: bool, drafter: bool, progress: &indicatif::ProgressBar) -> Option<CaptureReport> {
     if padding.sizes.is_empty() || !backend.replays_graphs() {
         return None;
     }
     let shapes = startup_shapes(padding, speculating);
+    let drafter_shapes = if drafter && model.mtp.is_some() { startup_shapes(padding, true) } else { Vec::new() };
     let started = Instant::now();
     let before = backend.device_memory_used();
-    progress.set_length(shapes.len() as u64);
+    progress.set_length((shapes.len() + drafter_shapes.len()) as u64);
     let mut graphs = 0;
     for shape in shapes {
         let step = pad_step(&StepPlan::default(), shape, padding.scratch, padding.limits.block_size);
@@ -73,12 +80,13 @@ pub fn capture_at_startup<B: Backend>(model: &Qwen35<B>, backend: &B, cache: &mu
         }
         progress.inc(1);
     }
+    let drafter_graphs = capture_mtp_at_startup(model, backend, cache, padding, &drafter_shapes, progress);
     let bytes = before.zip(backend.device_memory_used()).map(|(b, a)| a.saturating_sub(b));
-    Some(CaptureReport { graphs, time: started.elapsed(), bytes })
+    Some(CaptureReport { graphs: graphs + drafter_graphs, drafter_graphs, time: started.elapsed(), bytes })
 }
 
 fn graph_inputs(step: &PaddedStep, block_size: usize, capture: CaptureWhen) -> GraphInputs<'_> {
-    GraphInputs { ids: &step.ids, layout: &step.layout, logit_rows: &step.logit_rows, block_size, real: step.real, padded: step.shape, capture }
+    GraphInputs { forward: GraphedForward::Step, ids: &step.ids, layout: &step.layout, logit_rows: &step.logit_rows, block_size, real: step.real, padded: step.shape, capture }
 }
 
 /// Whether a plan is a step of decode and verify rows only (each from its one unfed token on,

@@ -198,6 +198,44 @@ pub fn pad_step(plan: &StepPlan, shape: PaddedShape, scratch: Scratch, block_siz
     PaddedStep { ids, layout, logit_rows, real, shape }
 }
 
+/// Every row's last token, in order: the logits rows of an MTP drafter forward.
+pub fn last_tokens(layout: &BatchLayout) -> Vec<u32> {
+    layout.rows.iter().map(|r| (r.token_start + r.num_tokens - 1) as u32).collect()
+}
+
+/// Pads an MTP drafter forward (rows of the drafter's layer, `ids` a token per position) to
+/// `shape` as [`pad_step`] pads a step: padded rows of one token each after the real ones, the
+/// last taking the rest, at position 0 in the scratch KV block, with the real rows' kind
+/// (prefill: the drafter's layer keeps no recurrent state). Every row, padded ones included,
+/// gets a logits row at its last token.
+pub fn pad_mtp_forward(ids: &[u32], layout: &BatchLayout, shape: PaddedShape, scratch: Scratch, block_size: usize) -> PaddedStep {
+    use crate::backend::Real;
+    let real = RealShape { rows: Real(layout.rows.len()), tokens: Real(ids.len()) };
+    assert_eq!(layout.num_tokens(), ids.len(), "an id per token of the layout");
+    assert!(fits(shape, real, PadLimits { max_tokens: usize::MAX, max_blocks_per_row: usize::MAX, block_size }), "{shape:?} cannot hold {real:?}");
+    let mut ids = ids.to_vec();
+    let mut layout = layout.clone();
+    let extra_rows = shape.rows.extra_over(real.rows);
+    let extra_tokens = shape.tokens.extra_over(real.tokens);
+    let mut token = real.tokens.0;
+    for i in 0..extra_rows {
+        let n = if i + 1 == extra_rows { extra_tokens - (extra_rows - 1) } else { 1 };
+        ids.extend(std::iter::repeat_n(0, n));
+        layout.rows.push(RowLayout {
+            kind: RowKind::Prefill,
+            token_start: token,
+            num_tokens: n,
+            start_position: 0,
+            block_table: vec![scratch.block; n.div_ceil(block_size.max(1))],
+            state_slot: scratch.state_slot,
+            snapshot_base: 0,
+        });
+        token += n;
+    }
+    let logit_rows = last_tokens(&layout);
+    PaddedStep { ids, layout, logit_rows, real, shape }
+}
+
 /// Real and padded rows over the steps run at a capture size.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PaddingStats {
@@ -349,6 +387,50 @@ mod tests {
         // A step of padded rows only (start-up capture).
         let only = pad_step(&StepPlan::default(), PaddedShape { rows: Padded(2), tokens: Padded(8) }, scratch, 16);
         assert_eq!(only.layout.rows.iter().map(|r| (r.token_start, r.num_tokens)).collect::<Vec<_>>(), vec![(0, 1), (1, 7)]);
+    }
+
+    /// An MTP catch-up: rows of 1..k+1 committed tokens at their sequences' positions.
+    fn mtp_rows(counts: &[usize]) -> (Vec<u32>, BatchLayout) {
+        let (mut ids, mut layout) = (Vec::new(), BatchLayout::default());
+        for (i, &n) in counts.iter().enumerate() {
+            layout.rows.push(RowLayout { kind: RowKind::Prefill, token_start: ids.len(), num_tokens: n, start_position: 30 + 7 * i, block_table: vec![3 * i as u32, 3 * i as u32 + 1, 3 * i as u32 + 2], state_slot: 0, snapshot_base: 0 });
+            ids.extend((0..n).map(|j| (500 + 10 * i + j) as u32));
+        }
+        (ids, layout)
+    }
+
+    #[test]
+    fn mtp_forwards_pad_to_rows_times_a_multiple_with_inert_rows_and_a_logits_row_per_row() {
+        let sizes = CaptureSizes::default_up_to(64);
+        let scratch = Scratch { block: 999, state_slot: 9 };
+        // A catch-up of 3 rows (1, 4 and 2 committed tokens, k = 3): 4 rows x 2 tokens.
+        let (ids, layout) = mtp_rows(&[1, 4, 2]);
+        let shape = padded_shape(&sizes, real(3, 7), 3, LIMITS).expect("a capture size holds it");
+        assert_eq!(shape, PaddedShape { rows: Padded(4), tokens: Padded(8) });
+        let step = pad_mtp_forward(&ids, &layout, shape, scratch, 16);
+        assert_eq!(step.real, real(3, 7));
+        assert_eq!(&step.ids[..7], &ids[..]);
+        assert_eq!(&step.layout.rows[..3], &layout.rows[..], "the real rows run unchanged");
+        let pad = &step.layout.rows[3];
+        assert_eq!((pad.kind, pad.token_start, pad.num_tokens, pad.start_position), (RowKind::Prefill, 7, 1, 0));
+        assert!(pad.block_table.iter().all(|&b| b == scratch.block), "a padded MTP row must not write a live KV block");
+        assert_eq!(pad.state_slot, scratch.state_slot);
+        // A logits row at every row's last token, padded rows' too (their results are cut off).
+        assert_eq!(step.logit_rows, vec![0, 4, 6, 7]);
+        assert_eq!(step.layout.num_tokens(), 8);
+        // A chained draft (one token per row): 17 rows run as 24, one token each.
+        let (ids, layout) = mtp_rows(&[1; 17]);
+        let shape = padded_shape(&sizes, real(17, 17), 3, LIMITS).expect("a capture size holds it");
+        let step = pad_mtp_forward(&ids, &layout, shape, scratch, 16);
+        assert_eq!(step.logit_rows, (0..24).collect::<Vec<u32>>());
+        assert!(step.layout.rows[17..].iter().all(|r| r.num_tokens == 1 && r.block_table == vec![scratch.block] && r.start_position == 0));
+        // The last padded row carries the padded tokens, in as many scratch blocks as they need.
+        let (ids, layout) = mtp_rows(&[4, 4, 4]);
+        let step = pad_mtp_forward(&ids, &layout, PaddedShape { rows: Padded(4), tokens: Padded(40) }, scratch, 16);
+        assert_eq!(step.layout.rows[3].num_tokens, 28);
+        assert_eq!(step.layout.rows[3].block_table, vec![scratch.block; 2]);
+        assert_eq!(step.logit_rows, vec![3, 7, 11, 39]);
+        assert_eq!(last_tokens(&layout), vec![3, 7, 11]);
     }
 
     #[test]

@@ -18,6 +18,10 @@
 //! graph (graphs run one at a time and each step copies its outputs out at once), so graphs
 //! can share their activation memory. A new cache (other KV and state addresses) drops every
 //! graph, and so does growing the shared output buffers.
+//!
+//! The MTP drafter's forwards are graphs of their own ([`GraphedForward::Mtp`] keys): besides
+//! the ids they read a hidden-state input, which is gathered (eagerly, before the launch) into
+//! a tensor kept per (padded tokens, width) at a fixed address for the backend's life.
 
 use super::{ck, CudaBackend, CudaTensor};
 use cudarc::driver::CudaSlice;
@@ -54,6 +58,9 @@ pub(super) struct Graphs {
     seen: HashMap<GraphKey, u32>,
     /// Where every graph leaves output `i` (see the module comment).
     outputs: Vec<CudaSlice<f32>>,
+    /// The hidden-state inputs of graphs that read one, per (rows, cols); never freed, since
+    /// graphs hold their addresses.
+    hidden_inputs: HashMap<(usize, usize), CudaTensor>,
 }
 
 impl Graphs {
@@ -100,32 +107,83 @@ impl CudaBackend {
     }
 
     pub(super) fn run_graphed_forward(&self, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<CudaTensor>) -> Vec<CudaTensor> {
+        self.run_graphed_with(inputs, None, &mut |_| forward())
+    }
+
+    /// [`Backend::run_graphed_on_rows`]: rows `rows` of `x` gathered into the fixed hidden
+    /// input of the padded token count, which `forward` reads.
+    pub(super) fn run_graphed_forward_on_rows(&self, inputs: &GraphInputs<'_>, x: &CudaTensor, rows: &[u32], forward: &mut dyn FnMut(&CudaTensor) -> Vec<CudaTensor>) -> Vec<CudaTensor> {
+        assert_eq!(rows.len(), inputs.real.tokens.0, "a hidden-state row per real token");
+        self.run_graphed_with(inputs, Some((x, rows)), &mut |h| forward(h.expect("a hidden-state input")))
+    }
+
+    fn run_graphed_with(&self, inputs: &GraphInputs<'_>, hidden: Option<(&CudaTensor, &[u32])>, forward: &mut dyn FnMut(Option<&CudaTensor>) -> Vec<CudaTensor>) -> Vec<CudaTensor> {
+        let real = inputs.real_output_rows();
+        let key = inputs.key();
+        let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        // Before the step's own inputs: the gather's row list goes through the gather buffer.
+        let staged = hidden.map(|(x, rows)| self.stage_hidden_input(&mut graphs, x, rows, inputs.padded.tokens.0));
+        self.write_graph_inputs(inputs);
         // Per-op timing records events between launches; it measures the plain launches.
         if self.profiler.enabled {
-            return self.cut_outputs(forward(), inputs.real.tokens);
+            return self.eager_with(graphs, staged, real, forward);
         }
-        let key = inputs.key();
-        self.write_graph_inputs(inputs);
-        let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
         if !graphs.by_key.contains_key(&key) {
             let seen = graphs.seen.entry(key).or_insert(0);
             *seen += 1;
             let wait = *seen < if inputs.capture == CaptureWhen::Now { 2 } else { CAPTURE_AFTER };
             if wait || graphs.by_key.len() >= MAX_GRAPHS {
-                drop(graphs);
-                return self.cut_outputs(forward(), inputs.real.tokens);
+                return self.eager_with(graphs, staged, real, forward);
             }
-            self.capture(&mut graphs, key, forward);
+            self.capture_with(&mut graphs, key, staged, forward);
         }
         let captured = &graphs.by_key[&key];
         // Capturing ran nothing: a launch computes the step.
         ck(captured.graph.0.launch(), "graph launch");
-        self.read_graph_outputs(&graphs.outputs, &captured.shapes, inputs.real.tokens)
+        self.read_graph_outputs(&graphs.outputs, &captured.shapes, real)
+    }
+
+    /// Runs `forward` eagerly on the staged hidden input (if any), outputs cut to `real` rows.
+    fn eager_with(&self, mut graphs: std::sync::MutexGuard<'_, Graphs>, staged: Option<(usize, usize)>, real: Real, forward: &mut dyn FnMut(Option<&CudaTensor>) -> Vec<CudaTensor>) -> Vec<CudaTensor> {
+        // The input leaves the map while `forward` runs without the lock (it may take it again).
+        let input = staged.map(|k| (k, graphs.hidden_inputs.remove(&k).expect("staged above")));
+        drop(graphs);
+        let outputs = forward(input.as_ref().map(|(_, t)| t));
+        if let Some((k, t)) = input {
+            self.graphs.lock().unwrap_or_else(|p| p.into_inner()).hidden_inputs.insert(k, t);
+        }
+        self.cut_outputs(outputs, real)
+    }
+
+    /// Gathers rows `rows` of `x` into the first rows of the fixed hidden input of `tokens`
+    /// rows (allocated on first use, zeros: the padded tokens' rows hold zeros or what earlier
+    /// steps left, finite either way); returns its key.
+    fn stage_hidden_input(&self, graphs: &mut Graphs, x: &CudaTensor, rows: &[u32], tokens: usize) -> (usize, usize) {
+        assert!(rows.len() <= tokens, "{} hidden-state rows for {tokens} tokens", rows.len());
+        if let Some(&bad) = rows.iter().find(|&&r| r as usize >= x.rows) {
+            panic!("hidden input: row {bad} outside {} rows", x.rows);
+        }
+        let key = (tokens, x.cols);
+        let input = graphs.hidden_inputs.entry(key).or_insert_with(|| {
+            assert!(!self.capturing(), "a hidden input allocated inside a graph capture");
+            CudaTensor { data: ck(self.stream.alloc_zeros::<f32>((tokens * x.cols).max(1)), "graph hidden input"), rows: tokens, cols: x.cols }
+        });
+        self.gather_rows_into(input, x, rows);
+        key
     }
 
     /// Captures (and runs once) the graph of a step of padded rows only, ahead of the steps
     /// that will replay it.
     pub(super) fn prepare_graphed_forward(&self, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<CudaTensor>) -> Result<bool, BackendError> {
+        self.prepare_graphed_with(inputs, None, &mut |_| forward())
+    }
+
+    /// [`Backend::prepare_graph_on_rows`].
+    pub(super) fn prepare_graphed_forward_on_rows(&self, inputs: &GraphInputs<'_>, cols: usize, forward: &mut dyn FnMut(&CudaTensor) -> Vec<CudaTensor>) -> Result<bool, BackendError> {
+        self.prepare_graphed_with(inputs, Some(cols), &mut |h| forward(h.expect("a hidden-state input")))
+    }
+
+    fn prepare_graphed_with(&self, inputs: &GraphInputs<'_>, hidden_cols: Option<usize>, forward: &mut dyn FnMut(Option<&CudaTensor>) -> Vec<CudaTensor>) -> Result<bool, BackendError> {
         if self.profiler.enabled {
             return Ok(false);
         }
@@ -133,13 +191,17 @@ impl CudaBackend {
             return Err(BackendError::Invalid("a graph prepared ahead of its steps must have padded rows only".into()));
         }
         let key = inputs.key();
-        self.write_graph_inputs(inputs);
         let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        let staged = hidden_cols.map(|cols| {
+            let none = CudaTensor { data: ck(self.stream.alloc_zeros::<f32>(cols), "alloc"), rows: 1, cols };
+            self.stage_hidden_input(&mut graphs, &none, &[], inputs.padded.tokens.0)
+        });
+        self.write_graph_inputs(inputs);
         if !graphs.by_key.contains_key(&key) {
             if graphs.by_key.len() >= MAX_GRAPHS {
                 return Ok(false);
             }
-            self.capture(&mut graphs, key, forward);
+            self.capture_with(&mut graphs, key, staged, forward);
         }
         // The first launch maps the graph's activation memory: pay for it now.
         ck(graphs.by_key[&key].graph.0.launch(), "graph launch");
@@ -147,16 +209,17 @@ impl CudaBackend {
         Ok(true)
     }
 
-    /// Captures `forward` as the graph of `key`.
-    fn capture(&self, graphs: &mut Graphs, key: GraphKey, forward: &mut dyn FnMut() -> Vec<CudaTensor>) {
+    /// Captures `forward` (reading the staged hidden input, if any) as the graph of `key`.
+    fn capture_with(&self, graphs: &mut Graphs, key: GraphKey, staged: Option<(usize, usize)>, forward: &mut dyn FnMut(Option<&CudaTensor>) -> Vec<CudaTensor>) {
         // The second attempt fits: the first grows the shared output buffers when they are small.
         for _ in 0..2 {
             ck(self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "begin graph capture");
             self.capturing.store(true, Ordering::Relaxed);
             let buffers = &mut graphs.outputs;
+            let input = staged.map(|k| &graphs.hidden_inputs[&k]);
             // A panic inside the capture (an op refusing its input) must still end it.
             let captured = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let outputs = forward();
+                let outputs = forward(input);
                 let shapes: Vec<(usize, usize)> = outputs.iter().map(|t| (t.rows, t.cols)).collect();
                 let fits = buffers.len() >= outputs.len() && outputs.iter().zip(buffers.iter()).all(|(t, b)| b.len() >= t.rows * t.cols);
                 if fits {

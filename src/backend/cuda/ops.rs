@@ -13,6 +13,26 @@ use std::sync::atomic::Ordering;
 
 const THREADS: u32 = 256;
 
+impl CudaBackend {
+    /// Rows `rows` of `x` written to the first rows of `out` (as wide as `x`).
+    pub(super) fn gather_rows_into(&self, out: &CudaTensor, x: &CudaTensor, rows: &[u32]) {
+        assert!(out.cols == x.cols && out.rows >= rows.len(), "gather_rows: {} rows of {} columns into [{}, {}]", rows.len(), x.cols, out.rows, out.cols);
+        if rows.is_empty() {
+            return;
+        }
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let didx = self.step_inputs().gather.write(self, &idx);
+        let n = rows.len() * x.cols;
+        self.launch(
+            &self.k.gather_rows,
+            (blocks(n), 1, 1),
+            THREADS,
+            0,
+            &[Arg::Ptr(self.ptr(&out.data)), Arg::Ptr(self.ptr(&x.data)), Arg::Ptr(didx), Arg::I32(rows.len() as i32), Arg::I32(x.cols as i32)],
+        );
+    }
+}
+
 fn blocks(n: usize) -> u32 {
     n.div_ceil(THREADS as usize) as u32
 }
@@ -331,16 +351,7 @@ impl Backend for CudaBackend {
             panic!("gather_rows: row {bad} outside {} rows", x.rows);
         }
         let out = self.tensor(rows.len(), x.cols);
-        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-        let didx = self.step_inputs().gather.write(self, &idx);
-        let n = rows.len() * x.cols;
-        self.launch(
-            &self.k.gather_rows,
-            (blocks(n), 1, 1),
-            THREADS,
-            0,
-            &[Arg::Ptr(self.ptr(&out.data)), Arg::Ptr(self.ptr(&x.data)), Arg::Ptr(didx), Arg::I32(rows.len() as i32), Arg::I32(x.cols as i32)],
-        );
+        self.gather_rows_into(&out, x, rows);
         out
     }
 
@@ -438,6 +449,14 @@ impl Backend for CudaBackend {
 
     fn prepare_graph(&self, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<CudaTensor>) -> Result<bool, BackendError> {
         self.prepare_graphed_forward(inputs, forward)
+    }
+
+    fn run_graphed_on_rows(&self, inputs: &GraphInputs<'_>, x: &CudaTensor, rows: &[u32], forward: &mut dyn FnMut(&CudaTensor) -> Vec<CudaTensor>) -> Vec<CudaTensor> {
+        self.run_graphed_forward_on_rows(inputs, x, rows, forward)
+    }
+
+    fn prepare_graph_on_rows(&self, inputs: &GraphInputs<'_>, cols: usize, forward: &mut dyn FnMut(&CudaTensor) -> Vec<CudaTensor>) -> Result<bool, BackendError> {
+        self.prepare_graphed_forward_on_rows(inputs, cols, forward)
     }
 
     fn replays_graphs(&self) -> bool {

@@ -7,9 +7,17 @@
 //! KV entries sit beyond the committed length and are overwritten by the next catch-up.
 //! Drafts are greedy (argmax); verification decides what is kept. A row without a finite logit
 //! drafts nothing, and its sequence's chain stops there.
+//!
+//! With CUDA graphs on, each of these forwards is padded to a capture size as the step is
+//! (the catch-up's rows of 1..k+1 tokens to rows x m tokens, a chained step's one-token rows to
+//! a row size) and replayed as a graph captured at start-up: a proposal is k graph launches,
+//! each followed by the argmax on the device and its ids read back.
 
-use crate::backend::{Backend, BatchLayout, RowKind, RowLayout, RowSampling};
+use crate::backend::{Backend, BatchLayout, CaptureWhen, GraphInputs, GraphedForward, PaddedShape, Real, RealShape, RowKind, RowLayout, RowSampling};
 use crate::backend::sampling::{SamplingParams, NO_FINITE_LOGIT};
+use crate::engine::graphed::GraphPadding;
+use crate::engine::padding::{last_tokens, pad_mtp_forward, padded_shape, PaddedStep};
+use crate::model::arch::mtp::{Mtp, MtpOutput};
 use crate::model::arch::qwen35::Qwen35;
 
 /// One sequence's catch-up work after a target step.
@@ -29,18 +37,19 @@ pub struct MtpCatchUp {
 }
 
 /// Runs catch-up and chained drafting for a batch of sequences; returns drafts per item.
-pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, step_hidden: &B::Tensor, items: &[MtpCatchUp]) -> Vec<Vec<u32>> {
+/// With `graphs`, each forward is padded to a capture size and replayed as a graph where one
+/// holds it (the same drafts as eagerly: padded rows are inert and cut off).
+pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, step_hidden: &B::Tensor, items: &[MtpCatchUp], graphs: Option<&GraphPadding>) -> Vec<Vec<u32>> {
     let mut drafts = vec![Vec::new(); items.len()];
     let Some(mtp) = model.mtp.as_ref() else { return drafts };
     if items.is_empty() {
         return drafts;
     }
+    let drafter = Drafter { model, mtp, b, graphs };
     let mut ids = Vec::new();
     let mut hidden_rows = Vec::new();
     let mut layout = BatchLayout::default();
-    let mut logit_rows = Vec::new();
-    let mut wanting = Vec::new();
-    for (n, it) in items.iter().enumerate() {
+    for it in items {
         let token_start = ids.len();
         ids.extend_from_slice(&it.next_tokens);
         hidden_rows.extend((it.hidden_start..it.hidden_start + it.count).map(|t| t as u32));
@@ -53,21 +62,20 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
             state_slot: 0,
             snapshot_base: 0,
         });
-        if it.drafts_wanted > 0 {
-            logit_rows.push((token_start + it.count - 1) as u32);
-            wanting.push(n);
+    }
+    // Every row's last token gets logits; those of rows that want no drafts are not used.
+    let mut out = drafter.forward(cache, &ids, step_hidden, &hidden_rows, &layout);
+    let wanting: Vec<usize> = (0..items.len()).filter(|&n| items[n].drafts_wanted > 0).collect();
+    let first = argmax_rows(b, &out.logits, items.len());
+    for &n in &wanting {
+        if first[n] != NO_FINITE_LOGIT {
+            drafts[n].push(first[n]);
         }
     }
-    let hidden = b.gather_rows(step_hidden, &hidden_rows);
-    let mut out = mtp.forward(model, b, &ids, &hidden, &layout, &logit_rows, cache);
-    for (&n, token) in wanting.iter().zip(argmax_rows(b, &out.logits, wanting.len())) {
-        if token != NO_FINITE_LOGIT {
-            drafts[n].push(token);
-        }
-    }
-    // Chained steps: one token per still-drafting sequence.
-    let mut last_rows: Vec<u32> = logit_rows.clone();
-    let mut active: Vec<usize> = wanting.clone();
+    // Chained steps: one token per still-drafting sequence. `last_rows[j]`: the row of `out`
+    // of `active[j]`.
+    let mut last_rows: Vec<u32> = wanting.iter().map(|&n| n as u32).collect();
+    let mut active: Vec<usize> = wanting;
     let mut step = 1;
     loop {
         // A sequence goes on while it wants more drafts and its last row gave one.
@@ -75,7 +83,7 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
         if keep.is_empty() {
             break;
         }
-        let prev_hidden = b.gather_rows(&out.hidden, &keep.iter().map(|&j| last_rows[j]).collect::<Vec<_>>());
+        let prev_rows: Vec<u32> = keep.iter().map(|&j| last_rows[j]).collect();
         active = keep.iter().map(|&j| active[j]).collect();
         let mut layout = BatchLayout::default();
         let mut ids = Vec::with_capacity(active.len());
@@ -93,7 +101,7 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
             });
         }
         last_rows = (0..active.len() as u32).collect();
-        out = mtp.forward(model, b, &ids, &prev_hidden, &layout, &last_rows, cache);
+        out = drafter.forward(cache, &ids, &out.hidden, &prev_rows, &layout);
         for (&n, token) in active.iter().zip(argmax_rows(b, &out.logits, active.len())) {
             if token != NO_FINITE_LOGIT {
                 drafts[n].push(token);
@@ -102,6 +110,67 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
         step += 1;
     }
     drafts
+}
+
+/// The drafter's layer and where its forwards run.
+struct Drafter<'a, B: Backend> {
+    model: &'a Qwen35<B>,
+    mtp: &'a Mtp<B>,
+    b: &'a B,
+    graphs: Option<&'a GraphPadding>,
+}
+
+impl<B: Backend> Drafter<'_, B> {
+    /// One forward of the drafter's layer over `layout`'s rows, reading rows `hidden_rows` of
+    /// `hidden`: each row's logits and hidden state at its last token. Padded and replayed as
+    /// a graph where a capture size holds the shape.
+    fn forward(&self, cache: &mut B::Cache, ids: &[u32], hidden: &B::Tensor, hidden_rows: &[u32], layout: &BatchLayout) -> MtpOutput<B> {
+        let (model, mtp, b) = (self.model, self.mtp, self.b);
+        let real = RealShape { rows: Real(layout.rows.len()), tokens: Real(ids.len()) };
+        let Some((padding, shape)) = self.graphs.and_then(|g| padded_shape(&g.sizes, real, g.k, g.limits).map(|s| (g, s))) else {
+            let x = b.gather_rows(hidden, hidden_rows);
+            return mtp.forward(model, b, ids, &x, layout, &last_tokens(layout), cache);
+        };
+        let step = pad_mtp_forward(ids, layout, shape, padding.scratch, padding.limits.block_size);
+        let inputs = mtp_graph_inputs(&step, padding.limits.block_size);
+        let mut outputs = b.run_graphed_on_rows(&inputs, hidden, hidden_rows, &mut |x| {
+            let out = mtp.forward(model, b, inputs.ids, x, inputs.layout, inputs.logit_rows, cache);
+            vec![out.hidden, out.logits]
+        });
+        let logits = outputs.pop().expect("a drafter forward returns hidden states and logits");
+        let hidden = outputs.pop().expect("a drafter forward returns hidden states and logits");
+        MtpOutput { logits, hidden }
+    }
+}
+
+fn mtp_graph_inputs(step: &PaddedStep, block_size: usize) -> GraphInputs<'_> {
+    GraphInputs { forward: GraphedForward::Mtp, ids: &step.ids, layout: &step.layout, logit_rows: &step.logit_rows, block_size, real: step.real, padded: step.shape, capture: CaptureWhen::Now }
+}
+
+/// Captures the drafter's graph of every start-up shape (steps of padded rows only, which
+/// touch nothing but scratch memory); returns how many were captured.
+pub fn capture_mtp_at_startup<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, padding: &GraphPadding, shapes: &[PaddedShape], progress: &indicatif::ProgressBar) -> usize {
+    let Some(mtp) = model.mtp.as_ref() else { return 0 };
+    let width = model.config.hidden_size;
+    let mut graphs = 0;
+    for &shape in shapes {
+        let step = pad_mtp_forward(&[], &BatchLayout::default(), shape, padding.scratch, padding.limits.block_size);
+        let inputs = mtp_graph_inputs(&step, padding.limits.block_size);
+        // One eager run first, as for the step's graphs (what a forward makes on first use).
+        let zeros = b.from_host(&vec![0.0; shape.tokens.0 * width], shape.tokens.0, width);
+        let _ = mtp.forward(model, b, inputs.ids, &zeros, inputs.layout, inputs.logit_rows, cache);
+        let captured = b.prepare_graph_on_rows(&inputs, width, &mut |x| {
+            let out = mtp.forward(model, b, inputs.ids, x, inputs.layout, inputs.logit_rows, cache);
+            vec![out.hidden, out.logits]
+        });
+        match captured {
+            Ok(true) => graphs += 1,
+            Ok(false) => {}
+            Err(e) => progress.println(format!("kestrel: drafter graph of {} rows, {} tokens not captured: {e}", shape.rows.0, shape.tokens.0)),
+        }
+        progress.inc(1);
+    }
+    graphs
 }
 
 /// The argmax of each of the `n` logits rows, computed where the logits are.

@@ -24,7 +24,8 @@ pub struct Mtp<B: Backend> {
 pub struct MtpOutput<B: Backend> {
     /// `[N, vocab]` for the requested rows.
     pub logits: B::Tensor,
-    /// `[T, H]` post `mtp.norm`: the hidden state the next chained step consumes.
+    /// `[N, H]` post `mtp.norm`, for the same rows: the hidden state the next chained step
+    /// consumes.
     pub hidden: B::Tensor,
 }
 
@@ -53,7 +54,11 @@ impl<B: Backend> Mtp<B> {
         let mut x = b.matmul(&b.concat_cols(&e, &hn), &self.fc);
         let h = b.rms_norm(&x, &self.layer.input_norm, eps);
         let hidden = self.layer.forward(model, b, &mut x, LayerInput::Normed(h), &self.final_norm, None, layout, cache).normed();
-        let logits = logits_of_rows(b, &hidden, tokens.len(), logit_rows, model.lm_head());
+        // Only the rows that get logits go on; every token's row where they are all of them.
+        let all_in_order = logit_rows.len() == tokens.len() && logit_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
+        let hidden = if all_in_order { hidden } else { b.gather_rows(&hidden, logit_rows) };
+        let in_order: Vec<u32> = (0..logit_rows.len() as u32).collect();
+        let logits = logits_of_rows(b, &hidden, logit_rows.len(), &in_order, model.lm_head());
         MtpOutput { logits, hidden }
     }
 }

@@ -1,0 +1,154 @@
+//! The MTP drafter's forwards replayed as CUDA graphs (padded to capture sizes): the drafts are
+//! exactly the eager drafter's, and the text is exactly `--spec none`'s. Runs where a GPU is
+//! present.
+
+mod common;
+mod cuda_support;
+
+use common::conversation::humaneval_tokens;
+use common::{request, run_staggered};
+use cuda_support::*;
+use kestrel::backend::cuda::CudaBackend;
+use kestrel::backend::sampling::SamplingParams;
+use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout, StepLimits};
+use kestrel::engine::graphed::{startup_shapes, GraphPadding};
+use kestrel::engine::padding::{CaptureSizes, PadLimits, Scratch};
+use kestrel::engine::request::SpecMethod;
+use kestrel::engine::spec::mtp::{capture_mtp_at_startup, propose_mtp, MtpCatchUp};
+use kestrel::engine::{Engine, EngineConfig};
+use kestrel::model::arch::qwen35::Qwen35;
+use kestrel::model::ModelFiles;
+
+const BLOCK_SIZE: usize = 16;
+/// Blocks per sequence: room for its prompt, the rounds' tokens and k chained drafts.
+const BLOCKS_EACH: usize = 12;
+
+/// One sequence of the drafting test: its text, how much of it is committed, its cache rows.
+struct Seq {
+    text: Vec<u32>,
+    len: usize,
+    table: Vec<u32>,
+    slot: usize,
+}
+
+/// Runs the main model over `pieces` (sequence, tokens) as prefill rows continuing each
+/// sequence, then the drafter's catch-up over them and its k chained drafts; returns the drafts.
+fn draft_round(gpu: &CudaBackend, model: &Qwen35<CudaBackend>, cache: &mut <CudaBackend as Backend>::Cache, seqs: &[Seq], pieces: &[(usize, usize)], k: usize, graphs: Option<&GraphPadding>) -> Vec<Vec<u32>> {
+    let (mut ids, mut layout, mut items) = (Vec::new(), BatchLayout::default(), Vec::new());
+    for &(s, n) in pieces {
+        let seq = &seqs[s];
+        let token_start = ids.len();
+        ids.extend_from_slice(&seq.text[seq.len..seq.len + n]);
+        layout.rows.push(RowLayout { kind: RowKind::Prefill, token_start, num_tokens: n, start_position: seq.len, block_table: seq.table.clone(), state_slot: seq.slot, snapshot_base: 0 });
+        items.push(MtpCatchUp {
+            start_position: seq.len,
+            hidden_start: token_start,
+            count: n,
+            next_tokens: seq.text[seq.len + 1..seq.len + n + 1].to_vec(),
+            block_table: seq.table.clone(),
+            drafts_wanted: k,
+        });
+    }
+    let out = model.forward(gpu, &ids, &layout, &[ids.len() as u32 - 1], cache);
+    propose_mtp(model, gpu, cache, &out.hidden, &items, graphs)
+}
+
+/// Drafts of 1, 3 and 17 sequences, whose catch-ups commit 1..k+1 tokens per row (every row
+/// count and token mix pads to a capture size), each round against the eager drafter on a
+/// cache of its own: equal, token for token. A padded row that wrote a live block (or skipped
+/// the cut back to the real rows) would change the later drafts of the sequence it hit.
+#[test]
+fn graphed_mtp_drafts_equal_the_eager_drafters() {
+    let Some(gpu) = gpu() else { return };
+    let files = ModelFiles::open(None).expect("embedded model opens");
+    let model = Qwen35::load(&gpu, files.config.clone(), &files.store, &indicatif::ProgressBar::hidden()).expect("weights load");
+    let text = humaneval_tokens(&files.tokenizer);
+    let k = 3;
+    let max_seqs = 17;
+    let num_blocks = max_seqs * BLOCKS_EACH;
+    let scratch = Scratch::after(num_blocks, max_seqs);
+    let spec = model.cache_spec(num_blocks + Scratch::BLOCKS, BLOCK_SIZE, max_seqs + Scratch::STATE_SLOTS, 64);
+    let mut eager_cache = gpu.alloc_cache(&spec).expect("cache");
+    let mut graphed_cache = gpu.alloc_cache(&spec).expect("cache");
+    let limits = StepLimits { max_tokens: 1024, max_rows: 64, max_blocks_per_row: BLOCKS_EACH };
+    gpu.reserve_step_inputs(limits).expect("step inputs");
+    let padding = GraphPadding { sizes: CaptureSizes::default_up_to(32), scratch, limits: PadLimits { max_tokens: 1024, max_blocks_per_row: BLOCKS_EACH, block_size: BLOCK_SIZE }, k };
+    // The drafter's graphs of every capture shape, as at an engine's start-up.
+    let captured = capture_mtp_at_startup(&model, &gpu, &mut graphed_cache, &padding, &startup_shapes(&padding, true), &indicatif::ProgressBar::hidden());
+    assert!(captured > 0 && gpu.captured_graphs() == captured, "{captured} drafter graphs captured, {} in the backend", gpu.captured_graphs());
+    let mut rng = Rng::new(37);
+    let mut drafted = 0;
+    for n in [1, 3, 17] {
+        let slots: Vec<usize> = (0..n).collect();
+        gpu.reset_states(&mut eager_cache, &slots);
+        gpu.reset_states(&mut graphed_cache, &slots);
+        let mut seqs: Vec<Seq> = (0..n).map(|i| Seq { text: text[i * 173..i * 173 + 150].to_vec(), len: 0, table: (0..BLOCKS_EACH as u32).map(|b| (i * BLOCKS_EACH) as u32 + b).collect(), slot: i }).collect();
+        for round in 0..12 {
+            // The prompt first (a long catch-up, eager both ways), then 1..k+1 tokens a row.
+            let pieces: Vec<(usize, usize)> = (0..n).map(|s| (s, if round == 0 { 20 + 3 * s } else { 1 + rng.below(k + 1) })).collect();
+            let eager = draft_round(&gpu, &model, &mut eager_cache, &seqs, &pieces, k, None);
+            let graphed = draft_round(&gpu, &model, &mut graphed_cache, &seqs, &pieces, k, Some(&padding));
+            assert_eq!(graphed, eager, "{n} sequences, round {round} ({pieces:?}): graphed drafts differ from the eager drafter's");
+            drafted += eager.iter().map(Vec::len).sum::<usize>();
+            for (s, count) in pieces {
+                seqs[s].len += count;
+            }
+        }
+    }
+    assert!(drafted > 0, "nothing drafted");
+    // Every shape was captured ahead: no forward added a graph.
+    assert_eq!(gpu.captured_graphs(), captured, "a drafter forward was captured at a shape outside the start-up ones");
+    eprintln!("{drafted} drafts equal over {captured} drafter graphs");
+}
+
+/// The engine with MTP at k 1, 3 and 8, batches of 1, 3 and 17 sequences (padded to 1, 4 and
+/// 24 rows): graphs on (the drafter's captured at start-up) against graphs off, the same
+/// drafts (so the same accepted and drafted counts), and every request's text equal to its
+/// run alone, eager, with `--spec none`.
+#[test]
+fn mtp_with_drafter_graphs_drafts_as_eager_and_writes_what_none_writes() {
+    let Some(gpu) = gpu() else { return };
+    let files = ModelFiles::open(None).expect("embedded model opens");
+    let model = Qwen35::load(&gpu, files.config.clone(), &files.store, &indicatif::ProgressBar::hidden()).expect("weights load");
+    let text = humaneval_tokens(&files.tokenizer);
+    let prompts: Vec<Vec<u32>> = (0..17).map(|i| text[i * 211..i * 211 + 5 + (i * 13) % 60].to_vec()).collect();
+    let max_tokens = |i: usize| 24 + (i * 7) % 40;
+    let greedy = SamplingParams::greedy();
+    let mut parts = Some((gpu, model));
+    let refs: Vec<Vec<u32>> = (0..prompts.len())
+        .map(|i| {
+            let config = EngineConfig { max_num_seqs: 1, cuda_graphs: false, ..EngineConfig::default() };
+            let (gpu, model) = parts.take().expect("parts");
+            let mut engine = Engine::new(gpu, model, config).expect("engine starts");
+            let out = run_staggered(&mut engine, vec![request(&prompts[i], max_tokens(i), greedy.clone(), Some(SpecMethod::None))], &[0]);
+            parts = Some(engine.into_parts());
+            out.into_iter().next().expect("one request")
+        })
+        .collect();
+    let mut run = |n: usize, config: EngineConfig, method: SpecMethod| {
+        let (gpu, model) = parts.take().expect("parts are returned after every run");
+        let mut engine = Engine::new(gpu, model, config).expect("engine starts");
+        let drafter_graphs = engine.graph_capture.as_ref().map_or(0, |r| r.drafter_graphs);
+        let requests = prompts[..n].iter().enumerate().map(|(i, p)| request(p, max_tokens(i), greedy.clone(), Some(method))).collect();
+        let out = run_staggered(&mut engine, requests, &vec![0; n]);
+        let s = &engine.stats.spec;
+        let counts = [s.accepted, s.drafted, s.draft_steps];
+        parts = Some(engine.into_parts());
+        (out, counts, drafter_graphs)
+    };
+    for k in [1, 3, 8] {
+        for n in [1, 3, 17] {
+            let config = |graphs: bool| EngineConfig { max_num_seqs: 32, max_num_batched_tokens: 1024, spec: SpecMethod::Mtp, spec_tokens: k, cuda_graphs: graphs, ..EngineConfig::default() };
+            let (eager, eager_counts, _) = run(n, config(false), SpecMethod::Mtp);
+            let (graphed, graphed_counts, drafter_graphs) = run(n, config(true), SpecMethod::Mtp);
+            assert!(drafter_graphs > 0, "k={k} n={n}: no drafter graph captured at start-up");
+            assert_eq!(graphed_counts, eager_counts, "k={k} n={n}: graphed drafting drafted or accepted differently (accepted, drafted, draft steps)");
+            assert!(graphed_counts[0] > 0, "k={k} n={n}: no draft accepted");
+            for (i, (g, r)) in graphed.iter().zip(&refs).enumerate() {
+                assert_eq!(g, r, "k={k} n={n}: request {i} differs from its run alone without speculation");
+            }
+            assert_eq!(eager, graphed, "k={k} n={n}");
+            eprintln!("k={k} n={n}: {drafter_graphs} drafter graphs, (accepted, drafted, steps) {graphed_counts:?} both ways");
+        }
+    }
+}
