@@ -87,6 +87,30 @@ fn padded_steps_are_bitwise_equal_to_each_request_alone() {
     }
 }
 
+/// The MTP drafter's forwards are padded too (a catch-up's rows of 1..k+1 tokens to rows x m
+/// tokens, a chained draft's rows to a row size): the same drafts as the unpadded drafter, so
+/// the same accepted and drafted counts and the same text. A padded drafter row writing a live
+/// sequence's KV block would change that sequence's later drafts.
+#[test]
+fn padded_mtp_drafter_forwards_draft_what_the_unpadded_drafter_drafts() {
+    let prompts = code_prompts(17);
+    for k in [1, 3] {
+        let (padded, padded_engine) = run_padded(&prompts, SpecMethod::Mtp, k);
+        let s = &padded_engine.stats.spec;
+        let padded_counts = (s.accepted, s.drafted, s.draft_steps);
+        let (_, model) = default_model();
+        let config = EngineConfig { max_num_seqs: 64, max_num_batched_tokens: 1024, spec: SpecMethod::Mtp, spec_tokens: k, ..EngineConfig::default() };
+        let mut e = engine(model, config);
+        assert!(e.capture_sizes().is_empty(), "the CPU pads nothing unless told to");
+        let requests = prompts.iter().enumerate().map(|(i, p)| request(p, max_tokens(i), sampling(i), None)).collect();
+        let unpadded = run_staggered(&mut e, requests, &vec![0; prompts.len()]);
+        let counts = (e.stats.spec.accepted, e.stats.spec.drafted, e.stats.spec.draft_steps);
+        assert!(counts.0 > 0, "k={k}: no draft accepted");
+        assert_eq!(padded_counts, counts, "k={k}: padded drafter forwards drafted differently (accepted, drafted, draft steps)");
+        assert_eq!(padded, unpadded, "k={k}");
+    }
+}
+
 #[test]
 fn seventeen_decodes_run_as_twenty_four_rows() {
     let prompts = code_prompts(17);

@@ -66,6 +66,10 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
     // Every row's last token gets logits; those of rows that want no drafts are not used.
     let mut out = drafter.forward(cache, &ids, step_hidden, &hidden_rows, &layout);
     let wanting: Vec<usize> = (0..items.len()).filter(|&n| items[n].drafts_wanted > 0).collect();
+    if wanting.is_empty() {
+        // A catch-up only (prompts still prefilling, or the back-off offering no drafts).
+        return drafts;
+    }
     let first = argmax_rows(b, &out.logits, items.len());
     for &n in &wanting {
         if first[n] != NO_FINITE_LOGIT {
