@@ -1,7 +1,9 @@
 //! Row-independent matrix products over weights stored in any dtype, read in place.
 //!
 //! Every output element is one [`dot`](super::dot) of an activation row with a weight row, in
-//! the reference order, so a row's result never depends on how many rows share the call, how
+//! the reference order, the activations first rounded to bf16: the CUDA backend feeds its
+//! tensor cores bf16 activations (one mma per product, f32 sums), as bf16 inference does, and
+//! the reference multiplies the same values, so a row's result never depends on how many rows share the call, how
 //! the threads split the work or which kernels ran it (batch invariance). Threads take
 //! contiguous ranges of weight rows; inside a range the AVX2 path computes tiles of up to four
 //! tokens by up to eight weight rows. Plain float weights (F32, BF16, F16) are read straight
@@ -86,6 +88,8 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatr
     if t == 0 || out == 0 {
         return;
     }
+    let rounded = bf16_activations(x);
+    let x = &rounded[..];
     let y_out = SharedOut::new(y);
     let job = |rows: std::ops::Range<usize>| {
         // Each part of a stacked weight in turn, over the rows of the range it holds.
@@ -104,6 +108,11 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatr
     } else {
         pool.split(out, 8, &job);
     }
+}
+
+/// `x` rounded to bf16 (round to nearest even), as the GPU's matmuls take their activations.
+pub fn bf16_activations(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| kestrel_quant::round_to_bf16(v)).collect()
 }
 
 /// Where results go: column `col0 + r` of the `[t, ldy]` output for local weight row `r`.
@@ -263,8 +272,10 @@ mod tests {
             .collect()
     }
 
-    /// The reference: each element the scalar dot product of the rows.
+    /// The reference: each element the scalar dot product of the bf16-rounded activation row
+    /// and the weight row.
     fn reference(x: &[f32], t: usize, w: &CpuMatrix) -> Vec<f32> {
+        let x = &bf16_activations(x)[..];
         let mut y = vec![0.0; t * w.rows];
         let mut row = vec![0.0; w.cols];
         for o in 0..w.rows {
@@ -306,6 +317,18 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Activations are rounded to bf16 (nearest even) before the products, whatever the weight's
+    /// dtype: 1 + 2^-8 is a tie that rounds to 1, 1 + 3 * 2^-9 rounds up to 1 + 2^-7.
+    #[test]
+    fn activations_enter_as_bf16() {
+        let pool = ThreadPool::new(1);
+        let w = CpuMatrix::from(MatrixBytes::from_f32(vec![1.0, 0.0, 0.0, 1.0], 2, 2));
+        let x = [1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-9)];
+        for isa in [Isa::Scalar, Isa::detect()] {
+            assert_eq!(matmul(&pool, isa, &x, 1, &w), vec![1.0, 1.0 + 2f32.powi(-7)], "{isa:?}");
         }
     }
 
