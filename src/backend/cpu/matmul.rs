@@ -1,9 +1,7 @@
 //! Row-independent matrix products over weights stored in any dtype, read in place.
 //!
 //! Every output element is one [`dot`](super::dot) of an activation row with a weight row, in
-//! the reference order, the activations first rounded to bf16: the CUDA backend feeds its
-//! tensor cores bf16 activations (one mma per product, f32 sums), as bf16 inference does, and
-//! the reference multiplies the same values, so a row's result never depends on how many rows share the call, how
+//! the reference order, so a row's result never depends on how many rows share the call, how
 //! the threads split the work or which kernels ran it (batch invariance). Threads take
 //! contiguous ranges of weight rows; inside a range the AVX2 path computes tiles of up to four
 //! tokens by up to eight weight rows. Plain float weights (F32, BF16, F16) are read straight
@@ -88,8 +86,6 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatr
     if t == 0 || out == 0 {
         return;
     }
-    let rounded = bf16_activations(x);
-    let x = &rounded[..];
     let y_out = SharedOut::new(y);
     let job = |rows: std::ops::Range<usize>| {
         // Each part of a stacked weight in turn, over the rows of the range it holds.
@@ -110,7 +106,8 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatr
     }
 }
 
-/// `x` rounded to bf16 (round to nearest even), as the GPU's matmuls take their activations.
+/// `x` rounded to bf16 (round to nearest even), as the GPU's matmuls take their activations
+/// (the backend rounds before [`matmul_into`] unless built with f32 activations).
 pub fn bf16_activations(x: &[f32]) -> Vec<f32> {
     x.iter().map(|&v| kestrel_quant::round_to_bf16(v)).collect()
 }
@@ -272,10 +269,8 @@ mod tests {
             .collect()
     }
 
-    /// The reference: each element the scalar dot product of the bf16-rounded activation row
-    /// and the weight row.
+    /// The reference: each element the scalar dot product of the rows.
     fn reference(x: &[f32], t: usize, w: &CpuMatrix) -> Vec<f32> {
-        let x = &bf16_activations(x)[..];
         let mut y = vec![0.0; t * w.rows];
         let mut row = vec![0.0; w.cols];
         for o in 0..w.rows {
@@ -320,16 +315,13 @@ mod tests {
         }
     }
 
-    /// Activations are rounded to bf16 (nearest even) before the products, whatever the weight's
-    /// dtype: 1 + 2^-8 is a tie that rounds to 1, 1 + 3 * 2^-9 rounds up to 1 + 2^-7.
+    /// Round to nearest even: 1 + 2^-8 is a tie that rounds to 1, 1 + 3 * 2^-9 rounds up to
+    /// 1 + 2^-7; NaN stays NaN.
     #[test]
-    fn activations_enter_as_bf16() {
-        let pool = ThreadPool::new(1);
-        let w = CpuMatrix::from(MatrixBytes::from_f32(vec![1.0, 0.0, 0.0, 1.0], 2, 2));
-        let x = [1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-9)];
-        for isa in [Isa::Scalar, Isa::detect()] {
-            assert_eq!(matmul(&pool, isa, &x, 1, &w), vec![1.0, 1.0 + 2f32.powi(-7)], "{isa:?}");
-        }
+    fn bf16_activations_round_to_nearest_even() {
+        let r = bf16_activations(&[1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-9), -0.0, f32::NAN]);
+        assert_eq!(&r[..3], &[1.0, 1.0 + 2f32.powi(-7), -0.0]);
+        assert!(r[3].is_nan());
     }
 
     /// Columns that are not a multiple of the lane count take the tail path on every kernel.
