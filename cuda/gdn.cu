@@ -139,8 +139,8 @@ __device__ __forceinline__ long long state_quad_index(int r, int a, int j, int d
 #define GDN_FIRST_PRELOAD 1
 #endif
 
-// Sum over the 4 consecutive lanes that hold one value column's state rows (the recurrent and
-// chunked kernels' row groups): a fixed butterfly, every lane of the 4 gets the same bits.
+// Sum over 4 consecutive lanes (the recurrent kernel's row groups of a value column, the
+// chunked kernels' parts of a sum): a fixed butterfly, every lane of the 4 gets the same bits.
 __device__ __forceinline__ float row_group_sum(float v) {
     v += __shfl_xor_sync(FULL_MASK, v, 1);
     v += __shfl_xor_sync(FULL_MASK, v, 2);
@@ -431,155 +431,7 @@ __device__ __forceinline__ void gdn_recurrent_body(RecurrentStart& st, float* ou
 GDN_RECURRENT_KERNEL(gdn_recurrent, 0, 0, 0)
 GDN_RECURRENT_KERNEL(gdn_recurrent_128, 128, 128, 4)
 
-#define CHUNK_COLS 32   // value columns per block of the chunked kernel
-#define ROW_GROUPS 4    // threads per value column, each holding every 4th state row
-
-// Prefill rows: grid (rows listed in row_ids, nv, ceil(dv / 32)), 128 threads. A block owns 32
-// value columns of one head; thread (column c, group r) keeps state rows a = r, r+4, ... of
-// its column in registers, and the 4 groups of a column combine sums over a with a fixed
-// butterfly. Chunks start at absolute multiples of 64, so the same chunks are computed however
-// the prompt was split. Dynamic shared memory, floats: 3*CHUNK*(dk+1) (k, q, W) +
-// CHUNK*CHUNK_COLS (U, then V') + 2*CHUNK*CHUNK (A, P) + 2*CHUNK (gamma, beta). Rows of k, q
-// and W are padded by one float: the pair loop reads rows of 32 different keys at once.
-extern "C" __global__ void __launch_bounds__(128) gdn_chunked(float* core, const float* qn, const float* kn, const float* conv_out, const float* g,
-        const float* beta, float* rec, const RowInfo* rows, const int* row_ids, int nk, int nv, int dk, int dv, int conv_dim) {
-    wait_for_inputs();
-    extern __shared__ float sm[];
-    const int ld = dk + 1;
-    float* ks = sm;                       // [CHUNK][ld]
-    float* qs = ks + CHUNK * ld;          // [CHUNK][ld]
-    float* ws = qs + CHUNK * ld;          // [CHUNK][ld]
-    float* us = ws + CHUNK * ld;          // [CHUNK][CHUNK_COLS]  U, then V'
-    float* am = us + CHUNK * CHUNK_COLS;  // [CHUNK][CHUNK] beta_l (k_l.k_m) exp(gam_l - gam_m), m < l
-    float* pm = am + CHUNK * CHUNK;       // [CHUNK][CHUNK] (q_l.k_m) exp(gam_l - gam_m), m <= l
-    float* gam = pm + CHUNK * CHUNK;      // [CHUNK]
-    float* bet = gam + CHUNK;             // [CHUNK]
-    RowInfo row = rows[row_ids[blockIdx.x]];
-    int h = blockIdx.y, tid = threadIdx.x, kh = h / (nv / nk);
-    int cc = tid >> 2, rg = tid & 3;      // column within the block, row group
-    int j = blockIdx.z * CHUNK_COLS + cc; // value column
-    bool col_ok = j < dv;
-    int key_dim = nk * dk, head_len = dk * dv;
-    long long state_len = (long long)nv * head_len;
-    float* sp = rec + row.state_slot * state_len + (long long)h * head_len;
-    const int SR = MAX_DK / ROW_GROUPS;
-    float s[SR];
-#pragma unroll
-    for (int i = 0; i < SR; ++i) {
-        int a = rg + ROW_GROUPS * i;
-        s[i] = (a < dk && col_ok) ? sp[state_index(a, j, dk, dv)] : 0.0f;
-    }
-    int i0 = 0;
-    while (i0 < row.num_tokens) {
-        int pos = row.start_position + i0;
-        int len = min(CHUNK - pos % CHUNK, row.num_tokens - i0);
-        int t0 = row.token_start + i0;
-        __syncthreads();
-        for (int e = tid; e < len * dk; e += blockDim.x) {
-            int l = e / dk, a = e % dk;
-            ks[l * ld + a] = kn[(long long)(t0 + l) * key_dim + kh * dk + a];
-            qs[l * ld + a] = qn[(long long)(t0 + l) * key_dim + kh * dk + a];
-        }
-        if (tid < len) {
-            bet[tid] = beta[(long long)(t0 + tid) * nv + h];
-            gam[tid] = g[(long long)(t0 + tid) * nv + h];
-        }
-        __syncthreads();
-        if (tid == 0) {
-            float acc = 0.0f;
-            for (int l = 0; l < len; ++l) {
-                acc += gam[l];
-                gam[l] = acc;
-            }
-        }
-        __syncthreads();
-        for (int e = tid; e < len * len; e += blockDim.x) {
-            int l = e / len, m = e % len;
-            if (m > l) continue;
-            float kk = 0.0f, qk = 0.0f;
-#pragma unroll 4
-            for (int a = 0; a < dk; ++a) {
-                kk += ks[l * ld + a] * ks[m * ld + a];
-                qk += qs[l * ld + a] * ks[m * ld + a];
-            }
-            float decay = expf(gam[l] - gam[m]);
-            am[l * CHUNK + m] = m < l ? bet[l] * kk * decay : 0.0f;
-            pm[l * CHUNK + m] = qk * decay;
-        }
-        __syncthreads();
-        // Forward substitution, column by column: U = (I+A)^-1 (beta v) for this block's
-        // columns (row group 0), W = (I+A)^-1 (beta exp(gam) k) for every key column.
-        if (rg == 0 && col_ok) {
-            for (int l = 0; l < len; ++l) {
-                float u = bet[l] * conv_out[(long long)(t0 + l) * conv_dim + value_channel(key_dim, h, dv, j)];
-#pragma unroll 4
-                for (int m = 0; m < l; ++m) u -= am[l * CHUNK + m] * us[m * CHUNK_COLS + cc];
-                us[l * CHUNK_COLS + cc] = u;
-            }
-        }
-        for (int c = tid; c < dk; c += blockDim.x) {
-            for (int l = 0; l < len; ++l) {
-                float w = bet[l] * expf(gam[l]) * ks[l * ld + c];
-#pragma unroll 4
-                for (int m = 0; m < l; ++m) w -= am[l * CHUNK + m] * ws[m * ld + c];
-                ws[l * ld + c] = w;
-            }
-        }
-        __syncthreads();
-        // V' = U - W S (the 4 row groups' partial sums added by a fixed butterfly).
-        for (int l = 0; l < len; ++l) {
-            float part = 0.0f;
-#pragma unroll
-            for (int i = 0; i < SR; ++i) {
-                int a = rg + ROW_GROUPS * i;
-                if (a < dk) part += ws[l * ld + a] * s[i];
-            }
-            part = row_group_sum(part);
-            __syncwarp();
-            if (rg == 0) us[l * CHUNK_COLS + cc] -= part;
-            __syncwarp();
-        }
-        __syncwarp();
-        // O_l = exp(gam_l) q_l^T S + sum_{m<=l} P[l][m] V'_m
-        for (int l = 0; l < len; ++l) {
-            float el = expf(gam[l]);
-            float part = 0.0f;
-#pragma unroll
-            for (int i = 0; i < SR; ++i) {
-                int a = rg + ROW_GROUPS * i;
-                if (a < dk) part += (qs[l * ld + a] * el) * s[i];
-            }
-            part = row_group_sum(part);
-            if (rg == 0 && col_ok) {
-                float o = part;
-                for (int m = 0; m <= l; ++m) o += pm[l * CHUNK + m] * us[m * CHUNK_COLS + cc];
-                core[(long long)(t0 + l) * nv * dv + h * dv + j] = o;
-            }
-        }
-        // S = exp(gam_last) S + sum_m exp(gam_last - gam_m) k_m (x) V'_m
-        float last = gam[len - 1];
-        float el = expf(last);
-#pragma unroll
-        for (int i = 0; i < SR; ++i) s[i] *= el;
-        for (int m = 0; m < len; ++m) {
-            float f = expf(last - gam[m]);
-            float vm = us[m * CHUNK_COLS + cc];
-#pragma unroll
-            for (int i = 0; i < SR; ++i) {
-                int a = rg + ROW_GROUPS * i;
-                if (a < dk) s[i] += (ks[m * ld + a] * f) * vm;
-            }
-        }
-        i0 += len;
-    }
-    if (col_ok) {
-#pragma unroll
-        for (int i = 0; i < SR; ++i) {
-            int a = rg + ROW_GROUPS * i;
-            if (a < dk) sp[state_index(a, j, dk, dv)] = s[i];
-        }
-    }
-}
+// The chunked delta rule of prefill rows: cuda/gdn_chunk.cu.
 
 // grid (T, nv), 128 threads: y = x * rsqrt(mean(x^2) + eps) * w * silu(z), per value head,
 // for tokens of prefill rows (gdn_recurrent normalizes generate tokens).

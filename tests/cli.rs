@@ -173,6 +173,11 @@ fn bench_reports_consistent_metrics() {
         let tps = r["output_tokens_per_s"].as_f64().unwrap();
         assert!((speedup - tps / none_tps).abs() < 1e-9, "speedup must be the throughput ratio");
         assert_eq!(r["output_tokens"], 64);
+        // How often the back-off (on by default) offered fewer drafts: not a thing without speculation.
+        match r["method"].as_str().unwrap() {
+            "none" => assert!(r["backed_off_fraction"].is_null()),
+            _ => assert!((0.0..=1.0).contains(&r["backed_off_fraction"].as_f64().unwrap()), "{}", r["backed_off_fraction"]),
+        }
     }
 }
 
@@ -319,10 +324,10 @@ fn each_subcommand_lists_only_the_flags_it_uses_each_with_a_help_line() {
         ("run", &["--temperature", "--min-p", "--stop", "--file", "--spec", "--max-model-len", "--device", "--ignore-generation-config"], &["--input", "--port", "--context", "--max-num-seqs"]),
         ("info", &["--model", "--json", "--load-format"], &["--spec", "--device", "--max-model-len", "--temperature", "--kv-blocks", "--gpu-memory-utilization", "--kv-cache-dtype"]),
         ("perplexity", &["--file", "--context", "--device", "--allow-long-context", "--kv-cache-dtype"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs", "--cuda-graph-sizes", "--prefix-cache-memory"]),
-        ("serve", &["--host", "--max-num-seqs", "--allowed-origins", "--spec", "--max-model-len", "--prefix-cache-memory", "--no-prefix-cache"], &["--temperature", "--input", "--json"]),
+        ("serve", &["--host", "--max-num-seqs", "--allowed-origins", "--spec", "--no-spec-backoff", "--max-model-len", "--prefix-cache-memory", "--no-prefix-cache"], &["--temperature", "--input", "--json"]),
         ("batch", &["--input", "--max-num-seqs", "--spec", "--ignore-generation-config"], &["--temperature", "--port", "--json"]),
         ("chat", &["--system", "--temperature", "--spec", "--max-model-len"], &["--json", "--port", "--input"]),
-        ("bench", &["--concurrency", "--spec", "--temperature", "--dataset", "--turns", "--turn-len", "--no-prefix-cache", "--cuda-graph-sizes", "--max-cuda-graph-size"], &["--port", "--input", "--ignore-generation-config"]),
+        ("bench", &["--concurrency", "--spec", "--no-spec-backoff", "--temperature", "--dataset", "--turns", "--turn-len", "--no-prefix-cache", "--cuda-graph-sizes", "--max-cuda-graph-size"], &["--port", "--input", "--ignore-generation-config"]),
     ];
     for (sub, present, absent) in cases {
         let options = options_with_help(sub);

@@ -115,6 +115,18 @@ fn compare_stored(what: &str, gpu: &CpuCache, cpu: &CpuCache) {
     }
 }
 
+/// How close the device's attention comes to the f32 CPU reference over the same cache: bf16
+/// and fp8 run on tensor cores (q and the softmax weights as two bf16 parts each, f32
+/// accumulation in the MMA's own order), with a margin over f32 products; f32 and tq3 keep
+/// f32 products.
+fn tolerance(dtype: KvDtype) -> f32 {
+    if matches!(dtype, KvDtype::Bf16 | KvDtype::Fp8) {
+        1e-3
+    } else {
+        1e-4
+    }
+}
+
 /// Steps of a cache test: prefill rows from position 0, a prefill continuing at an unaligned
 /// position beside a verify row, generate rows of 1 and 2 tokens, then a plain decode step
 /// (every row one token: attn_decode).
@@ -154,7 +166,7 @@ fn attention_matches_the_cpu_for_each_kv_dtype() {
                 let stored = gpu.cache_to_host(&gcache);
                 let want = cpu.to_host(&cpu.attention_over_cache(&cpu.from_host(&qg, t, nq * 2 * hd), &qn, &dims, &lay, &stored, 0));
                 let err = relative_error(&got, &want);
-                assert!(err < 1e-4, "{what} step {step}: relative error {err}");
+                assert!(err < tolerance(dtype), "{what} step {step}: relative error {err}");
                 compare_stored(&format!("{what} step {step}"), &stored, &ccache);
                 advance(&mut seqs, rows);
             }
@@ -165,7 +177,7 @@ fn attention_matches_the_cpu_for_each_kv_dtype() {
 /// A decode step with few rows gives each context range of a query its own block and merges
 /// them in a second launch (rotating the output back for tq3); a step with many rows walks the
 /// ranges in one block. A step whose rows are all one token prepares and stores its queries,
-/// keys and values in the attention launch itself (attn_decode); other steps in a launch before
+/// keys and values in the attention launch itself (attn_decode; bf16 and fp8 run attn_prep and attn_flash on every step); other steps in a launch before
 /// (attn_prep). In every format, outputs and stored keys and values agree bitwise.
 #[test]
 fn attention_rows_are_bitwise_invariant_for_each_kv_dtype() {
@@ -216,7 +228,7 @@ fn attention_rows_are_bitwise_invariant_for_each_kv_dtype() {
             let lay = layout(&seqs, &[(RowKind::Generate, 0, 1)]);
             let want = cpu.to_host(&cpu.attention_over_cache(&cpu.from_host(&qg, 1, nq * 2 * hd), &cqn, &dims, &lay, &stored_alone, 0));
             let err = relative_error(&single, &want);
-            assert!(err < 1e-4, "{what}: decode attention over 1101 keys: relative error {err}");
+            assert!(err < tolerance(dtype), "{what}: decode attention over 1101 keys: relative error {err}");
         }
     }
 }

@@ -123,6 +123,27 @@ fn speculation_is_bitwise_equal_under_preemption() {
     }
 }
 
+#[test]
+fn the_backoff_changes_drafts_never_text() {
+    // With the back-off on, the drafts offered per row follow measured step times (so they
+    // differ from run to run); every request's tokens must not.
+    let ps = code_prompts();
+    for kind in [0, 1] {
+        let refs = references(&ps, kind);
+        for method in [SpecMethod::Ngram, SpecMethod::Mtp] {
+            let (_, model) = default_model();
+            let mut e = engine(model, EngineConfig { spec_backoff: true, ..config(8, 8, method) });
+            let reqs = ps.iter().enumerate().map(|(i, p)| request(p, max_tokens(i), sampling(kind, i), None)).collect();
+            let arrivals: Vec<usize> = (0..ps.len()).map(|i| i * 2).collect();
+            let got = run_staggered(&mut e, reqs, &arrivals);
+            assert_eq!(got, refs, "{method:?} sampling={kind} with the back-off");
+            // Every smaller k is tried once after the first measured step, whatever the timings.
+            assert!(e.stats.backed_off_steps > 0, "{method:?}: the back-off never offered fewer drafts");
+            assert!(e.stats.spec.draft_steps > 0, "{method:?}: never drafted");
+        }
+    }
+}
+
 /// A drafter built from the reference continuations of each request.
 type Plan = Box<dyn FnMut(usize, &[u32], usize) -> usize + Send>;
 

@@ -8,7 +8,10 @@
 //!   `j` of each 8 in nibble `AWQ_NIBBLE_OF_COLUMN[j]`, `scales` `[k/group, n]`.
 //!
 //! `W[r, c] = scale[c/group, r] * (q[c, r] - zero[c/group, r])`. All I32 tensors are little
-//! endian; scales are F16 (BF16 accepted when every scale has an exact f16 value).
+//! endian; scales are F16 (BF16 accepted when every scale has an exact f16 value). Where k is
+//! not a multiple of the group (the last group is partial: `ceil(k/group)` groups, as GPTQ and
+//! AutoRound quantize such a layer), the rows take groups of [`int4_row_group`] elements, each
+//! with the scale and zero of the checkpoint group it lies in.
 
 use half::{bf16, f16};
 
@@ -23,7 +26,18 @@ const AWQ_NIBBLE_OF_COLUMN: [u32; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 /// stay within a few cache lines and pages.
 const ROW_TILE: usize = 64;
 
-/// Repacks a GPTQ-layout int4 linear into `n` rows of `Int4 { group }`, each of `k` elements.
+/// The group of the `Int4` rows an int4 checkpoint of `k` inputs in groups of `group` is
+/// repacked into: the group itself where it divides k, else the largest width dividing both.
+pub fn int4_row_group(k: usize, group: usize) -> usize {
+    let (mut a, mut b) = (k, group);
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// Repacks a GPTQ-layout int4 linear into `n` rows of `Int4 { int4_row_group(k, group) }`, each
+/// of `k` elements.
 ///
 /// `zero_offset` is added to every stored zero: 1 for GPTQ v1 packing (AutoRound
 /// `auto_round:auto_gptq`, which stores zero - 1), 0 for v2 (`auto_round`, gptqmodel).
@@ -53,7 +67,7 @@ pub fn gptq_int4_rows(qweight: &[u8], qzeros: &[u8], scales: &[u8], scales_dtype
 }
 
 /// Repacks an AWQ-layout int4 linear (AutoAWQ, AutoRound `auto_round:auto_awq`; zeros stored as
-/// is) into `n` rows of `Int4 { group }`, each of `k` elements.
+/// is) into `n` rows of `Int4 { int4_row_group(k, group) }`, each of `k` elements.
 pub fn awq_int4_rows(qweight: &[u8], qzeros: &[u8], scales: &[u8], scales_dtype: Dtype, k: usize, n: usize, group: usize) -> Result<Vec<u8>, QuantError> {
     let layout = Layout::new(k, n, group, scales_dtype)?;
     let words_per_row = n / 8;
@@ -63,7 +77,7 @@ pub fn awq_int4_rows(qweight: &[u8], qzeros: &[u8], scales: &[u8], scales_dtype:
     let mut out = layout.headers(scales, scales_dtype, |g, r| nibble(qzeros[g * words_per_row + r / 8], r))?;
     let qweight = qweight.as_chunks::<4>().0;
     for r0 in (0..n).step_by(ROW_TILE) {
-        // k is even (a multiple of the even group), so input rows pair up into Int4 bytes.
+        // k is even (a multiple of the even row group), so input rows pair up into Int4 bytes.
         for c in (0..k).step_by(2) {
             for r in r0..(r0 + ROW_TILE).min(n) {
                 let lo = nibble(qweight[c * words_per_row + r / 8], r);
@@ -79,6 +93,10 @@ pub fn awq_int4_rows(qweight: &[u8], qzeros: &[u8], scales: &[u8], scales_dtype:
 struct Layout {
     k: usize,
     n: usize,
+    /// The checkpoint's group and its number of groups (the last one may be partial).
+    stored_group: usize,
+    stored_groups: usize,
+    /// The rows' group (dividing k) and their groups per row.
     group: usize,
     groups: usize,
     block_bytes: usize,
@@ -86,42 +104,48 @@ struct Layout {
 }
 
 impl Layout {
-    /// Checks what both layouts share: an even group below 2^32 dividing k, n a multiple of 8
-    /// (zeros pack 8 columns per int32), F16 or BF16 scales.
-    fn new(k: usize, n: usize, group: usize, scales_dtype: Dtype) -> Result<Layout, QuantError> {
-        let dtype = match u32::try_from(group) {
-            Ok(g) if g >= 2 && g % 2 == 0 => Dtype::Int4 { group: g },
-            _ => return Err(QuantError::InvalidGroup { group }),
-        };
-        check_multiple("k", k, group)?;
+    /// Checks what both layouts share: an even group below 2^32 whose width shared with k (the
+    /// rows' group) is even, n a multiple of 8 (zeros pack 8 columns per int32), F16 or BF16
+    /// scales.
+    fn new(k: usize, n: usize, stored_group: usize, scales_dtype: Dtype) -> Result<Layout, QuantError> {
+        if stored_group < 2 || stored_group % 2 != 0 || u32::try_from(stored_group).is_err() {
+            return Err(QuantError::InvalidGroup { group: stored_group });
+        }
+        let group = int4_row_group(k, stored_group);
+        check_multiple("k", k, 2)?;
+        if group % 2 != 0 {
+            return Err(QuantError::InvalidGroup { group });
+        }
+        let dtype = Dtype::Int4 { group: group as u32 };
         check_multiple("n", n, 8)?;
         if !matches!(scales_dtype, Dtype::F16 | Dtype::BF16) {
             return Err(QuantError::ScalesDtype { dtype: scales_dtype });
         }
-        Ok(Layout { k, n, group, groups: k / group, block_bytes: dtype.block_bytes(), row_bytes: dtype.row_bytes(k)? })
+        Ok(Layout { k, n, stored_group, stored_groups: k.div_ceil(stored_group), group, groups: k / group, block_bytes: dtype.block_bytes(), row_bytes: dtype.row_bytes(k)? })
     }
 
     /// Checks exact byte lengths: `qweight` of `qweight_words` int32s, zeros and scales per group.
     fn check_inputs(&self, qweight: &[u8], qweight_words: usize, qzeros: &[u8], scales: &[u8]) -> Result<(), QuantError> {
         let bytes = |elems: usize, size: usize| elems.checked_mul(size).ok_or(QuantError::ShapeOverflow { rows: self.k, cols: self.n });
         check_len("qweight", qweight, bytes(qweight_words, 4)?)?;
-        check_len("qzeros", qzeros, bytes(shape_product(self.groups, self.n / 8)?, 4)?)?;
-        check_len("scales", scales, bytes(shape_product(self.groups, self.n)?, 2)?)
+        check_len("qzeros", qzeros, bytes(shape_product(self.stored_groups, self.n / 8)?, 4)?)?;
+        check_len("scales", scales, bytes(shape_product(self.stored_groups, self.n)?, 2)?)
     }
 
     /// A zeroed output with every group's header written; `zero(g, r)` is the true zero point
-    /// of group g of output row r.
+    /// of the checkpoint's group g of output row r.
     fn headers(&self, scales: &[u8], scales_dtype: Dtype, zero: impl Fn(usize, usize) -> u32) -> Result<Vec<u8>, QuantError> {
         let mut out = vec![0u8; shape_product(self.n, self.row_bytes)?];
         let scales = scales.as_chunks::<2>().0;
-        for g in 0..self.groups {
+        for row_group in 0..self.groups {
+            let g = row_group * self.group / self.stored_group;
             for r in 0..self.n {
                 let scale = f16_scale(scales[g * self.n + r], scales_dtype)?;
                 let z = zero(g, r);
                 if z > 15 {
                     return Err(QuantError::ZeroOutOfRange { zero: z, row: r, group: g });
                 }
-                let at = r * self.row_bytes + g * self.block_bytes;
+                let at = r * self.row_bytes + row_group * self.block_bytes;
                 out[at..at + 2].copy_from_slice(&scale.to_le_bytes());
                 out[at + 2] = z as u8;
             }
@@ -190,27 +214,32 @@ mod tests {
         (qweight, qzeros, scales)
     }
 
-    /// q `[k, n]`, zeros and scales `[k/group, n]`.
+    /// q `[k, n]`, zeros and scales `[ceil(k/group), n]`.
     type Example = (Vec<Vec<u8>>, Vec<Vec<u8>>, Vec<Vec<f32>>);
 
     fn example(k: usize, n: usize, group: usize) -> Example {
         let q = (0..k).map(|c| (0..n).map(|r| ((c * 7 + r * 3) % 16) as u8).collect()).collect();
-        let zeros = (0..k / group).map(|g| (0..n).map(|r| ((g + r) % 15 + 1) as u8).collect()).collect();
-        let scales = (0..k / group).map(|g| (0..n).map(|r| (r as f32 - 3.5) * 0.25 + g as f32).collect()).collect();
+        let zeros = (0..k.div_ceil(group)).map(|g| (0..n).map(|r| ((g + r) % 15 + 1) as u8).collect()).collect();
+        let scales = (0..k.div_ceil(group)).map(|g| (0..n).map(|r| (r as f32 - 3.5) * 0.25 + g as f32).collect()).collect();
         (q, zeros, scales)
     }
 
-    /// The in-place repackers must write what the plain per-group writer does.
+    /// The in-place repackers must write what the plain per-group writer does; where the last
+    /// group is partial (k = 96 in groups of 64, as AutoRound stores a 96-wide layer), the rows
+    /// take groups of gcd(k, group), each with its checkpoint group's scale and zero.
     #[test]
     fn gptq_rows_match_the_group_writer() {
-        for (k, n, group) in [(16, 8, 2), (24, 16, 6), (32, 72, 16), (128, 136, 32)] {
+        for (k, n, group) in [(16, 8, 2), (24, 16, 6), (32, 72, 16), (128, 136, 32), (96, 8, 64), (40, 16, 16), (200, 8, 128)] {
             let (q, zeros, scales) = example(k, n, group);
             let (qweight, qzeros, sc) = gptq_tensors(&q, &zeros, &scales);
             let rows = gptq_int4_rows(&qweight, &qzeros, &sc, Dtype::F16, k, n, group, 0).unwrap();
+            let row_group = int4_row_group(k, group);
+            assert_eq!(row_group, if k % group == 0 { group } else { [32, 8, 8][[96, 40, 200].iter().position(|&x| x == k).unwrap()] });
             let mut want = Vec::new();
             for r in 0..n {
-                for g in 0..k / group {
-                    int4::push_group(&mut want, f16::from_f32(scales[g][r]), zeros[g][r], (g * group..(g + 1) * group).map(|c| q[c][r]));
+                for g in 0..k / row_group {
+                    let stored = g * row_group / group;
+                    int4::push_group(&mut want, f16::from_f32(scales[stored][r]), zeros[stored][r], (g * row_group..(g + 1) * row_group).map(|c| q[c][r]));
                 }
             }
             assert_eq!(rows, want, "k {k} n {n} group {group}");
@@ -225,7 +254,8 @@ mod tests {
         let run = |qw: &[u8], qz: &[u8], sc: &[u8], dt, k, n, g, off| gptq_int4_rows(qw, qz, sc, dt, k, n, g, off);
         assert!(matches!(run(&qw, &qz, &sc, Dtype::F16, k, n, 0, 0), Err(QuantError::InvalidGroup { group: 0 })));
         assert!(matches!(run(&qw, &qz, &sc, Dtype::F16, k, n, 3, 0), Err(QuantError::InvalidGroup { group: 3 })));
-        assert!(matches!(run(&qw, &qz, &sc, Dtype::F16, k, n, 12, 0), Err(QuantError::NotMultiple { what: "k", value: 32, of: 12 })));
+        // Groups of 12 over 32 inputs are 3 (the last partial): these tensors hold 2.
+        assert!(matches!(run(&qw, &qz, &sc, Dtype::F16, k, n, 12, 0), Err(QuantError::InputLength { tensor: "qzeros", .. })));
         assert!(matches!(run(&qw, &qz, &sc, Dtype::F16, 12, n, 2, 0), Err(QuantError::NotMultiple { what: "k", value: 12, of: 8 })));
         assert!(matches!(run(&qw, &qz, &sc, Dtype::F16, k, 12, g, 0), Err(QuantError::NotMultiple { what: "n", value: 12, of: 8 })));
         assert!(matches!(run(&qw, &qz, &sc, Dtype::F32, k, n, g, 0), Err(QuantError::ScalesDtype { dtype: Dtype::F32 })));

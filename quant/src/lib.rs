@@ -20,7 +20,7 @@ pub mod kv;
 pub mod quantize;
 
 pub use fp8::{e4m3_to_f32, fp8_block_rows, fp8_scaled_rows};
-pub use gptq::{awq_int4_rows, gptq_int4_rows};
+pub use gptq::{awq_int4_rows, gptq_int4_rows, int4_row_group};
 pub use quantize::{e4m3_from_f32, quantize};
 
 use std::fmt;

@@ -105,6 +105,9 @@ pub struct MethodResult {
     /// per real token; `None` when no step was graphed.
     pub padded_rows_per_real: Option<f64>,
     pub padded_tokens_per_real: Option<f64>,
+    /// Steps whose rows the back-off offered fewer than --spec-tokens drafts, per step (`None`
+    /// without speculation).
+    pub backed_off_fraction: Option<f64>,
 }
 
 fn dataset_prompts(args: &BenchArgs, tok: &kestrel::tokenizer::Tokenizer, vocab: usize) -> Result<Vec<Vec<u32>>> {
@@ -324,6 +327,7 @@ fn run_one<B: Backend>(
         capture_sizes: engine.capture_sizes().sizes().to_vec(),
         padded_rows_per_real: engine.stats.padding.row_overhead(),
         padded_tokens_per_real: engine.stats.padding.token_overhead(),
+        backed_off_fraction: (method != SpecMethod::None && engine.stats.steps > 0).then(|| engine.stats.backed_off_steps as f64 / engine.stats.steps as f64),
     })
 }
 
@@ -390,14 +394,14 @@ fn print_results(args: &BenchArgs, results: &[MethodResult]) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<6} {:>5} {:>4} {:>9} {:>9} {:>9} {:>10} {:>8} {:>7} {:>7} {:>7} {:>8} {:>6} {:>6}",
-        "method", "cache", "conc", "ttft ms", "tpot ms", "itl ms", "out tok/s", "req/s", "accept", "mal", "tok/fwd", "speedup", "pad r", "pad t"
+        "{:<6} {:>5} {:>4} {:>9} {:>9} {:>9} {:>10} {:>8} {:>7} {:>7} {:>7} {:>8} {:>6} {:>6} {:>8}",
+        "method", "cache", "conc", "ttft ms", "tpot ms", "itl ms", "out tok/s", "req/s", "accept", "mal", "tok/fwd", "speedup", "pad r", "pad t", "backoff"
     );
     let overhead = |x: Option<f64>| x.map(|x| format!("{x:.2}x")).unwrap_or_else(|| "-".into());
     for r in results {
         let s = &r.spec;
         println!(
-            "{:<6} {:>5} {:>4} {:>9.1} {:>9.2} {:>9.2} {:>10.1} {:>8.2} {:>7.3} {:>7.2} {:>7.2} {:>8} {:>6} {:>6}",
+            "{:<6} {:>5} {:>4} {:>9.1} {:>9.2} {:>9.2} {:>10.1} {:>8.2} {:>7.3} {:>7.2} {:>7.2} {:>8} {:>6} {:>6} {:>8}",
             r.method,
             if r.prefix_cache { "on" } else { "off" },
             r.concurrency,
@@ -411,7 +415,8 @@ fn print_results(args: &BenchArgs, results: &[MethodResult]) -> Result<()> {
             s["tokens_per_forward"].as_f64().unwrap_or(0.0),
             r.speedup_vs_none.map(|x| format!("{x:.2}x")).unwrap_or_else(|| "-".into()),
             overhead(r.padded_rows_per_real),
-            overhead(r.padded_tokens_per_real)
+            overhead(r.padded_tokens_per_real),
+            r.backed_off_fraction.map(|x| format!("{:.0}%", 100.0 * x)).unwrap_or_else(|| "-".into())
         );
     }
     // Padding: rows (tokens) run per real row (token) of the graphed steps.

@@ -239,6 +239,11 @@ pub struct SpecArgs {
     /// Longest suffix the ngram drafter looks for earlier in the text.
     #[arg(long, default_value_t = 4, value_name = "N")]
     pub ngram_max: usize,
+    /// Offer every step --spec-tokens drafts per row. By default a step is offered fewer (down
+    /// to none) when the step costs measured so far say verifying them would not pay, as with
+    /// many sequences on a GPU; the text is the same either way.
+    #[arg(long)]
+    pub no_spec_backoff: bool,
 }
 
 impl SpecArgs {

@@ -167,6 +167,7 @@ impl EngineArgs {
             cuda_graph_sizes: self.context.cuda_graph_sizes.clone(),
             max_cuda_graph_size: self.context.max_cuda_graph_size,
             prefix_cache_checkpoints: 0,
+            spec_backoff: !self.spec.no_spec_backoff,
         };
         let per_request = (max_model_len + config.spec_tokens).div_ceil(BLOCK_SIZE);
         let wanted = self.context.kv_blocks.unwrap_or(max_num_seqs * per_request);

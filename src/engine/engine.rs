@@ -9,14 +9,18 @@ use super::spec::mtp::{propose_mtp, MtpCatchUp};
 use super::spec::ngram::{propose_ngram, NgramConfig};
 use super::graphed::{capture_at_startup, forward, CaptureReport, GraphPadding};
 use super::padding::{CaptureSizes, PadLimits, PaddingStats, Scratch};
-use super::plan::StepPlan;
-use super::spec::verify::accept_drafts;
+use super::logits::logprobs::TokenLogprob;
+use super::plan::{PlannedRow, StepPlan};
+use super::spec::backoff::{NextStepRows, SpecBackoff};
+use super::spec::verify::{accept_drafts, VerifyOutcome};
 use crate::backend::sampling::NO_FINITE_LOGIT;
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
 use crate::backend::{delta_state_in_place, Backend, BackendError, CacheSpec, KvDtype, RowKind, RowSampling, StateCommit, StepLimits};
 use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
 use indicatif::ProgressBar;
+use rayon::prelude::*;
 use std::collections::HashMap;
+use std::time::Instant;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum EngineError {
@@ -64,6 +68,9 @@ pub struct EngineConfig {
     pub max_cuda_graph_size: Option<usize>,
     /// Recurrent-state checkpoints the prefix cache may keep; 0 turns prefix caching off.
     pub prefix_cache_checkpoints: usize,
+    /// Verify fewer drafts per row (down to none) when measured step costs say they would not
+    /// pay ([`SpecBackoff`]); off: every step offers `spec_tokens`.
+    pub spec_backoff: bool,
 }
 
 impl EngineConfig {
@@ -98,6 +105,7 @@ impl Default for EngineConfig {
             cuda_graph_sizes: None,
             max_cuda_graph_size: None,
             prefix_cache_checkpoints: 64,
+            spec_backoff: false,
         }
     }
 }
@@ -110,6 +118,8 @@ pub struct EngineStats {
     pub spec: SpecStats,
     /// Real and padded rows of the steps run at a capture size or replayed at their own shape.
     pub padding: PaddingStats,
+    /// Steps whose rows were offered fewer drafts than `spec_tokens` by the back-off.
+    pub backed_off_steps: u64,
 }
 
 /// A drafter supplied by the caller instead of ngram/MTP: given a request, its committed tokens
@@ -131,6 +141,10 @@ pub struct Engine<B: Backend> {
     graphs: Option<GraphPadding>,
     /// What capturing the graphs at start-up took, where they were.
     pub graph_capture: Option<CaptureReport>,
+    /// Chooses each step's drafts per row, with `spec_backoff`.
+    backoff: Option<SpecBackoff>,
+    /// Drafts per row the rows of the next step were offered.
+    offered_drafts: usize,
 }
 
 impl<B: Backend> Engine<B> {
@@ -198,7 +212,9 @@ impl<B: Backend> Engine<B> {
             SlotAllocator::new(config.max_num_seqs),
             (config.prefix_cache_checkpoints > 0).then(|| PrefixCache::new(config.prefix_cache_checkpoints)),
         );
-        Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default(), graphs, graph_capture })
+        let backoff = config.spec_backoff.then(|| SpecBackoff::new(config.spec_tokens));
+        let offered_drafts = config.spec_tokens;
+        Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default(), graphs, graph_capture, backoff, offered_drafts })
     }
 
     /// The capture sizes steps are padded up to (empty: none, every step at its own shape).
@@ -314,6 +330,7 @@ impl<B: Backend> Engine<B> {
             assert!(self.seqs.is_empty(), "scheduler produced no rows with {} requests queued", self.seqs.len());
             return events;
         }
+        let started = Instant::now();
         let (out, mut masks) = self.forward_with_masks(&plan);
         // Invariant 2: a padded step comes back cut to the plan's real rows.
         assert_eq!(self.backend.shape(&out.logits).0, plan.logit_rows.len(), "the forward returned logits of rows the plan does not have");
@@ -321,7 +338,10 @@ impl<B: Backend> Engine<B> {
         let draws = self.row_sampling(&plan);
         let host_rows: Vec<bool> = draws.iter().map(|d| d.on_host).collect();
         let (sampled, host_logits) = self.draw_rows(&out.logits, draws, &host_rows);
-        let vocab = self.model.config.vocab_size;
+        let mut host_draws = self.draw_on_host(&plan, &host_rows, &host_logits, &mut masks);
+        if let Some(backoff) = self.backoff.as_mut().filter(|_| plan.rows.iter().all(|r| r.kind == RowKind::Generate)) {
+            backoff.record_forward(plan.num_tokens(), started.elapsed().as_secs_f64());
+        }
         self.stats.steps += 1;
         self.stats.forward_tokens += plan.num_tokens() as u64;
 
@@ -337,11 +357,8 @@ impl<B: Backend> Engine<B> {
             let mut logprobs = Vec::new();
             let mut committed_now = row.committed;
             let conv_only = delta_state_in_place(layout.kind, layout.num_tokens);
-            // Rows adjusted or read on the host are drawn there, by the same rule.
-            let drawn_on_host = row.logits_start.filter(|&l| host_rows[l]).map(|l| {
-                let rows: Vec<&[f32]> = (l..=l + row.drafts.len()).map(|r| &host_logits[&r][..vocab]).collect();
-                seq.logits.draw(&rows, &row.drafts, &masks.remove(&seq.id).unwrap_or_default(), &seq.params, seq.num_generated() as u64)
-            });
+            // Rows adjusted or read on the host were drawn there, by the same rule.
+            let drawn_on_host = host_draws.remove(&row.seq);
             match (row.kind, row.logits_start) {
                 (RowKind::Prefill, sample) => {
                     seq.num_computed += row.committed;
@@ -368,6 +385,9 @@ impl<B: Backend> Engine<B> {
                     seq.num_computed += committed_now;
                     if seq.spec.record_step(row.drafts.len(), outcome.accepted).is_err() {
                         debug_assert!(false, "verify returned more accepted drafts than drafted");
+                    }
+                    if let Some(backoff) = self.backoff.as_mut().filter(|_| self.custom_drafter.is_none()) {
+                        backoff.record_row(seq.method, self.offered_drafts, row.drafts.len(), outcome.accepted);
                     }
                     emitted = outcome.tokens;
                 }
@@ -462,14 +482,11 @@ impl<B: Backend> Engine<B> {
         let (model, backend, cache, graphs, seqs) = (&self.model, &self.backend, &mut self.cache, self.graphs.as_ref(), &mut self.seqs);
         let block_size = self.config.block_size;
         let (out, shapes, masks) = std::thread::scope(|scope| {
+            // Each sequence's grammar is its own matcher: their masks are computed in parallel
+            // (on the global pool), and all of them while the forward runs.
             let masks = scope.spawn(move || {
-                let mut masks = HashMap::new();
-                for (id, drafts) in constrained {
-                    if let Some(seq) = seqs.iter_mut().find(|s| s.id == id) {
-                        masks.insert(id, seq.logits.masks(&drafts));
-                    }
-                }
-                masks
+                let constrained: HashMap<RequestId, Vec<u32>> = constrained.into_iter().collect();
+                seqs.par_iter_mut().filter_map(|seq| constrained.get(&seq.id).map(|drafts| (seq.id, seq.logits.masks(drafts)))).collect::<HashMap<_, _>>()
             });
             let (out, shapes) = forward(model, backend, cache, graphs, plan, block_size);
             (out, shapes, masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
@@ -507,6 +524,31 @@ impl<B: Backend> Engine<B> {
         (sampled, host_logits)
     }
 
+    /// Draws the rows of `plan` whose logits came to the host (`host_logits`, by logits row),
+    /// each request's rows with its own masks, the requests in parallel: a draw depends only on
+    /// the row's logits, drafts and position, so the order they run in changes nothing.
+    fn draw_on_host(&mut self, plan: &StepPlan, host_rows: &[bool], host_logits: &HashMap<usize, Vec<f32>>, masks: &mut HashMap<RequestId, Vec<TokenMask>>) -> HashMap<RequestId, (VerifyOutcome, Vec<TokenLogprob>)> {
+        let vocab = self.model.config.vocab_size;
+        let work: HashMap<RequestId, (&PlannedRow, usize, Vec<TokenMask>)> = plan
+            .rows
+            .iter()
+            .filter_map(|row| row.logits_start.filter(|&l| host_rows[l]).map(|l| (row.seq, (row, l, masks.remove(&row.seq).unwrap_or_default()))))
+            .collect();
+        if work.is_empty() {
+            return HashMap::new();
+        }
+        // A sequence is drawn by the thread that holds it mutably: its grammar matcher is Send,
+        // not shareable.
+        self.seqs
+            .par_iter_mut()
+            .filter_map(|seq| {
+                let (row, l, row_masks) = work.get(&seq.id)?;
+                let rows: Vec<&[f32]> = (*l..=l + row.drafts.len()).map(|r| &host_logits[&r][..vocab]).collect();
+                Some((seq.id, seq.logits.draw(&rows, &row.drafts, row_masks, &seq.params, seq.num_generated() as u64)))
+            })
+            .collect()
+    }
+
     /// How to draw each logits row of `plan`: a prefill row that samples predicts the request's
     /// next output position; a generate row's rows predict consecutive positions from there.
     fn row_sampling(&self, plan: &StepPlan) -> Vec<RowDraw> {
@@ -527,7 +569,8 @@ impl<B: Backend> Engine<B> {
 
     /// Drafts for each running sequence's next step.
     fn propose(&mut self, step_hidden: &B::Tensor, mut mtp_items: Vec<(RequestId, MtpCatchUp)>) {
-        let k = self.config.spec_tokens;
+        let k = self.drafts_to_offer();
+        self.offered_drafts = k;
         let max_len = self.config.max_model_len;
         for seq in self.seqs.iter_mut() {
             seq.drafts.clear();
@@ -542,7 +585,7 @@ impl<B: Backend> Engine<B> {
                 }
                 continue;
             }
-            if seq.method == SpecMethod::Ngram {
+            if seq.method == SpecMethod::Ngram && k > 0 {
                 let cfg = NgramConfig { min_n: self.config.ngram_min, max_n: self.config.ngram_max, k };
                 seq.drafts = propose_ngram(&seq.tokens, &cfg, left);
             }
@@ -555,7 +598,7 @@ impl<B: Backend> Engine<B> {
         for (id, item) in mtp_items.iter_mut() {
             let Some(seq) = self.seqs.iter_mut().find(|s| s.id == *id) else { continue };
             let left = seq.max_useful_drafts(max_len);
-            item.drafts_wanted = item.drafts_wanted.min(left);
+            item.drafts_wanted = item.drafts_wanted.min(left).min(k);
             if item.drafts_wanted > 0 {
                 let mut table = std::mem::take(&mut seq.block_table);
                 if self.scheduler.blocks.ensure(&mut table, seq.num_computed + 1 + item.drafts_wanted).is_err() {
@@ -567,13 +610,34 @@ impl<B: Backend> Engine<B> {
             }
         }
         let items: Vec<MtpCatchUp> = mtp_items.iter().map(|(_, it)| it.clone()).collect();
+        let started = Instant::now();
         let drafts = propose_mtp(&self.model, &self.backend, &mut self.cache, step_hidden, &items);
+        if let Some(backoff) = self.backoff.as_mut() {
+            backoff.record_mtp_drafting(k, started.elapsed().as_secs_f64());
+        }
         for ((id, _), d) in mtp_items.iter().zip(drafts) {
             if let Some(seq) = self.seqs.iter_mut().find(|s| s.id == *id) {
                 seq.drafts = d;
             }
         }
         self.keep_valid_drafts();
+    }
+
+    /// Drafts per row to offer the next step: `spec_tokens`, or with the back-off on what it
+    /// chooses for the running rows (a custom drafter is always offered `spec_tokens`).
+    fn drafts_to_offer(&mut self) -> usize {
+        let Some(backoff) = self.backoff.as_mut().filter(|_| self.custom_drafter.is_none()) else { return self.config.spec_tokens };
+        let mut rows = NextStepRows::default();
+        for seq in self.seqs.iter().filter(|s| s.status == SeqStatus::Running && !s.in_prefill()) {
+            match seq.method {
+                SpecMethod::None => rows.plain += 1,
+                SpecMethod::Ngram => rows.ngram += 1,
+                SpecMethod::Mtp => rows.mtp += 1,
+            }
+        }
+        let k = backoff.choose(rows);
+        self.stats.backed_off_steps = backoff.backed_off_steps;
+        k
     }
 
     /// Cuts each grammar-constrained request's drafts where its grammar stops allowing them:

@@ -100,11 +100,15 @@ impl ModelConfig {
 
     /// An upper bound on the f32 activation memory of one forward over `tokens` tokens that
     /// computes `logit_rows` logits rows: the widest tensors a layer keeps alive at once
-    /// (projections, conv output, MLP or routed-expert intermediates), twice over for the
-    /// allocator's fragmentation, plus the logits.
+    /// (projections, conv output, the delta rule's chunk scratch, MLP or routed-expert
+    /// intermediates), twice over for the allocator's fragmentation, plus the logits.
     pub fn activation_bytes(&self, tokens: usize, logit_rows: usize) -> usize {
         let attention = 2 * self.num_heads * self.head_dim + 2 * self.num_kv_heads * self.head_dim + self.num_heads * self.head_dim;
-        let linear = 3 * self.linear.conv_dim() + 3 * self.linear.value_dim() + 2 * self.linear.num_value_heads;
+        // The chunked delta rule's scratch per token and value head: its rows of W and U, of
+        // the chunk's P and its cumulative decay (backend/cuda/gdn.rs).
+        let l = &self.linear;
+        let chunk_scratch = l.num_value_heads * (l.key_head_dim + l.value_head_dim + crate::backend::DELTA_RULE_CHUNK + 1);
+        let linear = 3 * l.conv_dim() + 3 * l.value_dim() + 2 * l.num_value_heads + chunk_scratch;
         let mlp = match &self.moe {
             Some(m) => self.intermediate_size.max(m.top_k * m.expert_intermediate + m.shared_intermediate) * 3 + m.num_experts,
             None => 3 * self.intermediate_size,

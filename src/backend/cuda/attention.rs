@@ -18,6 +18,12 @@ const MAX_BLOCK_ELEMS: usize = 2048;
 const GROUPED_HEADS_MIN_TOKENS: usize = 64;
 /// Context ranges per query (ATTN_SPLITS in cuda/attention.cu).
 const ATTN_SPLITS: usize = 32;
+/// Query rows (token, query head) of one attn_flash block at most: 4 tiles of 16.
+const FLASH_ROWS: usize = 64;
+/// Context ranges per query of attn_flash at most (FLASH_SPLITS in cuda/attention_flash.cu).
+const FLASH_SPLITS: usize = 32;
+/// Steps of at most this many tokens may give each range of each token a block of its own.
+const FLASH_SPLIT_MAX_TOKENS: usize = 64;
 
 /// The kernels of one KV format (cuda/attention.cu, a module per format).
 struct AttnKernels<'a> {
@@ -26,19 +32,22 @@ struct AttnKernels<'a> {
     decode: &'a CudaFunction,
     /// The merge of a split step's ranges (rotating the output back for a rotated format).
     combine: &'a CudaFunction,
+    /// attn_flash and its range merge: tensor-core attention (bf16 and fp8 caches).
+    flash: Option<(&'a CudaFunction, &'a CudaFunction)>,
     rotated: bool,
 }
 
 fn kernels(be: &CudaBackend, dtype: KvDtype) -> AttnKernels<'_> {
     let k = &be.k;
-    let (prep, core, decode, combine) = match dtype {
-        KvDtype::F32 => (&k.attn_prep_f32, &k.attn_core_f32, &k.attn_decode_f32, &k.attn_combine_f32),
-        KvDtype::Bf16 => (&k.attn_prep_bf16, &k.attn_core_bf16, &k.attn_decode_bf16, &k.attn_combine_bf16),
-        KvDtype::Fp8 => (&k.attn_prep_fp8, &k.attn_core_fp8, &k.attn_decode_fp8, &k.attn_combine_fp8),
-        KvDtype::Tq3 => (&k.attn_prep_tq3, &k.attn_core_tq3, &k.attn_decode_tq3, &k.attn_combine_tq3),
+    let (prep, core, decode, combine, flash) = match dtype {
+        // f32 stays the exact reference; tq3's codebook rows keep the per-(token, head) kernels.
+        KvDtype::F32 => (&k.attn_prep_f32, &k.attn_core_f32, &k.attn_decode_f32, &k.attn_combine_f32, None),
+        KvDtype::Bf16 => (&k.attn_prep_bf16, &k.attn_core_bf16, &k.attn_decode_bf16, &k.attn_combine_bf16, Some((&k.attn_flash_bf16, &k.attn_flash_combine_bf16))),
+        KvDtype::Fp8 => (&k.attn_prep_fp8, &k.attn_core_fp8, &k.attn_decode_fp8, &k.attn_combine_fp8, Some((&k.attn_flash_fp8, &k.attn_flash_combine_fp8))),
+        KvDtype::Tq3 => (&k.attn_prep_tq3, &k.attn_core_tq3, &k.attn_decode_tq3, &k.attn_combine_tq3, None),
         KvDtype::Tq3UniformValues => unreachable!("refused when the cache was allocated (kv_tables)"),
     };
-    AttnKernels { prep, core, decode, combine, rotated: dtype.value_format().rotated() }
+    AttnKernels { prep, core, decode, combine, flash: flash.filter(|_| be.flash_attention), rotated: dtype.value_format().rotated() }
 }
 
 /// `struct KvCache` of cuda/kv_formats.cuh: one attention layer's planes and the format's
@@ -95,19 +104,7 @@ pub(super) fn gated_attention(
     let group = nq / nkv;
     let heads_per_block = if t >= GROUPED_HEADS_MIN_TOKENS && group * hd <= MAX_BLOCK_ELEMS { group } else { 1 };
     let out = be.tensor(t, nq * hd);
-    // A step whose (token, head) blocks cannot fill the GPU gives each context range a block of
-    // its own and merges the ranges in a second launch (the same arithmetic as one block
-    // walking them all), so a decode step reads its keys on ATTN_SPLITS times more SMs.
-    let split = t * (nq / heads_per_block) < be.sm_count;
-    let splits = if split { ATTN_SPLITS as u32 } else { 1 };
-    let partial = split.then(|| be.alloc_f32(t * nq * ATTN_SPLITS * (hd + 2)));
-    let partial_ptr = partial.as_ref().map_or(0, |p| be.ptr(p));
     let scale = 1.0 / (hd as f32).sqrt();
-    let combine = |gate: u64, gate_stride: usize, partial: &CudaSlice<f32>| {
-        let args = [Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(gate), Arg::Ptr(be.ptr(partial)), Arg::Ptr(at(dl.pos_off)), Arg::I32(nq as i32), Arg::I32(hd as i32), Arg::I32(gate_stride as i32), Arg::Ptr(tables)];
-        let smem = if kernels.rotated { hd * 4 } else { 0 };
-        be.launch(kernels.combine, (t as u32, nq as u32, 1), hd.div_ceil(32) as u32 * 32, smem, &args);
-    };
     // What attn_prep and attn_decode read to prepare the step's heads: their arguments after
     // the first two, in the same order.
     let head_inputs = [
@@ -129,6 +126,73 @@ pub(super) fn gated_attention(
         Arg::I32(bs as i32),
         Arg::F32(d.eps),
     ];
+    // The same queries and keys as attn_prep's, for the launches after it.
+    let prepare = || {
+        let q = be.tensor(t, nq * hd);
+        let gate = be.tensor(t, nq * hd);
+        let args = [&[Arg::Ptr(be.ptr(&q.data)), Arg::Ptr(be.ptr(&gate.data))][..], &head_inputs].concat();
+        be.launch(kernels.prep, (t as u32, (nq + nkv) as u32, 1), 64, (4 * hd + d.rotary_dim / 2) * 4, &args);
+        (q, gate)
+    };
+    // Tensor cores: every step, decode included, so that a row's bits are the same on every path.
+    if let Some((flash, flash_combine)) = kernels.flash.filter(|_| hd % 16 == 0 && group <= FLASH_ROWS) {
+        let (q, gate) = prepare();
+        // A block takes 64 / group tokens of one sequence; a decode step's tokens are each a
+        // sequence of their own, so one each.
+        let single = layout.rows.iter().all(|r| r.num_tokens == 1);
+        let mut tokens_per_block = if single { 1 } else { FLASH_ROWS / group };
+        // A step whose blocks cannot fill the GPU gives each range of each token its own block.
+        let split = t <= FLASH_SPLIT_MAX_TOKENS && t.div_ceil(tokens_per_block) * nkv < be.sm_count;
+        if split {
+            tokens_per_block = 1;
+        }
+        // Query rows (bf16 parts and remainders), then the key and value tiles, bf16 rows of
+        // hd + 8 (cuda/attention_flash.cu).
+        let smem = (2 * FLASH_ROWS + 2 * KEY_TILE) * (hd + 8) * 2;
+        assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
+        let partial = split.then(|| be.alloc_f32(t * nq * FLASH_SPLITS * (hd + 2)));
+        be.launch(
+            flash,
+            (t.div_ceil(tokens_per_block) as u32, nkv as u32, if split { FLASH_SPLITS as u32 } else { 1 }),
+            256,
+            smem,
+            &[
+                Arg::Ptr(be.ptr(&out.data)),
+                Arg::Ptr(be.ptr(&q.data)),
+                Arg::Ptr(be.ptr(&gate.data)),
+                Arg::Kv(kv),
+                Arg::Ptr(at(dl.tok_row_off)),
+                Arg::Ptr(at(dl.pos_off)),
+                Arg::Ptr(base),
+                Arg::Ptr(base),
+                Arg::I32(t as i32),
+                Arg::I32(nq as i32),
+                Arg::I32(nkv as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(bs as i32),
+                Arg::I32(tokens_per_block as i32),
+                Arg::F32(scale),
+                Arg::Ptr(partial.as_ref().map_or(0, |p| be.ptr(p))),
+            ],
+        );
+        if let Some(partial) = &partial {
+            let args = [Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(be.ptr(&gate.data)), Arg::Ptr(be.ptr(partial)), Arg::Ptr(at(dl.pos_off)), Arg::I32(nq as i32), Arg::I32(hd as i32)];
+            be.launch(flash_combine, (t as u32, nq as u32, 1), hd.div_ceil(32) as u32 * 32, 0, &args);
+        }
+        return out;
+    }
+    // A step whose (token, head) blocks cannot fill the GPU gives each context range a block of
+    // its own and merges the ranges in a second launch (the same arithmetic as one block
+    // walking them all), so a decode step reads its keys on ATTN_SPLITS times more SMs.
+    let split = t * (nq / heads_per_block) < be.sm_count;
+    let splits = if split { ATTN_SPLITS as u32 } else { 1 };
+    let partial = split.then(|| be.alloc_f32(t * nq * ATTN_SPLITS * (hd + 2)));
+    let partial_ptr = partial.as_ref().map_or(0, |p| be.ptr(p));
+    let combine = |gate: u64, gate_stride: usize, partial: &CudaSlice<f32>| {
+        let args = [Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(gate), Arg::Ptr(be.ptr(partial)), Arg::Ptr(at(dl.pos_off)), Arg::I32(nq as i32), Arg::I32(hd as i32), Arg::I32(gate_stride as i32), Arg::Ptr(tables)];
+        let smem = if kernels.rotated { hd * 4 } else { 0 };
+        be.launch(kernels.combine, (t as u32, nq as u32, 1), hd.div_ceil(32) as u32 * 32, smem, &args);
+    };
     // Every row one token (plain decode): no token's context holds another of the step, so the
     // attention launch prepares each query and its kv head's new key and value itself.
     if be.attn_decode && heads_per_block == 1 && layout.rows.iter().all(|r| r.num_tokens == 1) {
@@ -143,10 +207,7 @@ pub(super) fn gated_attention(
         }
         return out;
     }
-    let q = be.tensor(t, nq * hd);
-    let gate = be.tensor(t, nq * hd);
-    let args = [&[Arg::Ptr(be.ptr(&q.data)), Arg::Ptr(be.ptr(&gate.data))][..], &head_inputs].concat();
-    be.launch(kernels.prep, (t as u32, (nq + nkv) as u32, 1), 64, (4 * hd + d.rotary_dim / 2) * 4, &args);
+    let (q, gate) = prepare();
     let smem = heads_per_block * (hd + KEY_TILE + 5) * 4;
     assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
     be.launch(

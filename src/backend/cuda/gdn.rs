@@ -2,13 +2,13 @@
 
 use super::cache::CudaCache;
 use super::{Arg, CudaBackend, CudaTensor, CudaVector};
-use crate::backend::BatchLayout;
+use crate::backend::{BatchLayout, RowKind};
 use crate::backend::shapes::LinearAttnShape;
 
 /// Chunk of the chunked delta rule; must match CHUNK in cuda/gdn.cu and the CPU backend.
 const CHUNK: usize = crate::backend::DELTA_RULE_CHUNK;
-/// Value columns per block of the chunked kernel (CHUNK_COLS in cuda/gdn.cu).
-const CHUNK_COLS: usize = 32;
+/// Threads per block of the chunked kernels (GC_THREADS in cuda/gdn_chunk.cu).
+const CHUNK_THREADS: u32 = 256;
 /// Threads per block of gdn_conv_gates: the value channels it convolves per block.
 const CONV_GATES_THREADS: usize = 128;
 
@@ -60,7 +60,7 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnSha
         // The models' head dims and conv width have an instantiation with them built in.
         let kernel = if (dk, dv, kw) == (128, 128, 4) { &be.k.gdn_recurrent_128 } else { &be.k.gdn_recurrent };
         // The state and windows may be read early unless the launch just before wrote them.
-        let writers = [&be.k.commit_states, &be.k.reset_states, &be.k.gdn_chunked, &be.k.gdn_conv_state, &be.k.gdn_recurrent, &be.k.gdn_recurrent_128];
+        let writers = [&be.k.commit_states, &be.k.reset_states, &be.k.gdn_chunk_state_32, &be.k.gdn_chunk_state_16, &be.k.gdn_conv_state, &be.k.gdn_recurrent, &be.k.gdn_recurrent_128];
         let state_early = !writers.iter().any(|f| be.last_launch_was(f));
         let mut args = vec![
             Arg::Ptr(be.ptr(&out.data)),
@@ -105,11 +105,7 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnSha
     if let Some((conv_out, qn, kn, g, beta)) = &prefill {
         let (qn_p, kn_p, conv_p, g_p, beta_p) = (be.ptr(&qn.data), be.ptr(&kn.data), be.ptr(&conv_out.data), be.ptr(&g.data), be.ptr(&beta.data));
         let core = be.tensor(t, value_dim);
-        let smem = (3 * CHUNK * (dk + 1) + CHUNK * CHUNK_COLS + 2 * CHUNK * CHUNK + 2 * CHUNK) * 4;
-        assert!(smem <= be.max_dynamic_smem, "gated_delta_net: dk {dk} / dv {dv} need {smem} bytes of shared memory");
-        let mut args = vec![Arg::Ptr(be.ptr(&core.data)), Arg::Ptr(qn_p), Arg::Ptr(kn_p), Arg::Ptr(conv_p), Arg::Ptr(g_p), Arg::Ptr(beta_p), Arg::Ptr(rec)];
-        args.extend(tail(at(dl.prefill_off)));
-        be.launch(&be.k.gdn_chunked, (dl.num_prefill as u32, nv as u32, dv.div_ceil(CHUNK_COLS) as u32), 128, smem, &args);
+        chunked_delta_rule(be, layout, &dl, cfg, rec, [qn_p, kn_p, conv_p, g_p, beta_p], be.ptr(&core.data));
         be.launch(
             &be.k.gdn_out_norm,
             (t as u32, nv as u32, 1),
@@ -131,4 +127,92 @@ pub(super) fn gated_delta_net(be: &CudaBackend, x: &GdnArgs, cfg: &LinearAttnSha
         );
     }
     out
+}
+
+/// Chunks of a prefill row: the first runs from its start to the next multiple of CHUNK
+/// (row_chunks in cuda/gdn_chunk.cu).
+fn row_chunks(start_position: usize, num_tokens: usize) -> usize {
+    if num_tokens == 0 {
+        0
+    } else {
+        (start_position % CHUNK + num_tokens).div_ceil(CHUNK)
+    }
+}
+
+/// The delta rule of the step's prefill rows into `core` (cuda/gdn_chunk.cu): every chunk's W,
+/// U, P and cumulative decay at once, then each row's chunks in order per block of value
+/// columns. `inputs`: qn, kn, the conv output, g and beta.
+fn chunked_delta_rule(be: &CudaBackend, layout: &BatchLayout, dl: &super::layout::DeviceLayout, cfg: &LinearAttnShape, rec: u64, inputs: [u64; 5], core: u64) {
+    let (nk, nv, dk, dv) = (cfg.num_key_heads, cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim);
+    assert!(dk <= 128, "gated_delta_net: key head dim {dk} above 128");
+    let [qn, kn, conv_out, g, beta] = inputs;
+    let slots: usize = layout.rows.iter().filter(|r| r.kind == RowKind::Prefill).map(|r| row_chunks(r.start_position, r.num_tokens)).sum();
+    if slots == 0 {
+        return;
+    }
+    let (dkp, dvp) = (dk.next_multiple_of(16), dv.next_multiple_of(8));
+    // 64-wide shared arrays are padded by 4 floats a row (GC_LDC).
+    let ldc = CHUNK + 4;
+    let prep_smem = (CHUNK * (dkp + 4) + CHUNK * (dkp.max(dvp) + 4) + 2 * CHUNK * ldc + 2 * CHUNK) * 4;
+    let w = be.alloc_f32(slots * nv * CHUNK * dk);
+    let u = be.alloc_f32(slots * nv * CHUNK * dv);
+    let p = be.alloc_f32(slots * nv * CHUNK * CHUNK);
+    let gam = be.alloc_f32(slots * nv * CHUNK);
+    let (w, u, p, gam) = (be.ptr(&w), be.ptr(&u), be.ptr(&p), be.ptr(&gam));
+    let (rows, row_ids) = (dl.base, dl.base + 4 * dl.prefill_off as u64);
+    assert!(prep_smem <= be.max_dynamic_smem, "gated_delta_net: dk {dk} / dv {dv} need {prep_smem} bytes of shared memory");
+    be.launch(
+        &be.k.gdn_chunk_prep,
+        (slots as u32, nv as u32, 1),
+        CHUNK_THREADS,
+        prep_smem,
+        &[
+            Arg::Ptr(w),
+            Arg::Ptr(u),
+            Arg::Ptr(p),
+            Arg::Ptr(gam),
+            Arg::Ptr(qn),
+            Arg::Ptr(kn),
+            Arg::Ptr(conv_out),
+            Arg::Ptr(g),
+            Arg::Ptr(beta),
+            Arg::Ptr(rows),
+            Arg::Ptr(row_ids),
+            Arg::I32(dl.num_prefill as i32),
+            Arg::I32(nk as i32),
+            Arg::I32(nv as i32),
+            Arg::I32(dk as i32),
+            Arg::I32(dv as i32),
+            Arg::I32(cfg.conv_dim() as i32),
+        ],
+    );
+    // 32 value columns a block, or 16 where twice the blocks still fit the GPU at once (one
+    // block per SM): the sequential pass then takes half as long.
+    let blocks_32 = dl.num_prefill * nv * dv.div_ceil(32);
+    let cols = if 2 * blocks_32 <= be.sm_count { 16 } else { 32 };
+    let kernel = if cols == 16 { &be.k.gdn_chunk_state_16 } else { &be.k.gdn_chunk_state_32 };
+    let state_smem = (2 * CHUNK * (dkp + 4) + CHUNK * (dkp + 8) + CHUNK * ldc + (2 * CHUNK + dkp) * (cols + 8) + 2 * CHUNK) * 4;
+    assert!(state_smem <= be.max_dynamic_smem, "gated_delta_net: dk {dk} needs {state_smem} bytes of shared memory");
+    be.launch(
+        kernel,
+        (dl.num_prefill as u32, nv as u32, dv.div_ceil(cols) as u32),
+        CHUNK_THREADS,
+        state_smem,
+        &[
+            Arg::Ptr(core),
+            Arg::Ptr(rec),
+            Arg::Ptr(w),
+            Arg::Ptr(u),
+            Arg::Ptr(p),
+            Arg::Ptr(gam),
+            Arg::Ptr(qn),
+            Arg::Ptr(kn),
+            Arg::Ptr(rows),
+            Arg::Ptr(row_ids),
+            Arg::I32(nk as i32),
+            Arg::I32(nv as i32),
+            Arg::I32(dk as i32),
+            Arg::I32(dv as i32),
+        ],
+    );
 }

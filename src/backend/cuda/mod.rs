@@ -139,10 +139,10 @@ kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth, read_bandwidth],
     "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_stream_norm_nt1, matmul_stream_norm_nt2, matmul_stream_norm_nt4, matmul_stream_combine_nt1, matmul_stream_combine_nt2, matmul_stream_combine_nt4, matmul_router, matmul_router_stream, moe_down_combine, moe_route_gate_up, matmul_tiled, matmul_pipelined, matmul_large, matmul_sliced, round_activations],
     "attention_f32" => [attn_prep_f32, attn_core_f32, attn_decode_f32, attn_combine_f32],
-    "attention_bf16" => [attn_prep_bf16, attn_core_bf16, attn_decode_bf16, attn_combine_bf16],
-    "attention_fp8" => [attn_prep_fp8, attn_core_fp8, attn_decode_fp8, attn_combine_fp8],
+    "attention_bf16" => [attn_prep_bf16, attn_core_bf16, attn_decode_bf16, attn_combine_bf16, attn_flash_bf16, attn_flash_combine_bf16],
+    "attention_fp8" => [attn_prep_fp8, attn_core_fp8, attn_decode_fp8, attn_combine_fp8, attn_flash_fp8, attn_flash_combine_fp8],
     "attention_tq3" => [attn_prep_tq3, attn_core_tq3, attn_decode_tq3, attn_combine_tq3],
-    "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunked, gdn_out_norm, commit_states, reset_states],
+    "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunk_prep, gdn_chunk_state_32, gdn_chunk_state_16, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
     "sample" => [sample_rows],
 }
@@ -210,6 +210,9 @@ pub struct CudaBackend {
     /// Whether a step whose rows are all one token runs its attention in one launch
     /// (`attn_decode`; `KESTREL_CUDA_ATTN_DECODE=0` keeps attn_prep and attn_core for A/B runs).
     pub(super) attn_decode: bool,
+    /// Whether bf16 and fp8 caches run attention on tensor cores (`attn_flash`;
+    /// `KESTREL_CUDA_FLASH_ATTN=0` keeps the per-(token, head) kernels for A/B runs).
+    pub(super) flash_attention: bool,
     /// Shared memory a block may opt in to (bytes).
     pub(super) optin_smem: usize,
     /// The quantized matmul kernels of each tile format met so far (qmatmul.rs).
@@ -296,8 +299,8 @@ impl CudaBackend {
             Ok(fixed)
         };
         let mut max_dynamic_smem = optin;
-        let attention_kernels = [&k.attn_core_f32, &k.attn_core_bf16, &k.attn_core_fp8, &k.attn_core_tq3, &k.attn_decode_f32, &k.attn_decode_bf16, &k.attn_decode_fp8, &k.attn_decode_tq3];
-        for f in [&k.gdn_chunked, &k.moe_group_few, &k.matmul_pipelined].into_iter().chain(attention_kernels) {
+        let attention_kernels = [&k.attn_core_f32, &k.attn_core_bf16, &k.attn_core_fp8, &k.attn_core_tq3, &k.attn_decode_f32, &k.attn_decode_bf16, &k.attn_decode_fp8, &k.attn_decode_tq3, &k.attn_flash_bf16, &k.attn_flash_fp8];
+        for f in [&k.gdn_chunk_prep, &k.gdn_chunk_state_32, &k.gdn_chunk_state_16, &k.moe_group_few, &k.matmul_pipelined].into_iter().chain(attention_kernels) {
             max_dynamic_smem = max_dynamic_smem.min(optin - open_dynamic_smem(f)?);
         }
         // The large-tile matmul takes nearly all of an SM's shared memory (Hopper's 227 KB);
@@ -409,6 +412,7 @@ impl CudaBackend {
             tracer,
             l2_ahead: std::env::var("KESTREL_CUDA_L2_AHEAD").map_or(true, |v| v != "0"),
             attn_decode: std::env::var("KESTREL_CUDA_ATTN_DECODE").map_or(true, |v| v != "0"),
+            flash_attention: std::env::var("KESTREL_CUDA_FLASH_ATTN").map_or(true, |v| v != "0"),
             l2_tail_bytes: std::env::var("KESTREL_CUDA_L2_TAIL_MB").ok().and_then(|v| v.parse::<usize>().ok()).map_or(moe::PROJECTION_TAIL_BYTES, |mb| mb << 20),
             optin_smem: optin.max(0) as usize,
             quant_kernels: Mutex::new(HashMap::new()),

@@ -1,5 +1,6 @@
 //! Speculative decoding: draft proposers and verification.
 
+pub mod backoff;
 pub mod mtp;
 pub mod ngram;
 pub mod verify;

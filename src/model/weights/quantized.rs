@@ -133,7 +133,10 @@ impl WeightStore {
             // Per-channel checkpoints (group_size -1) are one group per row.
             let group = group_size.unwrap_or(cols);
             let rows_bytes = self.int4_rows(module, rows, cols, *packing, group)?;
-            return Ok(MatrixBytes { data: SharedBytes::from_vec(rows_bytes), start: 0, dtype: Dtype::Int4 { group: group as u32 }, rows, cols });
+            // A partial last group (cols not a multiple of the group) makes the rows' groups
+            // narrower; see kestrel_quant::int4_row_group.
+            let row_group = kestrel_quant::int4_row_group(cols, group);
+            return Ok(MatrixBytes { data: SharedBytes::from_vec(rows_bytes), start: 0, dtype: Dtype::Int4 { group: row_group as u32 }, rows, cols });
         }
         let view = self.get(name)?;
         view.expect_shape(&[rows, cols])?;
@@ -160,10 +163,12 @@ impl WeightStore {
     /// The int4 linear `module` repacked into `Dtype::Int4` rows (n = rows outputs, k = cols inputs).
     fn int4_rows(&self, module: &str, n: usize, k: usize, packing: Int4Packing, group: usize) -> Result<Vec<u8>, WeightError> {
         let quant_error = |reason: String| WeightError::Quantized { tensor: format!("{module}.qweight"), reason };
-        if group == 0 || !k.is_multiple_of(group) {
-            return Err(quant_error(format!("{k} inputs are not a whole number of groups of {group}")));
+        if group == 0 {
+            return Err(quant_error("its group size is 0".into()));
         }
-        let groups = k / group;
+        // GPTQ and AutoRound quantize a layer whose width is not a multiple of the group with a
+        // partial last group.
+        let groups = k.div_ceil(group);
         let qweight = self.int32(&format!("{module}.qweight"))?;
         let qzeros = self.int32(&format!("{module}.qzeros"))?;
         let scales = self.get(&format!("{module}.scales"))?;

@@ -1,0 +1,427 @@
+// Attention on tensor cores for the bf16 and fp8 KV formats (attn_flash): a block takes the
+// query heads of one kv head for up to 64 / group consecutive tokens of one sequence (a query
+// tile of at most 64 rows, a row being a (token, query head) pair) and walks the key tiles of 64
+// keys aligned to absolute positions, reading each tile once for all its rows. QK^T and PV run
+// as mma.sync m16n8k16 bf16 with f32 accumulation. Keys and values are bf16 (fp8's e4m3 values
+// are bf16 values); q and the softmax weights are f32, so each is split into a bf16 part and a
+// bf16 remainder, two MMAs per product (FlashAttention rounds them to bf16 once; that left
+// outputs 2e-3 off the f32 reference, where the GPU-against-CPU checks allow 1e-3 on logits).
+// fp8 keys and values are turned into bf16 tiles in shared memory
+// (e4m3 values are bf16 values) with their per-vector scales applied in f32 to the scores and to
+// the weights. An MMA output element depends only on its own row of A and column of B, and every
+// other step is per row, so a query's bits depend on its own context only:
+//
+// - A query with ctx keys cuts its tiles into at most FLASH_SPLITS ranges of flash_span(ctx)
+//   tiles: each range an online softmax over its tiles, the ranges merged in order with
+//   merge_scales / merge_sum. Rows of one query tile whose spans differ merge at their own
+//   boundaries.
+// - Keys after a query's position get weight exactly 0 (its maximum and sum then stay as they
+//   were, its accumulators gain exact zeros), so the tiles a query's neighbours add leave its
+//   bits unchanged. Key rows past the tile's last context are zero-filled, never read.
+// - A step with few tokens gives each range of each token a block of its own (gridDim.z ==
+//   FLASH_SPLITS) and attn_flash_combine merges the ranges in the same order with the same
+//   arithmetic: decode, verify and prefill rows compute the same bits.
+//
+// Warps: 2 per 16-row tile; both compute the tile's scores (the same bits), each accumulates
+// half of the head dim.
+
+#define FLASH_SPLITS 32
+#define FLASH_ROW_TILES 4
+// Accumulator n-tiles of 8 columns per warp: half of a head dim of 256.
+#define FLASH_MAX_NT 16
+#define FLASH_MAX_KSTEPS 16
+
+// Tiles per range for a query with ctx keys: the fewest that leave at most FLASH_SPLITS ranges.
+__device__ __forceinline__ int flash_span(int ctx) {
+    int tiles = (ctx + KEY_TILE - 1) / KEY_TILE;
+    return (tiles + FLASH_SPLITS - 1) / FLASH_SPLITS;
+}
+__device__ __forceinline__ int flash_ranges(int ctx) {
+    int tiles = (ctx + KEY_TILE - 1) / KEY_TILE, span = flash_span(ctx);
+    return (tiles + span - 1) / span;
+}
+
+__device__ __forceinline__ void flash_mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Two floats as bf16 pairs: their nearest bf16 values and the bf16 of what those leave out
+// (a + b in bf16 pairs carries 16 significant bits of each float; K and V tiles are bf16 already,
+// so scores and outputs come within f32 rounding of the f32 products).
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, u32* hi, u32* lo) {
+    u32 h = pack_bf16x2(x0, x1);
+    float r0 = __fsub_rn(x0, __uint_as_float(h << 16)), r1 = __fsub_rn(x1, __uint_as_float(h & 0xffff0000u));
+    *hi = h;
+    *lo = pack_bf16x2(r0, r1);
+}
+__device__ __forceinline__ void ldsm_x4(u32 r[4], const bf16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 r[4], const bf16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+}
+
+// The cache slots of the current tile's keys (-1 past the block's last context) and, for a
+// scaled format, their key and value scales (0 past it).
+__shared__ long long flash_slots[KEY_TILE];
+__shared__ float flash_kscale[KEY_TILE];
+__shared__ float flash_vscale[KEY_TILE];
+
+// Key tile loads into shared memory as bf16 rows of `stride` elements.
+template <class KV>
+struct FlashTile;
+
+template <>
+struct FlashTile<KvBf16> {
+    __device__ static void load(bf16_t* ks, bf16_t* vs, KvCache kv, int nkv, int kvh, int hd, int stride) {
+        int chunks = hd / 8;  // 16 bytes each
+        for (int c = threadIdx.x; c < KEY_TILE * chunks; c += blockDim.x) {
+            int i = c / chunks, j = 8 * (c % chunks);
+            long long slot = flash_slots[i];
+            bool live = slot >= 0;
+            long long off = live ? kv_vector(slot, nkv, kvh) * 2 * hd + 2 * j : 0;
+            cp_async16(ks + i * stride + j, kv.k + off, live);
+            cp_async16(vs + i * stride + j, kv.v + off, live);
+        }
+        asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
+    }
+};
+
+// e4m3 byte pairs as bf16 pairs (exact: every e4m3 value is a bf16 value).
+__device__ __forceinline__ u32 e4m3x2_to_bf16x2(u32 lo, u32 hi) {
+    return (__float_as_uint(e4m3_to_f32(lo)) >> 16) | (__float_as_uint(e4m3_to_f32(hi)) & 0xffff0000u);
+}
+__device__ __forceinline__ void e4m3x16_to_bf16(bf16_t* dst, uint4 b) {
+    u32 w[4] = {b.x, b.y, b.z, b.w}, o[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[2 * i] = e4m3x2_to_bf16x2(w[i] & 0xff, (w[i] >> 8) & 0xff);
+        o[2 * i + 1] = e4m3x2_to_bf16x2((w[i] >> 16) & 0xff, w[i] >> 24);
+    }
+    ((uint4*)dst)[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    ((uint4*)dst)[1] = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+template <>
+struct FlashTile<KvFp8> {
+    __device__ static void load(bf16_t* ks, bf16_t* vs, KvCache kv, int nkv, int kvh, int hd, int stride) {
+        if (threadIdx.x < KEY_TILE) {
+            long long slot = flash_slots[threadIdx.x];
+            long long vec = slot >= 0 ? kv_vector(slot, nkv, kvh) : 0;
+            flash_kscale[threadIdx.x] = slot >= 0 ? KvFp8::scale(kv.kp + vec) : 0.0f;
+            flash_vscale[threadIdx.x] = slot >= 0 ? KvFp8::scale(kv.vp + vec) : 0.0f;
+        }
+        int chunks = hd / 16;  // 16 bytes each
+        // Four chunks of keys and four of values in flight per thread before any conversion.
+        for (int c0 = threadIdx.x; c0 < KEY_TILE * chunks; c0 += 4 * blockDim.x) {
+            uint4 kb[4], vb[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                int c = c0 + u * blockDim.x;
+                kb[u] = vb[u] = make_uint4(0, 0, 0, 0);
+                if (c < KEY_TILE * chunks) {
+                    long long slot = flash_slots[c / chunks];
+                    if (slot >= 0) {
+                        long long off = kv_vector(slot, nkv, kvh) * hd + 16 * (c % chunks);
+                        kb[u] = *(const uint4*)(kv.k + off);
+                        vb[u] = *(const uint4*)(kv.v + off);
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                int c = c0 + u * blockDim.x;
+                if (c >= KEY_TILE * chunks) break;
+                int i = c / chunks, j = 16 * (c % chunks);
+                e4m3x16_to_bf16(ks + i * stride + j, kb[u]);
+                e4m3x16_to_bf16(vs + i * stride + j, vb[u]);
+            }
+        }
+    }
+};
+
+// One row's softmax state: the running range (m, l and the accumulators in the caller's
+// registers) and the merged total of the ranges before it.
+struct FlashRow {
+    int ctx, span;
+    float m, l, mt, lt;
+};
+
+// Merges row i's running range into its total (merge_scales / merge_sum: attn_flash_combine's
+// arithmetic) and starts an empty range.
+__device__ __forceinline__ void flash_merge_row(FlashRow& r, int i, float acc[FLASH_MAX_NT][4], float tot[FLASH_MAX_NT][4], int nt) {
+    float c_old, c_new;
+    float mn = merge_scales(r.mt, r.m, &c_old, &c_new);
+#pragma unroll
+    for (int n = 0; n < FLASH_MAX_NT; ++n)
+        if (n < nt) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                tot[n][2 * i + c] = merge_sum(tot[n][2 * i + c], acc[n][2 * i + c], c_old, c_new);
+                acc[n][2 * i + c] = 0.0f;
+            }
+        }
+    r.lt = merge_sum(r.lt, r.l, c_old, c_new);
+    r.mt = mn;
+    r.m = NEG_INF;
+    r.l = 0.0f;
+}
+
+// grid (ceil(T / tokens_per_block), nkv, 1 or FLASH_SPLITS), 256 threads: 2 warps per 16 query
+// rows (rows = tokens_per_block * group, at most 64; the warps of unused rows only load, so a
+// decode block of one token loads its tiles with all 8); with FLASH_SPLITS, tokens_per_block is 1 and
+// block z computes range z of its token's query heads into `partial` ([T][nq][FLASH_SPLITS]
+// [hd + 2]: m, l, then the hd accumulators). Dynamic shared memory: (2 * 64 + 2 * KEY_TILE) *
+// (hd + 8) bf16 (queries, keys, values; rows padded by 16 bytes so that
+// ldmatrix's eight rows fall in distinct banks).
+template <class KV>
+__device__ __forceinline__ void attn_flash_body(float* out, const float* q, const float* gate, KvCache kv, const int* tok_row, const int* positions, const RowInfo* rows,
+        const int* block_tables, int num_tokens, int nq, int nkv, int hd, int block_size, int tokens_per_block, float scale, float* partial) {
+    extern __shared__ __align__(16) unsigned char flash_smem[];
+    const int stride = hd + 8, nrt = FLASH_ROW_TILES;
+    bf16_t* qs = (bf16_t*)flash_smem;              // q's bf16 parts
+    bf16_t* qr = qs + nrt * 16 * stride;           // and its remainders
+    bf16_t* ks = qr + nrt * 16 * stride;
+    bf16_t* vs = ks + KEY_TILE * stride;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g4 = lane >> 2, tig = lane & 3;
+    int rt = warp % nrt, dh = warp / nrt;
+    int group = nq / nkv, kvh = blockIdx.y, nrows = tokens_per_block * group;
+    int half = hd / 2, nt = half / 8, ksteps = hd / 16;
+    bool split = gridDim.z > 1;
+    int tb = blockIdx.x * tokens_per_block, te = min(num_tokens, tb + tokens_per_block);
+    // The block's tokens as runs of one sequence each (a step's rows are contiguous).
+    for (int t0 = tb; t0 < te;) {
+        int seq = tok_row[t0], t1 = t0 + 1;
+        while (t1 < te && tok_row[t1] == seq) ++t1;
+        const RowInfo* ri = rows + seq;
+        const int* table = block_tables + ri->block_table_offset;
+        int first = PLANT_VERIFY_SKIPS_CACHE && ri->kind == 1 && ri->num_tokens > 1 ? ri->start_position : 0;
+        int kmax = 0;
+        for (int t = t0; t < t1; ++t) kmax = max(kmax, positions[t] + 1);
+        // The run's query rows as bf16 (zero rows for the tile's unused rows).
+        for (int e = tid; e < nrt * 16 * half; e += blockDim.x) {
+            int r = e / half, d = 2 * (e % half), t = t0 + r / group;
+            u32 hi = 0, lo = 0;
+            if (r < nrows && t < t1) {
+                const float* src = q + ((long long)t * nq + kvh * group + r % group) * hd + d;
+                split_bf16x2(src[0], src[1], &hi, &lo);
+            }
+            *(u32*)(qs + r * stride + d) = hi;
+            *(u32*)(qr + r * stride + d) = lo;
+        }
+        // This thread's two rows: g4 and g4 + 8 of the warp's row tile.
+        FlashRow row[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            int r = rt * 16 + g4 + 8 * i, t = t0 + r / group;
+            row[i].ctx = r < nrows && t < t1 ? positions[t] + 1 : 0;
+            row[i].span = flash_span(max(row[i].ctx, 1));
+            row[i].m = row[i].mt = NEG_INF;
+            row[i].l = row[i].lt = 0.0f;
+        }
+        float acc[FLASH_MAX_NT][4], tot[FLASH_MAX_NT][4];
+#pragma unroll
+        for (int n = 0; n < FLASH_MAX_NT; ++n)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[n][c] = tot[n][c] = 0.0f;
+        int j0 = 0, j1 = (kmax + KEY_TILE - 1) / KEY_TILE;
+        if (split) {
+            int span = flash_span(kmax);
+            j0 = (int)blockIdx.z * span;
+            j1 = min(j1, j0 + span);
+        }
+        for (int j = j0; j < j1; ++j) {
+            // A row whose next range starts here (and holds keys) merges the range it ends.
+            if (!split && j > 0) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    if (j % row[i].span == 0 && j * KEY_TILE < row[i].ctx) flash_merge_row(row[i], i, acc, tot, nt);
+            }
+            __syncthreads();  // the last tile's reads are done (and the queries stored)
+            if (tid < KEY_TILE) {
+                int p = j * KEY_TILE + tid;
+                flash_slots[tid] = p < kmax ? table_slot(table, p, block_size) : -1;
+            }
+            __syncthreads();
+            FlashTile<KV>::load(ks, vs, kv, nkv, kvh, hd, stride);
+            __syncthreads();
+            // Warps whose 16 rows are all unused only help with the loads.
+            if (rt * 16 >= (t1 - t0) * group) continue;
+            // Scores of the warp's 16 rows against the tile's 64 keys, in order of head dims.
+            float s[8][4];
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) s[n][c] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < FLASH_MAX_KSTEPS; ++kk) {
+                if (kk >= ksteps) break;
+                u32 a[4], ar[4];
+                int qoff = (rt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + kk * 16 + ((lane >> 4) & 1) * 8;
+                ldsm_x4(a, qs + qoff);
+                ldsm_x4(ar, qr + qoff);
+#pragma unroll
+                for (int np = 0; np < 4; ++np) {
+                    u32 b[4];
+                    ldsm_x4(b, ks + (np * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * stride + kk * 16 + ((lane >> 3) & 1) * 8);
+                    flash_mma(s[2 * np], a, b[0], b[1]);
+                    flash_mma(s[2 * np], ar, b[0], b[1]);
+                    flash_mma(s[2 * np + 1], a, b[2], b[3]);
+                    flash_mma(s[2 * np + 1], ar, b[2], b[3]);
+                }
+            }
+            // Online softmax per row: the row's 64 scores sit in the four lanes of a quad,
+            // reduced lane by lane in key order, then across the quad by butterflies.
+            float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    int i = c >> 1, key = j * KEY_TILE + n * 8 + 2 * tig + (c & 1);
+                    float x = s[n][c];
+                    if (KV::SCALED) x = __fmul_rn(x, flash_kscale[key - j * KEY_TILE]);
+                    x = __fmul_rn(x, scale);
+                    if (PLANT_VERIFY_SKIPS_CACHE && key < first) x = -1e30f;
+                    if (key >= row[i].ctx) x = NEG_INF;
+                    s[n][c] = x;
+                    mx[i] = fmaxf(mx[i], x);
+                }
+            float corr[2], base[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 1));
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 2));
+                float mn = fmaxf(row[i].m, mx[i]);
+                // A row without keys yet (an unused row) keeps zeros instead of NaNs.
+                base[i] = mn == NEG_INF ? 0.0f : mn;
+                corr[i] = expf(__fsub_rn(row[i].m, base[i]));
+                row[i].m = mn;
+            }
+            u32 pa[4][4], pr[4][4];
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                float pv[4];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    float p = expf(__fsub_rn(s[n][c], base[c >> 1]));
+                    sum[c >> 1] = __fadd_rn(sum[c >> 1], p);
+                    pv[c] = KV::SCALED ? __fmul_rn(p, flash_vscale[n * 8 + 2 * tig + (c & 1)]) : p;
+                }
+                // The weights as the A fragment of key step n / 2 (keys 16 (n / 2) ...).
+                split_bf16x2(pv[0], pv[1], &pa[n >> 1][(n & 1) * 2], &pr[n >> 1][(n & 1) * 2]);
+                split_bf16x2(pv[2], pv[3], &pa[n >> 1][(n & 1) * 2 + 1], &pr[n >> 1][(n & 1) * 2 + 1]);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(FULL_MASK, sum[i], 1));
+                sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(FULL_MASK, sum[i], 2));
+                row[i].l = __fadd_rn(__fmul_rn(row[i].l, corr[i]), sum[i]);
+            }
+#pragma unroll
+            for (int n = 0; n < FLASH_MAX_NT; ++n)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[n][c] = __fmul_rn(acc[n][c], corr[c >> 1]);
+            // Weights times values, in key order, for this warp's half of the head dims.
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+                for (int np = 0; np < FLASH_MAX_NT / 2; ++np) {
+                    if (2 * np >= nt) break;
+                    u32 b[4];
+                    ldsm_x4_trans(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + dh * half + np * 16 + ((lane >> 4) & 1) * 8);
+                    flash_mma(acc[2 * np], pa[kk], b[0], b[1]);
+                    flash_mma(acc[2 * np], pr[kk], b[0], b[1]);
+                    if (2 * np + 1 < nt) {
+                        flash_mma(acc[2 * np + 1], pa[kk], b[2], b[3]);
+                        flash_mma(acc[2 * np + 1], pr[kk], b[2], b[3]);
+                    }
+                }
+            }
+        }
+        // Results: this thread's elements of rows g4 and g4 + 8, columns 2 tig, 2 tig + 1 of
+        // each n-tile of its half.
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            int r = rt * 16 + g4 + 8 * i;
+            if (row[i].ctx == 0) continue;
+            int t = t0 + r / group, h = kvh * group + r % group;
+            if (split) {
+                if (j0 >= j1) continue;
+                float* pm = partial + (((long long)t * nq + h) * FLASH_SPLITS + blockIdx.z) * (hd + 2);
+                if (dh == 0 && tig == 0) {
+                    pm[0] = row[i].m;
+                    pm[1] = row[i].l;
+                }
+#pragma unroll
+                for (int n = 0; n < FLASH_MAX_NT; ++n)
+                    if (n < nt) {
+                        int d = dh * half + n * 8 + 2 * tig;
+                        pm[2 + d] = acc[n][2 * i];
+                        pm[3 + d] = acc[n][2 * i + 1];
+                    }
+                continue;
+            }
+            flash_merge_row(row[i], i, acc, tot, nt);
+            long long o = ((long long)t * nq + h) * hd;
+#pragma unroll
+            for (int n = 0; n < FLASH_MAX_NT; ++n)
+                if (n < nt) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        int d = dh * half + n * 8 + 2 * tig + c;
+                        float v = tot[n][2 * i + c] / row[i].lt;
+                        out[o + d] = v * sigmoidf_(gate[o + d]);
+                    }
+                }
+        }
+        t0 = t1;
+        __syncthreads();  // the run's queries are read before the next run's are stored
+    }
+    if (tid == 0) TRACE_MARK(TRACE_BLOCK_END);
+}
+
+// grid (T, nq), hd threads (rounded up to a warp): merges the ranges attn_flash's split blocks
+// wrote, in range order, exactly as a block walking them merges them.
+__device__ __forceinline__ void attn_flash_combine_body(int ctx, float* out, const float* gate, const float* partial, int nq, int hd) {
+    int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x, nr = flash_ranges(ctx);
+    float M = NEG_INF, L = 0.0f, ACC = 0.0f;
+    float pm0[FLASH_SPLITS], pm1[FLASH_SPLITS], pa[FLASH_SPLITS];
+#pragma unroll
+    for (int r = 0; r < FLASH_SPLITS; ++r) {
+        const float* pm = partial + (((long long)t * nq + h) * FLASH_SPLITS + r) * (hd + 2);
+        bool live = r < nr;
+        pm0[r] = live ? pm[0] : 0.0f;
+        pm1[r] = live ? pm[1] : 0.0f;
+        pa[r] = live && d < hd ? pm[2 + d] : 0.0f;
+    }
+#pragma unroll
+    for (int r = 0; r < FLASH_SPLITS; ++r) {
+        if (r >= nr) break;
+        float c_old, c_new;
+        M = merge_scales(M, pm0[r], &c_old, &c_new);
+        L = merge_sum(L, pm1[r], c_old, c_new);
+        ACC = merge_sum(ACC, pa[r], c_old, c_new);
+    }
+    if (d < hd) {
+        long long o = ((long long)t * nq + h) * hd + d;
+        float v = ACC / L;
+        out[o] = v * sigmoidf_(gate[o]);
+    }
+    if (d == 0) TRACE_MARK(TRACE_BLOCK_END);
+}
+
+// attn_flash_NAME and attn_flash_combine_NAME for a format with a FlashTile loader.
+#define FLASH_KERNELS(NAME, KV)                                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) attn_flash_##NAME(float* out, const float* q, const float* gate, KvCache kv, const int* tok_row,  \
+            const int* positions, const RowInfo* rows, const int* block_tables, int num_tokens, int nq, int nkv, int hd, int block_size,               \
+            int tokens_per_block, float scale, float* partial) {                                                                                       \
+        wait_for_inputs();                                                                                                                             \
+        attn_flash_body<KV>(out, q, gate, kv, tok_row, positions, rows, block_tables, num_tokens, nq, nkv, hd, block_size, tokens_per_block, scale,  \
+                partial);                                                                                                                              \
+    }                                                                                                                                                  \
+    extern "C" __global__ void attn_flash_combine_##NAME(float* out, const float* gate, const float* partial, const int* positions, int nq, int hd) { \
+        int ctx = positions[blockIdx.x] + 1;                                                                                                           \
+        wait_for_inputs();                                                                                                                             \
+        attn_flash_combine_body(ctx, out, gate, partial, nq, hd);                                                                                      \
+    }

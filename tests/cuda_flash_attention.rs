@@ -1,0 +1,262 @@
+//! Attention on tensor cores (attn_flash, bf16 and fp8 caches) against the CPU reference on
+//! random inputs: prefill pieces starting at unaligned positions, odd head counts and group
+//! sizes, verify and decode rows, and a context long enough to cut into several ranges; and the
+//! bitwise cases: a prompt prefilled in one piece or in 64- and 128-token pieces, a decode row
+//! alone, among 7 and among 63 rows, a verify row alone and beside a prefill. Runs where a GPU
+//! is present:
+//!
+//!     cargo test --release --test cuda_flash_attention
+
+mod cuda_support;
+
+use cuda_support::*;
+use kestrel::backend::cpu::CpuBackend;
+use kestrel::backend::cuda::{CudaBackend, CudaCache};
+use kestrel::backend::shapes::LinearAttnShape;
+use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, KvDtype, RowKind, RowLayout};
+
+/// The formats whose attention runs on tensor cores.
+const FLASH_DTYPES: [KvDtype; 2] = [KvDtype::Bf16, KvDtype::Fp8];
+
+/// q and the softmax weights enter the MMAs as two bf16 parts each and the MMAs accumulate in
+/// f32 in their own order: close to f32 products, with a margin (one bf16 rounding of q and
+/// the weights, as FlashAttention does, left 2e-3).
+const TOLERANCE: f32 = 1e-3;
+
+fn seed() -> u64 {
+    let s = std::env::var("KESTREL_TEST_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
+    eprintln!("seed {s}");
+    s
+}
+
+/// One request: its block table (blocks of 16 positions) and next position.
+#[derive(Clone)]
+struct Seq {
+    table: Vec<u32>,
+    pos: usize,
+}
+
+/// `n` sequences of `blocks_each` shuffled blocks.
+fn sequences(rng: &mut Rng, n: usize, blocks_each: usize) -> Vec<Seq> {
+    let mut blocks: Vec<u32> = (0..(n * blocks_each) as u32).collect();
+    for i in (1..blocks.len()).rev() {
+        blocks.swap(i, rng.below(i + 1));
+    }
+    (0..n).map(|i| Seq { table: blocks[i * blocks_each..(i + 1) * blocks_each].to_vec(), pos: 0 }).collect()
+}
+
+/// Rows (kind, sequence, tokens) one after another.
+fn layout(seqs: &[Seq], rows: &[(RowKind, usize, usize)]) -> BatchLayout {
+    let (mut start, mut snap) = (0, 0);
+    let mut out = BatchLayout::default();
+    for &(kind, s, n) in rows {
+        out.rows.push(RowLayout { kind, token_start: start, num_tokens: n, start_position: seqs[s].pos, block_table: seqs[s].table.clone(), state_slot: s, snapshot_base: snap });
+        start += n;
+        if kind == RowKind::Generate {
+            snap += n;
+        }
+    }
+    out
+}
+
+fn advance(seqs: &mut [Seq], rows: &[(RowKind, usize, usize)]) {
+    for &(_, s, n) in rows {
+        seqs[s].pos += n;
+    }
+}
+
+fn attention_spec(kv_dtype: KvDtype, kv_heads: usize, head_dim: usize, num_blocks: usize, sequences: usize) -> CacheSpec {
+    CacheSpec {
+        attention_layers: 1,
+        num_blocks,
+        block_size: 16,
+        kv_heads,
+        head_dim,
+        kv_dtype,
+        linear_layers: 0,
+        linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4, out_heads_tiled: false },
+        state_slots: sequences,
+        snapshot_slots: 8,
+        checkpoint_slots: 0,
+    }
+}
+
+/// One attention layer's shapes, norm weights and step inputs.
+struct Layer {
+    dims: AttentionDims,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+}
+
+impl Layer {
+    fn new(rng: &mut Rng, nq: usize, nkv: usize, hd: usize, rot: usize) -> Self {
+        let dims = AttentionDims { num_heads: nq, num_kv_heads: nkv, head_dim: hd, rotary_dim: rot, rope_theta: 1e6, eps: 1e-6 };
+        let q_norm = rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect();
+        let k_norm = rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect();
+        Layer { dims, q_norm, k_norm }
+    }
+
+    /// Random q/gate projection, keys and values for `t` tokens.
+    fn inputs(&self, rng: &mut Rng, t: usize) -> Inputs {
+        let (nq, nkv, hd) = (self.dims.num_heads, self.dims.num_kv_heads, self.dims.head_dim);
+        Inputs { qg: rng.vec(t * nq * 2 * hd, 2.0), k: rng.vec(t * nkv * hd, 2.0), v: rng.vec(t * nkv * hd, 1.0) }
+    }
+
+    fn run(&self, gpu: &CudaBackend, cache: &mut CudaCache, lay: &BatchLayout, x: &Inputs) -> Vec<f32> {
+        let (nq, nkv, hd) = (self.dims.num_heads, self.dims.num_kv_heads, self.dims.head_dim);
+        let t = lay.num_tokens();
+        let (qn, kn) = (gpu.upload_vector(&self.q_norm).unwrap(), gpu.upload_vector(&self.k_norm).unwrap());
+        let out = gpu.gated_attention(&gpu.from_host(&x.qg, t, nq * 2 * hd), &gpu.from_host(&x.k, t, nkv * hd), &gpu.from_host(&x.v, t, nkv * hd), &qn, &kn, &self.dims, lay, cache, 0);
+        gpu.to_host(&out)
+    }
+}
+
+#[derive(Clone)]
+struct Inputs {
+    qg: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl Inputs {
+    /// Tokens `a..b` of these inputs.
+    fn tokens(&self, a: usize, b: usize, nq: usize, nkv: usize, hd: usize) -> Inputs {
+        Inputs { qg: self.qg[a * nq * 2 * hd..b * nq * 2 * hd].to_vec(), k: self.k[a * nkv * hd..b * nkv * hd].to_vec(), v: self.v[a * nkv * hd..b * nkv * hd].to_vec() }
+    }
+
+    fn concat(parts: &[&Inputs]) -> Inputs {
+        Inputs { qg: parts.iter().flat_map(|p| p.qg.clone()).collect(), k: parts.iter().flat_map(|p| p.k.clone()).collect(), v: parts.iter().flat_map(|p| p.v.clone()).collect() }
+    }
+}
+
+/// The device's tensor-core attention reads its own cache as the CPU reference reads that same
+/// cache: prefill pieces at unaligned positions beside verify rows, a prefill that takes a
+/// context past 2048 keys (ranges of two tiles), decode and verify steps after it; group sizes
+/// 4, 3, 1 and 2, head dims 256, 16, 128, 32.
+#[test]
+fn flash_attention_matches_the_cpu_on_random_inputs() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(seed());
+    use RowKind::*;
+    let steps: Vec<Vec<(RowKind, usize, usize)>> = vec![
+        vec![(Prefill, 0, 37), (Prefill, 1, 100)],
+        vec![(Prefill, 0, 300), (Generate, 1, 3), (Prefill, 2, 5)],
+        vec![(Prefill, 0, 1900), (Generate, 2, 2)],
+        vec![(Prefill, 0, 211), (Generate, 1, 1), (Prefill, 3, 70)],
+        vec![(Generate, 0, 1), (Generate, 1, 1), (Generate, 2, 1), (Generate, 3, 1)],
+        vec![(Generate, 0, 4), (Generate, 3, 4)],
+    ];
+    for dtype in FLASH_DTYPES {
+        for (nq, nkv, hd, rot) in [(16, 4, 256, 64), (3, 1, 16, 4), (15, 5, 128, 32), (4, 2, 32, 8)] {
+            let what = format!("{dtype} {nq}/{nkv}x{hd}");
+            let layer = Layer::new(&mut rng, nq, nkv, hd, rot);
+            let spec = attention_spec(dtype, nkv, hd, 4 * 160, 4);
+            let mut cache = gpu.alloc_cache(&spec).unwrap();
+            let mut seqs = sequences(&mut rng, 4, 160);
+            for (step, rows) in steps.iter().enumerate() {
+                let lay = layout(&seqs, rows);
+                let x = layer.inputs(&mut rng, lay.num_tokens());
+                let got = layer.run(&gpu, &mut cache, &lay, &x);
+                let stored = gpu.cache_to_host(&cache);
+                // The reference over the rows after a row's first 1800 tokens (a long prompt's
+                // early rows cost the CPU more than they check).
+                let skip: usize = if rows[0].2 > 1800 { 1800 } else { 0 };
+                let mut check = lay.clone();
+                check.rows[0].token_start = 0;
+                check.rows[0].num_tokens -= skip;
+                check.rows[0].start_position += skip;
+                for r in check.rows.iter_mut().skip(1) {
+                    r.token_start -= skip;
+                }
+                let qg = &x.qg[skip * nq * 2 * hd..];
+                let want = cpu.to_host(&cpu.attention_over_cache(&cpu.from_host(qg, lay.num_tokens() - skip, nq * 2 * hd), &layer.q_norm, &layer.dims, &check, &stored, 0));
+                let err = relative_error(&got[skip * nq * hd..], &want);
+                eprintln!("{what} step {step}: relative error {err:.2e}");
+                assert!(err < TOLERANCE, "{what} step {step}: relative error {err}");
+                advance(&mut seqs, rows);
+            }
+        }
+    }
+}
+
+/// A prompt's rows have the same bits prefilled in one piece, in 64-token pieces and in
+/// 128-token pieces (pieces end and start inside key tiles and ranges: the prompt crosses 2048
+/// keys).
+#[test]
+fn flash_attention_prefill_pieces_are_bitwise_equal() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::new(seed());
+    for dtype in FLASH_DTYPES {
+        for (nq, nkv, hd, rot) in [(16, 4, 256, 64), (3, 1, 16, 4)] {
+            let what = format!("{dtype} {nq}/{nkv}x{hd}");
+            let layer = Layer::new(&mut rng, nq, nkv, hd, rot);
+            let n: usize = 2200;
+            let seqs = sequences(&mut rng, 1, n.div_ceil(16));
+            let x = layer.inputs(&mut rng, n);
+            let mut outputs = Vec::new();
+            for piece in [n, 64, 128] {
+                let mut cache = gpu.alloc_cache(&attention_spec(dtype, nkv, hd, n.div_ceil(16), 1)).unwrap();
+                let mut s = seqs.clone();
+                let mut out = Vec::new();
+                for a in (0..n).step_by(piece) {
+                    let b = (a + piece).min(n);
+                    let rows = [(RowKind::Prefill, 0, b - a)];
+                    out.extend(layer.run(&gpu, &mut cache, &layout(&s, &rows), &x.tokens(a, b, nq, nkv, hd)));
+                    advance(&mut s, &rows);
+                }
+                outputs.push((piece, out));
+            }
+            for (piece, out) in &outputs[1..] {
+                let first_diff = out.iter().zip(&outputs[0].1).position(|(a, b)| a.to_bits() != b.to_bits());
+                assert!(first_diff.is_none(), "{what}: {piece}-token pieces differ from one piece at token {}", first_diff.unwrap_or(0) / (nq * hd));
+            }
+        }
+    }
+}
+
+/// A decode row has the same bits alone (a block per range, merged by attn_flash_combine),
+/// among 7 rows and among 63 (ranges merged in one block); a verify row of 4 tokens the same
+/// alone and beside a 150-token prefill (tiles of 16 tokens sharing their key tiles). The rows'
+/// contexts reach past 2048 keys.
+#[test]
+fn flash_attention_rows_are_bitwise_invariant() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::new(seed());
+    for dtype in FLASH_DTYPES {
+        for (nq, nkv, hd, rot) in [(16, 4, 256, 64), (3, 1, 16, 4)] {
+            let what = format!("{dtype} {nq}/{nkv}x{hd}");
+            let layer = Layer::new(&mut rng, nq, nkv, hd, rot);
+            let mut cache = gpu.alloc_cache(&attention_spec(dtype, nkv, hd, 64 * 150, 64)).unwrap();
+            let mut seqs = sequences(&mut rng, 64, 150);
+            // Contexts: sequence 0 2300 keys, the others 1 to 100.
+            let mut fill: Vec<(RowKind, usize, usize)> = vec![(RowKind::Prefill, 0, 2300)];
+            fill.extend((1..64).map(|s| (RowKind::Prefill, s, 1 + rng.below(100))));
+            let lay = layout(&seqs, &fill);
+            let x = layer.inputs(&mut rng, lay.num_tokens());
+            layer.run(&gpu, &mut cache, &lay, &x);
+            advance(&mut seqs, &fill);
+            // Decode: the row alone, among 7, among 63 (same inputs for the shared rows; each
+            // run stores the same keys and values at the same positions).
+            let mine = layer.inputs(&mut rng, 1);
+            let others = layer.inputs(&mut rng, 62);
+            let mut results = Vec::new();
+            for count in [1, 7, 63] {
+                let rows: Vec<(RowKind, usize, usize)> = (0..count).map(|s| (RowKind::Generate, s, 1)).collect();
+                let x = Inputs::concat(&[&mine, &others.tokens(0, count - 1, nq, nkv, hd)]);
+                let out = layer.run(&gpu, &mut cache, &layout(&seqs, &rows), &x);
+                results.push((count, out[..nq * hd].to_vec()));
+            }
+            for (count, out) in &results[1..] {
+                assert!(bitwise_equal(out, &results[0].1), "{what}: a decode row among {count} rows differs from the row alone");
+            }
+            // Verify rows of 4 tokens: alone, and beside a 150-token prefill.
+            let verify = layer.inputs(&mut rng, 4);
+            let alone = layer.run(&gpu, &mut cache, &layout(&seqs, &[(RowKind::Generate, 0, 4)]), &verify);
+            let prefill = layer.inputs(&mut rng, 150);
+            let rows = [(RowKind::Prefill, 5, 150), (RowKind::Generate, 0, 4)];
+            let beside = layer.run(&gpu, &mut cache, &layout(&seqs, &rows), &Inputs::concat(&[&prefill, &verify]));
+            assert!(bitwise_equal(&alone, &beside[150 * nq * hd..]), "{what}: a verify row beside a prefill differs from the row alone");
+        }
+    }
+}
