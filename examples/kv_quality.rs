@@ -10,10 +10,11 @@
 
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::sampling::SamplingParams;
-use kestrel::backend::{Backend, BatchLayout, CacheSpec, KvDtype, RowKind, RowLayout};
+use kestrel::backend::{CacheSpec, KvDtype};
 use kestrel::engine::request::{Request, RequestEvent, SpecMethod};
 use kestrel::engine::{Engine, EngineConfig};
 use kestrel::model::arch::qwen35::Qwen35;
+use kestrel::model::perplexity::{window_nll, Scoring};
 use kestrel::model::ModelFiles;
 use std::collections::HashMap;
 use std::path::Path;
@@ -30,23 +31,8 @@ fn load() -> (ModelFiles, Qwen35<CpuBackend>) {
 
 fn perplexity(model: &Qwen35<CpuBackend>, ids: &[u32], kv_dtype: KvDtype) -> f64 {
     let cpu = CpuBackend::new();
-    let blocks = WINDOW.div_ceil(16);
-    let mut cache = cpu.alloc_cache(&CacheSpec { kv_dtype, ..model.cache_spec(blocks, 16, 1, 0) }).expect("cache");
-    let vocab = model.config.vocab_size;
-    let (mut total, mut count) = (0.0f64, 0usize);
-    for w in ids.chunks(WINDOW).filter(|w| w.len() >= 2) {
-        cpu.reset_states(&mut cache, &[0]);
-        let layout = BatchLayout { rows: vec![RowLayout { kind: RowKind::Prefill, token_start: 0, num_tokens: w.len(), start_position: 0, block_table: (0..blocks as u32).collect(), state_slot: 0, snapshot_base: 0 }] };
-        let rows: Vec<u32> = (0..w.len() as u32 - 1).collect();
-        let logits = cpu.to_host(&model.forward(&cpu, w, &layout, &rows, &mut cache).logits);
-        for (i, &target) in w[1..].iter().enumerate() {
-            let l = &logits[i * vocab..(i + 1) * vocab];
-            let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-            total += m + l.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln() - l[target as usize] as f64;
-            count += 1;
-        }
-    }
-    (total / count as f64).exp()
+    let (mean_nll, _) = window_nll(model, &cpu, kv_dtype, ids, WINDOW, Scoring::EveryToken, cpu.threads(), &indicatif::ProgressBar::hidden()).expect("the held-out text scores");
+    mean_nll.exp()
 }
 
 /// Greedy continuations of every prompt, 16 requests at a time.

@@ -10,6 +10,7 @@
 mod common;
 mod cuda_support;
 
+use common::conversation::humaneval_tokens;
 use common::{request, run_staggered};
 use cuda_support::*;
 use kestrel::backend::cpu::CpuBackend;
@@ -22,22 +23,13 @@ use kestrel::model::arch::qwen35::Qwen35;
 use kestrel::model::weights::online::OnlineQuantization;
 use kestrel::model::ModelFiles;
 
-static HUMANEVAL: &str = include_str!("../data/humaneval/prompts.jsonl");
-
 /// Prompt lengths around the drafts-per-step and chunk boundaries (1, k, k+1, k+2, 63..66).
 const LENGTHS: [usize; 18] = [1, 2, 3, 4, 5, 8, 9, 10, 17, 40, 63, 64, 65, 66, 100, 129, 200, 300];
 
 /// HumanEval prompts (the default model was trained on Python, so drafts are often right)
 /// cut to the lengths above, `n` of them.
 fn code_prompts(files: &ModelFiles, n: usize) -> Vec<Vec<u32>> {
-    let mut all: Vec<u32> = Vec::new();
-    for line in HUMANEVAL.lines() {
-        let v: serde_json::Value = serde_json::from_str(line).expect("prompts.jsonl line");
-        all.extend(files.tokenizer.encode(v["prompt"].as_str().expect("prompt"), false).expect("tokenizes"));
-        if all.len() > 40_000 {
-            break;
-        }
-    }
+    let all = humaneval_tokens(&files.tokenizer);
     (0..n).map(|i| all[i * 131..i * 131 + LENGTHS[i % LENGTHS.len()]].to_vec()).collect()
 }
 

@@ -12,8 +12,7 @@ mod cuda_support;
 use cuda_support::*;
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::cuda::{CudaBackend, CudaCache};
-use kestrel::backend::shapes::LinearAttnShape;
-use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, KvDtype, RowKind, RowLayout};
+use kestrel::backend::{AttentionDims, Backend, BatchLayout, KvDtype, RowKind};
 
 /// The formats whose attention runs on tensor cores.
 const FLASH_DTYPES: [KvDtype; 2] = [KvDtype::Bf16, KvDtype::Fp8];
@@ -27,58 +26,6 @@ fn seed() -> u64 {
     let s = std::env::var("KESTREL_TEST_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
     eprintln!("seed {s}");
     s
-}
-
-/// One request: its block table (blocks of 16 positions) and next position.
-#[derive(Clone)]
-struct Seq {
-    table: Vec<u32>,
-    pos: usize,
-}
-
-/// `n` sequences of `blocks_each` shuffled blocks.
-fn sequences(rng: &mut Rng, n: usize, blocks_each: usize) -> Vec<Seq> {
-    let mut blocks: Vec<u32> = (0..(n * blocks_each) as u32).collect();
-    for i in (1..blocks.len()).rev() {
-        blocks.swap(i, rng.below(i + 1));
-    }
-    (0..n).map(|i| Seq { table: blocks[i * blocks_each..(i + 1) * blocks_each].to_vec(), pos: 0 }).collect()
-}
-
-/// Rows (kind, sequence, tokens) one after another.
-fn layout(seqs: &[Seq], rows: &[(RowKind, usize, usize)]) -> BatchLayout {
-    let (mut start, mut snap) = (0, 0);
-    let mut out = BatchLayout::default();
-    for &(kind, s, n) in rows {
-        out.rows.push(RowLayout { kind, token_start: start, num_tokens: n, start_position: seqs[s].pos, block_table: seqs[s].table.clone(), state_slot: s, snapshot_base: snap });
-        start += n;
-        if kind == RowKind::Generate {
-            snap += n;
-        }
-    }
-    out
-}
-
-fn advance(seqs: &mut [Seq], rows: &[(RowKind, usize, usize)]) {
-    for &(_, s, n) in rows {
-        seqs[s].pos += n;
-    }
-}
-
-fn attention_spec(kv_dtype: KvDtype, kv_heads: usize, head_dim: usize, num_blocks: usize, sequences: usize) -> CacheSpec {
-    CacheSpec {
-        attention_layers: 1,
-        num_blocks,
-        block_size: 16,
-        kv_heads,
-        head_dim,
-        kv_dtype,
-        linear_layers: 0,
-        linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4, out_heads_tiled: false },
-        state_slots: sequences,
-        snapshot_slots: 8,
-        checkpoint_slots: 0,
-    }
 }
 
 /// One attention layer's shapes, norm weights and step inputs.
@@ -153,9 +100,9 @@ fn flash_attention_matches_the_cpu_on_random_inputs() {
             let layer = Layer::new(&mut rng, nq, nkv, hd, rot);
             let spec = attention_spec(dtype, nkv, hd, 4 * 160, 4);
             let mut cache = gpu.alloc_cache(&spec).unwrap();
-            let mut seqs = sequences(&mut rng, 4, 160);
+            let mut seqs = cache_sequences(&mut rng, 4, 160);
             for (step, rows) in steps.iter().enumerate() {
-                let lay = layout(&seqs, rows);
+                let lay = layout_rows(&seqs, rows);
                 let x = layer.inputs(&mut rng, lay.num_tokens());
                 let got = layer.run(&gpu, &mut cache, &lay, &x);
                 let stored = gpu.cache_to_host(&cache);
@@ -174,7 +121,7 @@ fn flash_attention_matches_the_cpu_on_random_inputs() {
                 let err = relative_error(&got[skip * nq * hd..], &want);
                 eprintln!("{what} step {step}: relative error {err:.2e}");
                 assert!(err < TOLERANCE, "{what} step {step}: relative error {err}");
-                advance(&mut seqs, rows);
+                advance_rows(&mut seqs, rows);
             }
         }
     }
@@ -192,7 +139,7 @@ fn flash_attention_prefill_pieces_are_bitwise_equal() {
             let what = format!("{dtype} {nq}/{nkv}x{hd}");
             let layer = Layer::new(&mut rng, nq, nkv, hd, rot);
             let n: usize = 2200;
-            let seqs = sequences(&mut rng, 1, n.div_ceil(16));
+            let seqs = cache_sequences(&mut rng, 1, n.div_ceil(16));
             let x = layer.inputs(&mut rng, n);
             let mut outputs = Vec::new();
             for piece in [n, 64, 128] {
@@ -202,8 +149,8 @@ fn flash_attention_prefill_pieces_are_bitwise_equal() {
                 for a in (0..n).step_by(piece) {
                     let b = (a + piece).min(n);
                     let rows = [(RowKind::Prefill, 0, b - a)];
-                    out.extend(layer.run(&gpu, &mut cache, &layout(&s, &rows), &x.tokens(a, b, nq, nkv, hd)));
-                    advance(&mut s, &rows);
+                    out.extend(layer.run(&gpu, &mut cache, &layout_rows(&s, &rows), &x.tokens(a, b, nq, nkv, hd)));
+                    advance_rows(&mut s, &rows);
                 }
                 outputs.push((piece, out));
             }
@@ -228,14 +175,14 @@ fn flash_attention_rows_are_bitwise_invariant() {
             let what = format!("{dtype} {nq}/{nkv}x{hd}");
             let layer = Layer::new(&mut rng, nq, nkv, hd, rot);
             let mut cache = gpu.alloc_cache(&attention_spec(dtype, nkv, hd, 64 * 150, 64)).unwrap();
-            let mut seqs = sequences(&mut rng, 64, 150);
+            let mut seqs = cache_sequences(&mut rng, 64, 150);
             // Contexts: sequence 0 2300 keys, the others 1 to 100.
             let mut fill: Vec<(RowKind, usize, usize)> = vec![(RowKind::Prefill, 0, 2300)];
             fill.extend((1..64).map(|s| (RowKind::Prefill, s, 1 + rng.below(100))));
-            let lay = layout(&seqs, &fill);
+            let lay = layout_rows(&seqs, &fill);
             let x = layer.inputs(&mut rng, lay.num_tokens());
             layer.run(&gpu, &mut cache, &lay, &x);
-            advance(&mut seqs, &fill);
+            advance_rows(&mut seqs, &fill);
             // Decode: the row alone, among 7, among 63 (same inputs for the shared rows; each
             // run stores the same keys and values at the same positions).
             let mine = layer.inputs(&mut rng, 1);
@@ -244,7 +191,7 @@ fn flash_attention_rows_are_bitwise_invariant() {
             for count in [1, 7, 63] {
                 let rows: Vec<(RowKind, usize, usize)> = (0..count).map(|s| (RowKind::Generate, s, 1)).collect();
                 let x = Inputs::concat(&[&mine, &others.tokens(0, count - 1, nq, nkv, hd)]);
-                let out = layer.run(&gpu, &mut cache, &layout(&seqs, &rows), &x);
+                let out = layer.run(&gpu, &mut cache, &layout_rows(&seqs, &rows), &x);
                 results.push((count, out[..nq * hd].to_vec()));
             }
             for (count, out) in &results[1..] {
@@ -252,10 +199,10 @@ fn flash_attention_rows_are_bitwise_invariant() {
             }
             // Verify rows of 4 tokens: alone, and beside a 150-token prefill.
             let verify = layer.inputs(&mut rng, 4);
-            let alone = layer.run(&gpu, &mut cache, &layout(&seqs, &[(RowKind::Generate, 0, 4)]), &verify);
+            let alone = layer.run(&gpu, &mut cache, &layout_rows(&seqs, &[(RowKind::Generate, 0, 4)]), &verify);
             let prefill = layer.inputs(&mut rng, 150);
             let rows = [(RowKind::Prefill, 5, 150), (RowKind::Generate, 0, 4)];
-            let beside = layer.run(&gpu, &mut cache, &layout(&seqs, &rows), &Inputs::concat(&[&prefill, &verify]));
+            let beside = layer.run(&gpu, &mut cache, &layout_rows(&seqs, &rows), &Inputs::concat(&[&prefill, &verify]));
             assert!(bitwise_equal(&alone, &beside[150 * nq * hd..]), "{what}: a verify row beside a prefill differs from the row alone");
         }
     }

@@ -14,13 +14,13 @@ mod common;
 mod cuda_support;
 
 use common::invariance::{run_invariance, Prefill};
+use common::conversation::humaneval_tokens;
 use common::{request, run_staggered};
 use cuda_support::*;
 use kestrel::backend::cpu::{CpuBackend, CpuCache};
 use kestrel::backend::cuda::CudaBackend;
 use kestrel::backend::sampling::SamplingParams;
-use kestrel::backend::shapes::LinearAttnShape;
-use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, KvDtype, RowKind, RowLayout};
+use kestrel::backend::{AttentionDims, Backend, KvDtype, RowKind};
 use kestrel::engine::request::SpecMethod;
 use kestrel::engine::{Engine, EngineConfig};
 use kestrel::model::arch::qwen35::Qwen35;
@@ -36,58 +36,6 @@ fn seed() -> u64 {
     let s = std::env::var("KESTREL_TEST_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
     eprintln!("seed {s}");
     s
-}
-
-/// One request of a cache test: its block table and next position.
-struct Seq {
-    table: Vec<u32>,
-    pos: usize,
-}
-
-/// Rows (kind, seq index, tokens) laid out one after another.
-fn layout(seqs: &[Seq], rows: &[(RowKind, usize, usize)]) -> BatchLayout {
-    let (mut start, mut snap) = (0, 0);
-    let mut out = BatchLayout::default();
-    for &(kind, s, n) in rows {
-        out.rows.push(RowLayout { kind, token_start: start, num_tokens: n, start_position: seqs[s].pos, block_table: seqs[s].table.clone(), state_slot: s, snapshot_base: snap });
-        start += n;
-        if kind == RowKind::Generate {
-            snap += n;
-        }
-    }
-    out
-}
-
-fn advance(seqs: &mut [Seq], rows: &[(RowKind, usize, usize)]) {
-    for &(_, s, n) in rows {
-        seqs[s].pos += n;
-    }
-}
-
-/// Three sequences with shuffled blocks of 16 positions.
-fn sequences(rng: &mut Rng, blocks_each: usize) -> Vec<Seq> {
-    let mut blocks: Vec<u32> = (0..(3 * blocks_each) as u32).collect();
-    for i in (1..blocks.len()).rev() {
-        blocks.swap(i, rng.below(i + 1));
-    }
-    (0..3).map(|i| Seq { table: blocks[i * blocks_each..(i + 1) * blocks_each].to_vec(), pos: 0 }).collect()
-}
-
-/// One attention layer's cache of `kv_dtype` (blocks of 16 positions) and no linear layers.
-fn attention_spec(kv_dtype: KvDtype, kv_heads: usize, head_dim: usize, num_blocks: usize) -> CacheSpec {
-    CacheSpec {
-        attention_layers: 1,
-        num_blocks,
-        block_size: 16,
-        kv_heads,
-        head_dim,
-        kv_dtype,
-        linear_layers: 0,
-        linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4, out_heads_tiled: false },
-        state_slots: 3,
-        snapshot_slots: 8,
-        checkpoint_slots: 0,
-    }
 }
 
 /// Random inputs of one attention step: q/gate projection, keys, values.
@@ -127,19 +75,6 @@ fn tolerance(dtype: KvDtype) -> f32 {
     }
 }
 
-/// Steps of a cache test: prefill rows from position 0, a prefill continuing at an unaligned
-/// position beside a verify row, generate rows of 1 and 2 tokens, then a plain decode step
-/// (every row one token: attn_decode).
-fn cache_steps() -> Vec<Vec<(RowKind, usize, usize)>> {
-    use RowKind::*;
-    vec![
-        vec![(Prefill, 0, 37), (Prefill, 1, 100)],
-        vec![(Prefill, 0, 40), (Generate, 1, 3), (Prefill, 2, 5)],
-        vec![(Generate, 0, 1), (Generate, 2, 2), (Generate, 1, 1)],
-        vec![(Generate, 1, 1), (Generate, 0, 1), (Generate, 2, 1)],
-    ]
-}
-
 /// The device's attention reads its own cache as the CPU reference reads that same cache, and
 /// stores what the CPU stores from the same inputs; in every format and head shape.
 #[test]
@@ -151,13 +86,13 @@ fn attention_matches_the_cpu_for_each_kv_dtype() {
         for (nq, nkv, hd, rot) in [(4, 2, 32, 8), (3, 1, 16, 4), (6, 3, 64, 16), (16, 4, 256, 64)] {
             let what = format!("{dtype} {nq}/{nkv}x{hd}");
             let dims = AttentionDims { num_heads: nq, num_kv_heads: nkv, head_dim: hd, rotary_dim: rot, rope_theta: 1e6, eps: 1e-6 };
-            let spec = attention_spec(dtype, nkv, hd, 30);
+            let spec = attention_spec(dtype, nkv, hd, 30, 3);
             let (mut gcache, mut ccache) = (gpu.alloc_cache(&spec).unwrap(), cpu.alloc_cache(&spec).unwrap());
             let (qn, kn): (Vec<f32>, Vec<f32>) = (rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect(), rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect());
             let (gqn, gkn) = (gpu.upload_vector(&qn).unwrap(), gpu.upload_vector(&kn).unwrap());
-            let mut seqs = sequences(&mut rng, 10);
+            let mut seqs = cache_sequences(&mut rng, 3, 10);
             for (step, rows) in cache_steps().iter().enumerate() {
-                let lay = layout(&seqs, rows);
+                let lay = layout_rows(&seqs, rows);
                 let t = lay.num_tokens();
                 let (qg, k, v) = step_inputs(&mut rng, t, nq, nkv, hd);
                 let got = gpu.to_host(&gpu.gated_attention(&gpu.from_host(&qg, t, nq * 2 * hd), &gpu.from_host(&k, t, nkv * hd), &gpu.from_host(&v, t, nkv * hd), &gqn, &gkn, &dims, &lay, &mut gcache, 0));
@@ -168,7 +103,7 @@ fn attention_matches_the_cpu_for_each_kv_dtype() {
                 let err = relative_error(&got, &want);
                 assert!(err < tolerance(dtype), "{what} step {step}: relative error {err}");
                 compare_stored(&format!("{what} step {step}"), &stored, &ccache);
-                advance(&mut seqs, rows);
+                advance_rows(&mut seqs, rows);
             }
         }
     }
@@ -188,12 +123,12 @@ fn attention_rows_are_bitwise_invariant_for_each_kv_dtype() {
         for (nq, nkv, hd) in [(4, 2, 64), (8, 2, 256)] {
             let what = format!("{dtype} {nq}/{nkv}x{hd}");
             let dims = AttentionDims { num_heads: nq, num_kv_heads: nkv, head_dim: hd, rotary_dim: 16, rope_theta: 1e6, eps: 1e-6 };
-            let mut gcache = gpu.alloc_cache(&attention_spec(dtype, nkv, hd, 3 * 90)).unwrap();
+            let mut gcache = gpu.alloc_cache(&attention_spec(dtype, nkv, hd, 3 * 90, 3)).unwrap();
             let (cqn, ckn): (Vec<f32>, Vec<f32>) = (rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect(), rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect());
             let (qn, kn) = (gpu.upload_vector(&cqn).unwrap(), gpu.upload_vector(&ckn).unwrap());
-            let mut seqs = sequences(&mut rng, 90);
-            let run = |cache: &mut kestrel::backend::cuda::CudaCache, seqs: &[Seq], rows: &[(RowKind, usize, usize)], qg: &[f32], k: &[f32], v: &[f32]| {
-                let lay = layout(seqs, rows);
+            let mut seqs = cache_sequences(&mut rng, 3, 90);
+            let run = |cache: &mut kestrel::backend::cuda::CudaCache, seqs: &[CacheSeq], rows: &[(RowKind, usize, usize)], qg: &[f32], k: &[f32], v: &[f32]| {
+                let lay = layout_rows(seqs, rows);
                 let t = lay.num_tokens();
                 gpu.to_host(&gpu.gated_attention(&gpu.from_host(qg, t, nq * 2 * hd), &gpu.from_host(k, t, nkv * hd), &gpu.from_host(v, t, nkv * hd), &qn, &kn, &dims, &lay, cache, 0))
             };
@@ -201,7 +136,7 @@ fn attention_rows_are_bitwise_invariant_for_each_kv_dtype() {
             for (s, n) in [(0, 1100), (1, 700)] {
                 let (qg, k, v) = step_inputs(&mut rng, n, nq, nkv, hd);
                 run(&mut gcache, &seqs, &[(RowKind::Prefill, s, n)], &qg, &k, &v);
-                advance(&mut seqs, &[(RowKind::Prefill, s, n)]);
+                advance_rows(&mut seqs, &[(RowKind::Prefill, s, n)]);
             }
             // The same query alone (split ranges, attn_decode) and beside 150 prefill tokens
             // (walked ranges, grouped heads, attn_prep and attn_core).
@@ -225,7 +160,7 @@ fn attention_rows_are_bitwise_invariant_for_each_kv_dtype() {
                 assert_eq!(alone.params[pr.clone()], crowd.params[pr], "{what}: the query's stored {plane} scale differs between the steps");
             }
             // And the device read that cache as the CPU does.
-            let lay = layout(&seqs, &[(RowKind::Generate, 0, 1)]);
+            let lay = layout_rows(&seqs, &[(RowKind::Generate, 0, 1)]);
             let want = cpu.to_host(&cpu.attention_over_cache(&cpu.from_host(&qg, 1, nq * 2 * hd), &cqn, &dims, &lay, &stored_alone, 0));
             let err = relative_error(&single, &want);
             assert!(err < tolerance(dtype), "{what}: decode attention over 1101 keys: relative error {err}");
@@ -238,9 +173,9 @@ fn attention_rows_are_bitwise_invariant_for_each_kv_dtype() {
 #[test]
 fn formats_without_kernels_are_refused_on_the_gpu() {
     let Some(gpu) = gpu() else { return };
-    let err = gpu.alloc_cache(&attention_spec(KvDtype::Tq3UniformValues, 2, 64, 4)).err().expect("refused").to_string();
+    let err = gpu.alloc_cache(&attention_spec(KvDtype::Tq3UniformValues, 2, 64, 4, 3)).err().expect("refused").to_string();
     assert!(err.contains("turboquant_3bit_nc") && err.contains("not available on the CUDA backend"), "{err}");
-    let err = gpu.alloc_cache(&attention_spec(KvDtype::Tq3, 2, 96, 4)).err().expect("refused").to_string();
+    let err = gpu.alloc_cache(&attention_spec(KvDtype::Tq3, 2, 96, 4, 3)).err().expect("refused").to_string();
     assert!(err.contains("head dimension 96"), "{err}");
 }
 
@@ -268,19 +203,10 @@ fn row_logits_are_batch_invariant_for_each_kv_dtype() {
     }
 }
 
-static HUMANEVAL: &str = include_str!("../data/humaneval/prompts.jsonl");
-
 /// HumanEval prompt tokens cut to `lengths` (the default model was trained on Python, so
 /// drafts are often right and every accepted length occurs).
 fn code_prompts(files: &ModelFiles, lengths: &[usize]) -> Vec<Vec<u32>> {
-    let mut all: Vec<u32> = Vec::new();
-    for line in HUMANEVAL.lines() {
-        let v: serde_json::Value = serde_json::from_str(line).expect("prompts.jsonl line");
-        all.extend(files.tokenizer.encode(v["prompt"].as_str().expect("prompt"), false).expect("tokenizes"));
-        if all.len() > 40_000 {
-            break;
-        }
-    }
+    let all = humaneval_tokens(&files.tokenizer);
     lengths.iter().enumerate().map(|(i, &n)| all[i * 131..i * 131 + n].to_vec()).collect()
 }
 

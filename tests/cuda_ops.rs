@@ -6,7 +6,7 @@ mod cuda_support;
 use cuda_support::*;
 use kestrel::backend::cpu::{CpuBackend, CpuCache};
 use kestrel::backend::cuda::CudaBackend;
-use kestrel::backend::{AttentionDims, Backend, BatchLayout, CacheSpec, GdnParams, KvDtype, MoeWeights, RowKind, RowLayout, StateCommit};
+use kestrel::backend::{AttentionDims, Backend, CacheSpec, GdnParams, KvDtype, MoeWeights, RowKind, StateCommit};
 use kestrel::backend::shapes::{LinearAttnShape, MoeShape};
 use kestrel::backend::weight_bytes::MatrixBytes;
 use kestrel::model::weights::Dtype;
@@ -196,75 +196,6 @@ fn row_ops_match_cpu() {
     }
 }
 
-/// One request of a cache test: its block table, state slot and next position.
-struct Seq {
-    table: Vec<u32>,
-    slot: usize,
-    pos: usize,
-}
-
-fn row(kind: RowKind, seq: &Seq, token_start: usize, n: usize, snapshot_base: usize) -> RowLayout {
-    RowLayout { kind, token_start, num_tokens: n, start_position: seq.pos, block_table: seq.table.clone(), state_slot: seq.slot, snapshot_base }
-}
-
-/// Rows (kind, seq index, tokens) laid out one after another; snapshot bases in order.
-fn layout(seqs: &[Seq], rows: &[(RowKind, usize, usize)]) -> BatchLayout {
-    let (mut start, mut snap) = (0, 0);
-    let mut out = BatchLayout::default();
-    for &(kind, s, n) in rows {
-        out.rows.push(row(kind, &seqs[s], start, n, snap));
-        start += n;
-        if kind == RowKind::Generate {
-            snap += n;
-        }
-    }
-    out
-}
-
-fn advance(seqs: &mut [Seq], rows: &[(RowKind, usize, usize)]) {
-    for &(_, s, n) in rows {
-        seqs[s].pos += n;
-    }
-}
-
-/// Three sequences with shuffled blocks of 16 positions.
-fn sequences(rng: &mut Rng, blocks_each: usize) -> Vec<Seq> {
-    let mut blocks: Vec<u32> = (0..(3 * blocks_each) as u32).collect();
-    for i in (1..blocks.len()).rev() {
-        blocks.swap(i, rng.below(i + 1));
-    }
-    (0..3).map(|i| Seq { table: blocks[i * blocks_each..(i + 1) * blocks_each].to_vec(), slot: i, pos: 0 }).collect()
-}
-
-/// Steps of a cache test: prefill rows from position 0, a prefill continuing at an unaligned
-/// position, generate rows of 1 and 3 tokens, then a plain decode step (every row one token).
-fn cache_steps() -> Vec<Vec<(RowKind, usize, usize)>> {
-    use RowKind::*;
-    vec![
-        vec![(Prefill, 0, 37), (Prefill, 1, 100)],
-        vec![(Prefill, 0, 40), (Generate, 1, 3), (Prefill, 2, 5)],
-        vec![(Generate, 0, 1), (Generate, 2, 2), (Generate, 1, 1)],
-        vec![(Generate, 1, 1), (Generate, 0, 1), (Generate, 2, 1)],
-    ]
-}
-
-/// One attention layer's cache (blocks of 16 positions) and no linear layers.
-fn attention_spec(kv_heads: usize, head_dim: usize, num_blocks: usize) -> CacheSpec {
-    CacheSpec {
-        attention_layers: 1,
-        num_blocks,
-        block_size: 16,
-        kv_heads,
-        head_dim,
-        kv_dtype: KvDtype::F32,
-        linear_layers: 0,
-        linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4, out_heads_tiled: false },
-        state_slots: 3,
-        snapshot_slots: 8,
-        checkpoint_slots: 0,
-    }
-}
-
 fn linear_spec(l: LinearAttnShape) -> CacheSpec {
     CacheSpec { attention_layers: 0, num_blocks: 1, block_size: 16, kv_heads: 1, head_dim: 1, kv_dtype: KvDtype::F32, linear_layers: 1, linear: l, state_slots: 3, snapshot_slots: 8, checkpoint_slots: 0 }
 }
@@ -276,14 +207,14 @@ fn gated_attention_matches_cpu() {
     let mut rng = Rng::new(seed());
     for (nq, nkv, hd, rot) in [(4, 2, 32, 8), (3, 1, 16, 4), (6, 3, 64, 16), (16, 4, 256, 64)] {
         let dims = AttentionDims { num_heads: nq, num_kv_heads: nkv, head_dim: hd, rotary_dim: rot, rope_theta: 1e6, eps: 1e-6 };
-        let spec = attention_spec(nkv, hd, 30);
+        let spec = attention_spec(KvDtype::F32, nkv, hd, 30, 3);
         let mut gcache = gpu.alloc_cache(&spec).unwrap();
         let mut ccache = cpu.alloc_cache(&spec).unwrap();
         let (qn, kn) = (rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect::<Vec<_>>(), rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect::<Vec<_>>());
         let (gqn, gkn) = (gpu.upload_vector(&qn).unwrap(), gpu.upload_vector(&kn).unwrap());
-        let mut seqs = sequences(&mut rng, 10);
+        let mut seqs = cache_sequences(&mut rng, 3, 10);
         for (step, rows) in cache_steps().iter().enumerate() {
-            let lay = layout(&seqs, rows);
+            let lay = layout_rows(&seqs, rows);
             let t = lay.num_tokens();
             let qg = rng.vec(t * nq * 2 * hd, 2.0);
             let k = rng.vec(t * nkv * hd, 2.0);
@@ -292,7 +223,7 @@ fn gated_attention_matches_cpu() {
             let want = cpu.gated_attention(&cpu.from_host(&qg, t, nq * 2 * hd), &cpu.from_host(&k, t, nkv * hd), &cpu.from_host(&v, t, nkv * hd), &qn, &kn, &dims, &lay, &mut ccache, 0);
             let err = relative_error(&gpu.to_host(&got), &cpu.to_host(&want));
             assert!(err < 1e-4, "attention {nq}/{nkv}x{hd} step {step}: relative error {err}");
-            advance(&mut seqs, rows);
+            advance_rows(&mut seqs, rows);
         }
         let host = gpu.cache_to_host(&gcache);
         assert!(relative_error(&host.kv.keys(0), &ccache.kv.keys(0)) < 1e-5, "attention {nq}/{nkv}x{hd}: K cache differs");
@@ -313,13 +244,13 @@ fn attention_ranges_merge_the_same_in_split_and_walked_blocks() {
     let mut rng = Rng::new(seed());
     let (nq, nkv, hd) = (4, 2, 64);
     let dims = AttentionDims { num_heads: nq, num_kv_heads: nkv, head_dim: hd, rotary_dim: 16, rope_theta: 1e6, eps: 1e-6 };
-    let spec = attention_spec(nkv, hd, 3 * 90);
+    let spec = attention_spec(KvDtype::F32, nkv, hd, 3 * 90, 3);
     let (mut gcache, mut ccache) = (gpu.alloc_cache(&spec).unwrap(), cpu.alloc_cache(&spec).unwrap());
     let (cqn, ckn): (Vec<f32>, Vec<f32>) = (rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect(), rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect());
     let (qn, kn) = (gpu.upload_vector(&cqn).unwrap(), gpu.upload_vector(&ckn).unwrap());
-    let mut seqs = sequences(&mut rng, 90);
-    let mut run = |seqs: &[Seq], rows: &[(RowKind, usize, usize)], rng: &mut Rng, check_cpu: bool| {
-        let lay = layout(seqs, rows);
+    let mut seqs = cache_sequences(&mut rng, 3, 90);
+    let mut run = |seqs: &[CacheSeq], rows: &[(RowKind, usize, usize)], rng: &mut Rng, check_cpu: bool| {
+        let lay = layout_rows(seqs, rows);
         let t = lay.num_tokens();
         let (qg, k, v) = (rng.vec(t * nq * 2 * hd, 2.0), rng.vec(t * nkv * hd, 2.0), rng.vec(t * nkv * hd, 1.0));
         let got = gpu.to_host(&gpu.gated_attention(&gpu.from_host(&qg, t, nq * 2 * hd), &gpu.from_host(&k, t, nkv * hd), &gpu.from_host(&v, t, nkv * hd), &qn, &kn, &dims, &lay, &mut gcache, 0));
@@ -333,16 +264,16 @@ fn attention_ranges_merge_the_same_in_split_and_walked_blocks() {
     // Contexts of 1100+ keys: six ranges of 192 keys.
     for (s, n) in [(0, 1100), (1, 700)] {
         run(&seqs, &[(RowKind::Prefill, s, n)], &mut rng, true);
-        advance(&mut seqs, &[(RowKind::Prefill, s, n)]);
+        advance_rows(&mut seqs, &[(RowKind::Prefill, s, n)]);
     }
     // The same query alone (split ranges) and beside 150 prefill tokens (walked ranges).
     let alone = [(RowKind::Generate, 0, 1)];
-    let lay = layout(&seqs, &alone);
+    let lay = layout_rows(&seqs, &alone);
     let (qg, k, v) = (rng.vec(nq * 2 * hd, 2.0), rng.vec(nkv * hd, 2.0), rng.vec(nkv * hd, 1.0));
     let single = gpu.to_host(&gpu.gated_attention(&gpu.from_host(&qg, 1, nq * 2 * hd), &gpu.from_host(&k, 1, nkv * hd), &gpu.from_host(&v, 1, nkv * hd), &qn, &kn, &dims, &lay, &mut gcache, 0));
     let cached_alone = gpu.cache_to_host(&gcache);
     let crowd = [(RowKind::Generate, 0, 1), (RowKind::Prefill, 1, 150)];
-    let lay = layout(&seqs, &crowd);
+    let lay = layout_rows(&seqs, &crowd);
     let t = lay.num_tokens();
     let mut qg_all = qg.clone();
     qg_all.extend(rng.vec((t - 1) * nq * 2 * hd, 2.0));
@@ -359,7 +290,7 @@ fn attention_ranges_merge_the_same_in_split_and_walked_blocks() {
     for (what, alone, crowd) in [("key", &cached_alone.kv.keys(0), &cached_crowd.kv.keys(0)), ("value", &cached_alone.kv.values(0), &cached_crowd.kv.values(0))] {
         assert!(bitwise_equal(&alone[slot..slot + nkv * hd], &crowd[slot..slot + nkv * hd]), "the query's cached {what} differs between a 1-token and a {t}-token step");
     }
-    let want = cpu.gated_attention(&cpu.from_host(&qg, 1, nq * 2 * hd), &cpu.from_host(&k, 1, nkv * hd), &cpu.from_host(&v, 1, nkv * hd), &cqn, &ckn, &dims, &layout(&seqs, &alone), &mut ccache, 0);
+    let want = cpu.gated_attention(&cpu.from_host(&qg, 1, nq * 2 * hd), &cpu.from_host(&k, 1, nkv * hd), &cpu.from_host(&v, 1, nkv * hd), &cqn, &ckn, &dims, &layout_rows(&seqs, &alone), &mut ccache, 0);
     let err = relative_error(&single, &cpu.to_host(&want));
     assert!(err < 1e-4, "decode attention over 1101 keys: relative error {err}");
 }
@@ -395,7 +326,7 @@ fn gated_delta_net_matches_cpu() {
             dt_bias: gpu.upload_vector(&dt_bias).unwrap(),
             norm_weight: gpu.upload_vector(&norm_w).unwrap(),
         };
-        let mut seqs = sequences(&mut rng, 10);
+        let mut seqs = cache_sequences(&mut rng, 3, 10);
         for (step, rows) in cache_steps().iter().enumerate() {
             if step == 2 {
                 // Accept the second of sequence 1's three generated tokens; start over on slot 2.
@@ -411,7 +342,7 @@ fn gated_delta_net_matches_cpu() {
                 seqs[1].pos -= 1;
                 seqs[2].pos = 0;
             }
-            let lay = layout(&seqs, rows);
+            let lay = layout_rows(&seqs, rows);
             let t = lay.num_tokens();
             let mixed = rng.vec(t * cfg.conv_dim(), 1.0);
             let z = rng.vec(t * cfg.value_dim(), 2.0);
@@ -428,7 +359,7 @@ fn gated_delta_net_matches_cpu() {
             let err = relative_error(&gpu.to_host(&got), &cpu.to_host(&want));
             assert!(err < 1e-3, "{what} step {step}: relative error {err}");
             compare_linear_caches(&format!("{what} step {step}"), &gpu.cache_to_host(&gcache), &ccache);
-            advance(&mut seqs, rows);
+            advance_rows(&mut seqs, rows);
         }
     }
 }

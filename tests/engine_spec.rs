@@ -71,12 +71,8 @@ fn references(ps: &[Vec<u32>], kind: usize) -> Vec<Vec<u32>> {
     ps.iter().enumerate().map(|(i, p)| generate_alone(None, p, max_tokens(i), sampling(kind, i))).collect()
 }
 
-fn run_mixed(ps: &[Vec<u32>], max_batch: usize, k: usize, method: SpecMethod, kind: usize, num_blocks: Option<usize>) -> (Vec<Vec<u32>>, Engine<kestrel::backend::cpu::CpuBackend>) {
+fn run_mixed(ps: &[Vec<u32>], cfg: EngineConfig, kind: usize) -> (Vec<Vec<u32>>, Engine<kestrel::backend::cpu::CpuBackend>) {
     let (_, model) = default_model();
-    let mut cfg = config(max_batch, k, method);
-    if let Some(n) = num_blocks {
-        cfg.num_blocks = n;
-    }
     let mut e = engine(model, cfg);
     let reqs = ps.iter().enumerate().map(|(i, p)| request(p, max_tokens(i), sampling(kind, i), None)).collect();
     let arrivals: Vec<usize> = (0..ps.len()).map(|i| i * 2).collect();
@@ -92,7 +88,7 @@ fn speculation_is_bitwise_equal_to_none_for_every_batch_and_k() {
             let mut accepted = 0;
             for k in [1, 3, 8, 64] {
                 for max_batch in [1, 3, 8, 16] {
-                    let (got, e) = run_mixed(&ps, max_batch, k, method, kind, None);
+                    let (got, e) = run_mixed(&ps, config(max_batch, k, method), kind);
                     for (i, (g, r)) in got.iter().zip(&refs).enumerate() {
                         assert_eq!(g, r, "request {i} differs: {method:?} k={k} batch={max_batch} sampling={kind}");
                     }
@@ -114,7 +110,7 @@ fn speculation_is_bitwise_equal_under_preemption() {
         let refs = references(&ps, kind);
         for method in [SpecMethod::Ngram, SpecMethod::Mtp] {
             // 30 blocks of 16 tokens cannot hold many of these requests at once.
-            let (got, e) = run_mixed(&ps, 8, 8, method, kind, Some(30));
+            let (got, e) = run_mixed(&ps, EngineConfig { num_blocks: 30, ..config(8, 8, method) }, kind);
             assert!(e.preemptions() > 0, "the pool was meant to force preemption");
             eprintln!("preemption {method:?} sampling={kind}: {} preemptions, {} accepted", e.preemptions(), e.stats.spec.accepted);
             assert!(e.stats.spec.accepted > 0, "no draft accepted: rollback went untested");
@@ -131,11 +127,7 @@ fn the_backoff_changes_drafts_never_text() {
     for kind in [0, 1] {
         let refs = references(&ps, kind);
         for method in [SpecMethod::Ngram, SpecMethod::Mtp] {
-            let (_, model) = default_model();
-            let mut e = engine(model, EngineConfig { spec_backoff: true, ..config(8, 8, method) });
-            let reqs = ps.iter().enumerate().map(|(i, p)| request(p, max_tokens(i), sampling(kind, i), None)).collect();
-            let arrivals: Vec<usize> = (0..ps.len()).map(|i| i * 2).collect();
-            let got = run_staggered(&mut e, reqs, &arrivals);
+            let (got, e) = run_mixed(&ps, EngineConfig { spec_backoff: true, ..config(8, 8, method) }, kind);
             assert_eq!(got, refs, "{method:?} sampling={kind} with the back-off");
             // Every smaller k is tried once after the first measured step, whatever the timings.
             assert!(e.stats.backed_off_steps > 0, "{method:?}: the back-off never offered fewer drafts");

@@ -331,14 +331,14 @@ impl<B: Backend> Engine<B> {
             return events;
         }
         let started = Instant::now();
-        let (out, mut masks) = self.forward_with_masks(&plan);
+        let (out, masks) = self.forward_with_masks(&plan);
         // Invariant 2: a padded step comes back cut to the plan's real rows.
         assert_eq!(self.backend.shape(&out.logits).0, plan.logit_rows.len(), "the forward returned logits of rows the plan does not have");
         assert_eq!(self.backend.shape(&out.hidden).0, plan.num_tokens(), "the forward returned hidden states of tokens the plan does not have");
         let draws = self.row_sampling(&plan);
         let host_rows: Vec<bool> = draws.iter().map(|d| d.on_host).collect();
         let (sampled, host_logits) = self.draw_rows(&out.logits, draws, &host_rows);
-        let mut host_draws = self.draw_on_host(&plan, &host_rows, &host_logits, &mut masks);
+        let mut host_draws = self.draw_on_host(&plan, &host_rows, &host_logits, masks);
         if let Some(backoff) = self.backoff.as_mut().filter(|_| plan.rows.iter().all(|r| r.kind == RowKind::Generate)) {
             backoff.record_forward(plan.num_tokens(), started.elapsed().as_secs_f64());
         }
@@ -467,7 +467,7 @@ impl<B: Backend> Engine<B> {
     /// The step's forward, and meanwhile on another thread the grammar masks of the rows that
     /// have a grammar (they depend only on committed tokens and drafts), by request.
     fn forward_with_masks(&mut self, plan: &StepPlan) -> (ForwardOutput<B>, HashMap<RequestId, Vec<TokenMask>>) {
-        let constrained: Vec<(RequestId, Vec<u32>)> = plan
+        let constrained: HashMap<RequestId, Vec<u32>> = plan
             .rows
             .iter()
             .filter(|r| r.logits_start.is_some())
@@ -485,7 +485,6 @@ impl<B: Backend> Engine<B> {
             // Each sequence's grammar is its own matcher: their masks are computed in parallel
             // (on the global pool), and all of them while the forward runs.
             let masks = scope.spawn(move || {
-                let constrained: HashMap<RequestId, Vec<u32>> = constrained.into_iter().collect();
                 seqs.par_iter_mut().filter_map(|seq| constrained.get(&seq.id).map(|drafts| (seq.id, seq.logits.masks(drafts)))).collect::<HashMap<_, _>>()
             });
             let (out, shapes) = forward(model, backend, cache, graphs, plan, block_size);
@@ -527,7 +526,7 @@ impl<B: Backend> Engine<B> {
     /// Draws the rows of `plan` whose logits came to the host (`host_logits`, by logits row),
     /// each request's rows with its own masks, the requests in parallel: a draw depends only on
     /// the row's logits, drafts and position, so the order they run in changes nothing.
-    fn draw_on_host(&mut self, plan: &StepPlan, host_rows: &[bool], host_logits: &HashMap<usize, Vec<f32>>, masks: &mut HashMap<RequestId, Vec<TokenMask>>) -> HashMap<RequestId, (VerifyOutcome, Vec<TokenLogprob>)> {
+    fn draw_on_host(&mut self, plan: &StepPlan, host_rows: &[bool], host_logits: &HashMap<usize, Vec<f32>>, mut masks: HashMap<RequestId, Vec<TokenMask>>) -> HashMap<RequestId, (VerifyOutcome, Vec<TokenLogprob>)> {
         let vocab = self.model.config.vocab_size;
         let work: HashMap<RequestId, (&PlannedRow, usize, Vec<TokenMask>)> = plan
             .rows

@@ -5,6 +5,7 @@ pub mod config;
 pub mod default_model;
 pub mod dummy;
 pub mod generation_config;
+pub mod perplexity;
 pub mod gguf;
 pub mod weights;
 

@@ -116,6 +116,11 @@ pub fn humaneval_messages(tokenizer: &kestrel::tokenizer::Tokenizer, first: usiz
         .collect()
 }
 
+/// Every HumanEval prompt's tokens, one prompt after another.
+pub fn humaneval_tokens(tokenizer: &kestrel::tokenizer::Tokenizer) -> Vec<u32> {
+    humaneval_messages(tokenizer, 0, usize::MAX, usize::MAX).concat()
+}
+
 /// Prompts that begin with `prefix` (a system prompt, say) and end with each of `tails`.
 pub fn with_prefix(prefix: &[u32], tails: Vec<Vec<u32>>) -> Vec<Vec<u32>> {
     tails.into_iter().map(|tail| [prefix, &tail[..]].concat()).collect()

@@ -32,8 +32,20 @@ fn i64s(t: &safetensors::tensor::TensorView) -> Vec<u32> {
     t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
 }
 
+/// transformers' f32 forward of fixture `name` (scripts/make_fixtures.py).
 pub fn reference(name: &str) -> Reference {
-    let bytes = std::fs::read(fixture_dir(name).join("reference.safetensors")).expect("reference.safetensors");
+    reference_file(name, "reference.safetensors")
+}
+
+/// transformers' forward of fixture `name` under the precision contract of the GPU and the
+/// default CPU backend: every linear layer's input rounded to bf16, all else f32
+/// (scripts/make_bf16_activation_references.py).
+pub fn reference_bf16_activations(name: &str) -> Reference {
+    reference_file(name, "reference-bf16-activations.safetensors")
+}
+
+fn reference_file(name: &str, file: &str) -> Reference {
+    let bytes = std::fs::read(fixture_dir(name).join(file)).unwrap_or_else(|e| panic!("{name}/{file}: {e}"));
     let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid reference file");
     let logits = st.tensor("logits").unwrap().data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
     Reference { prompt_ids: i64s(&st.tensor("prompt_ids").unwrap()), logits, greedy_ids: i64s(&st.tensor("greedy_ids").unwrap()) }
@@ -97,6 +109,13 @@ pub fn generate_alone(model_dir: Option<&Path>, prompt: &[u32], max_tokens: usiz
         None => default_model(),
     };
     let mut e = engine(model, EngineConfig { max_num_seqs: 1, ..EngineConfig::default() });
+    run_staggered(&mut e, vec![request(prompt, max_tokens, params, Some(SpecMethod::None))], &[0]).remove(0)
+}
+
+/// [`generate_alone`] on the default CPU backend (bf16 linear inputs, as the GPU computes).
+pub fn generate_alone_bf16_activations(model_dir: &Path, prompt: &[u32], max_tokens: usize, params: SamplingParams) -> Vec<u32> {
+    let (_, model) = load_model(model_dir);
+    let mut e = Engine::new(CpuBackend::new(), model, EngineConfig { max_num_seqs: 1, ..EngineConfig::default() }).expect("engine starts");
     run_staggered(&mut e, vec![request(prompt, max_tokens, params, Some(SpecMethod::None))], &[0]).remove(0)
 }
 

@@ -2,6 +2,8 @@
 #![allow(dead_code)]
 
 use kestrel::backend::cuda::{probe, CudaBackend, CudaInitError};
+use kestrel::backend::shapes::LinearAttnShape;
+use kestrel::backend::{BatchLayout, CacheSpec, KvDtype, RowKind, RowLayout};
 use kestrel::backend::weight_bytes::{MatrixBytes, SharedBytes};
 use kestrel::model::weights::Dtype;
 
@@ -74,4 +76,78 @@ pub fn random_matrix(rng: &mut Rng, rows: usize, cols: usize, dtype: Dtype) -> M
         }
         _ => MatrixBytes::from_f32(values, rows, cols),
     }
+}
+
+/// One request of a cache test: its block table, state slot and next position.
+#[derive(Clone)]
+pub struct CacheSeq {
+    pub table: Vec<u32>,
+    pub slot: usize,
+    pub pos: usize,
+}
+
+/// `n` sequences of `blocks_each` shuffled blocks each, sequence i in state slot i.
+pub fn cache_sequences(rng: &mut Rng, n: usize, blocks_each: usize) -> Vec<CacheSeq> {
+    let mut blocks: Vec<u32> = (0..(n * blocks_each) as u32).collect();
+    for i in (1..blocks.len()).rev() {
+        blocks.swap(i, rng.below(i + 1));
+    }
+    (0..n).map(|i| CacheSeq { table: blocks[i * blocks_each..(i + 1) * blocks_each].to_vec(), slot: i, pos: 0 }).collect()
+}
+
+/// The layout of one row of `seq`.
+pub fn cache_row(kind: RowKind, seq: &CacheSeq, token_start: usize, n: usize, snapshot_base: usize) -> RowLayout {
+    RowLayout { kind, token_start, num_tokens: n, start_position: seq.pos, block_table: seq.table.clone(), state_slot: seq.slot, snapshot_base }
+}
+
+/// Rows (kind, sequence index, tokens) laid out one after another; snapshot bases in order.
+pub fn layout_rows(seqs: &[CacheSeq], rows: &[(RowKind, usize, usize)]) -> BatchLayout {
+    let (mut start, mut snap) = (0, 0);
+    let mut out = BatchLayout::default();
+    for &(kind, s, n) in rows {
+        out.rows.push(cache_row(kind, &seqs[s], start, n, snap));
+        start += n;
+        if kind == RowKind::Generate {
+            snap += n;
+        }
+    }
+    out
+}
+
+/// Moves each row's sequence past its tokens.
+pub fn advance_rows(seqs: &mut [CacheSeq], rows: &[(RowKind, usize, usize)]) {
+    for &(_, s, n) in rows {
+        seqs[s].pos += n;
+    }
+}
+
+/// One attention layer's cache of `kv_dtype` (blocks of 16 positions) for `sequences`
+/// sequences, and no linear layers.
+pub fn attention_spec(kv_dtype: KvDtype, kv_heads: usize, head_dim: usize, num_blocks: usize, sequences: usize) -> CacheSpec {
+    CacheSpec {
+        attention_layers: 1,
+        num_blocks,
+        block_size: 16,
+        kv_heads,
+        head_dim,
+        kv_dtype,
+        linear_layers: 0,
+        linear: LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4, out_heads_tiled: false },
+        state_slots: sequences,
+        snapshot_slots: 8,
+        checkpoint_slots: 0,
+    }
+}
+
+/// Steps of a cache test over three sequences: prefill rows from position 0, a prefill
+/// continuing at an unaligned position beside a verify row, generate rows of 1 and 2 tokens,
+/// then a plain decode step (every row one token).
+pub fn cache_steps() -> Vec<Vec<(RowKind, usize, usize)>> {
+    use RowKind::*;
+    vec![
+        vec![(Prefill, 0, 37), (Prefill, 1, 100)],
+        vec![(Prefill, 0, 40), (Generate, 1, 3), (Prefill, 2, 5)],
+        vec![(Generate, 0, 1), (Generate, 2, 2), (Generate, 1, 1)],
+        vec![(Generate, 1, 1), (Generate, 0, 1), (Generate, 2, 1)],
+    ]
 }

@@ -10,7 +10,9 @@
 //! at 32 sequences a verify step can cost more than its accepted drafts save, and k drops, to
 //! 0 where nothing pays. A cost not yet measured is taken as that of the nearest smaller
 //! bucket measured (optimistic), so every choice is tried once; a cost measured long ago is
-//! treated as unmeasured again, so a choice abandoned under other conditions gets retried.
+//! treated as unmeasured again, so a choice abandoned under other conditions gets retried, and
+//! while backed off one step in EXPLORE_EVERY offers every draft, so acceptance keeps being
+//! measured.
 //!
 //! Drafting never changes a request's tokens (DESIGN Invariant 3): the back-off changes speed,
 //! never text.
@@ -22,8 +24,13 @@ use std::collections::HashMap;
 const EWMA_WEIGHT: f64 = 0.2;
 /// Steps after which a measured cost counts as unmeasured again.
 const STALE_STEPS: u64 = 512;
-/// How much each acceptance observation decays the older ones (a memory of ~200 rows).
-const ACCEPTANCE_DECAY: f64 = 0.995;
+/// How much each acceptance observation decays the older ones (a memory of ~50 rows, so that
+/// one full offer to a batch of rows outweighs what was learnt long before).
+const ACCEPTANCE_DECAY: f64 = 0.98;
+/// While backed off, every this many choices offers all k drafts once: what drafts are worth
+/// is only learnt by verifying them (a request's first tokens give an ngram drafter little to
+/// match, and an estimate taken then would otherwise stand for the rest of the run).
+const EXPLORE_EVERY: u64 = 32;
 
 /// A running average and the step it was last updated at.
 #[derive(Debug, Clone, Copy)]
@@ -91,6 +98,10 @@ pub struct SpecBackoff {
     mtp: Acceptance,
     /// Steps that verified fewer drafts per row than the configured k.
     pub backed_off_steps: u64,
+    /// Print the estimates of every 25th choice to stderr (KESTREL_SPEC_BACKOFF_TRACE=1).
+    trace: bool,
+    /// Choices made (with speculating rows).
+    choices: u64,
 }
 
 /// The bucket a step of `tokens` tokens is timed under: 1, 2, 4, 8, then steps of a half
@@ -109,7 +120,8 @@ pub fn token_bucket(tokens: usize) -> usize {
 
 impl SpecBackoff {
     pub fn new(max_k: usize) -> Self {
-        SpecBackoff { max_k, step: 0, forward: HashMap::new(), mtp_drafting: HashMap::new(), ngram: Acceptance::default(), mtp: Acceptance::default(), backed_off_steps: 0 }
+        let trace = std::env::var("KESTREL_SPEC_BACKOFF_TRACE").is_ok_and(|v| v == "1");
+        SpecBackoff { max_k, step: 0, forward: HashMap::new(), mtp_drafting: HashMap::new(), ngram: Acceptance::default(), mtp: Acceptance::default(), backed_off_steps: 0, trace, choices: 0 }
     }
 
     /// A generate-only step of `tokens` tokens took `seconds` (forward and draws).
@@ -139,6 +151,7 @@ impl SpecBackoff {
             return self.max_k;
         }
         let mut best = (0, f64::MIN);
+        let mut trace = String::new();
         for k in 0..=self.max_k {
             let (tokens, emitted) = self.expected(rows, k);
             let mut seconds = self.cost(&self.forward, token_bucket(tokens.ceil() as usize));
@@ -146,12 +159,22 @@ impl SpecBackoff {
                 seconds += self.cost(&self.mtp_drafting, k);
             }
             let rate = if seconds > 0.0 { emitted / seconds } else { f64::MAX };
+            if self.trace {
+                trace.push_str(&format!(" k{k}: {tokens:.1} tok {:.3} ms {emitted:.1} out", seconds * 1e3));
+            }
             if rate >= best.1 {
                 best = (k, rate);
             }
         }
+        self.choices += 1;
+        if best.0 < self.max_k && self.choices.is_multiple_of(EXPLORE_EVERY) {
+            best.0 = self.max_k;
+        }
         if best.0 < self.max_k {
             self.backed_off_steps += 1;
+        }
+        if self.trace && self.step % 25 == 0 {
+            eprintln!("spec back-off step {} rows {rows:?}:{trace} -> k {}", self.step, best.0);
         }
         best.0
     }
@@ -243,8 +266,11 @@ mod tests {
         let mut b = SpecBackoff::new(4);
         let chosen = run(&mut b, 32, &GEOMETRIC, |t| t as f64 * 1e-5, 60);
         assert!(chosen[..10].contains(&4), "k = 4 was never tried: {chosen:?}");
-        assert!(chosen[20..].iter().all(|&k| k == 0), "{chosen:?}");
-        assert!(b.backed_off_steps >= 40);
+        // Backed off, but every EXPLORE_EVERY-th choice offers every draft again.
+        for (i, &k) in chosen.iter().enumerate().skip(20) {
+            assert_eq!(k, if (i as u64 + 1).is_multiple_of(EXPLORE_EVERY) { 4 } else { 0 }, "{chosen:?}");
+        }
+        assert!(b.backed_off_steps >= 38);
     }
 
     #[test]
@@ -258,7 +284,7 @@ mod tests {
         // 1/4, 1.5/5, 1.75/6, 1.875/7 tokens per unit: k = 1.
         let mut b = SpecBackoff::new(8);
         let chosen = run(&mut b, 16, &GEOMETRIC, |t| 3e-4 * 16.0 + t as f64 * 1e-4, 80);
-        assert!(chosen[60..].iter().all(|&k| k == 1), "{chosen:?}");
+        assert!(chosen[60..].iter().enumerate().all(|(i, &k)| k == 1 || (i as u64 + 61).is_multiple_of(EXPLORE_EVERY)), "{chosen:?}");
     }
 
     #[test]
@@ -266,6 +292,7 @@ mod tests {
         let mut b = SpecBackoff::new(2);
         run(&mut b, 32, &GEOMETRIC, |t| t as f64 * 1e-5, 40);
         assert_eq!(b.choose(rows(32)), 0);
+        assert_eq!(b.choices, 41);
         // Long after, verification became free (fewer tokens to the step, say): a stale large
         // bucket is retried and kept.
         for _ in 0..STALE_STEPS {
@@ -288,7 +315,31 @@ mod tests {
             b.record_row(SpecMethod::Mtp, k, k, k / 2);
             b.record_forward(2 + k, 1e-3);
         }
-        assert!(chosen[20..].iter().all(|&k| k == 0), "{chosen:?}");
+        assert!(chosen[20..].iter().enumerate().all(|(i, &k)| k == 0 || (i as u64 + 21).is_multiple_of(EXPLORE_EVERY)), "{chosen:?}");
+    }
+
+    #[test]
+    fn a_stale_acceptance_estimate_is_refreshed() {
+        // The first rows find nothing to draft (a request's first tokens), so k = 0 wins;
+        // later every draft would be accepted. The periodic full offer learns that.
+        let mut b = SpecBackoff::new(4);
+        let mut chosen = Vec::new();
+        for s in 0..200 {
+            let k = b.choose(rows(8));
+            chosen.push(k);
+            // Early rows draft one token (rejected), later ones k (all accepted).
+            let (drafted, accepted) = if s < 40 { (k.min(1), 0) } else { (k, k) };
+            for _ in 0..8 {
+                b.record_row(SpecMethod::Ngram, k, drafted, accepted);
+            }
+            // A verify step costs 1.6 units however many drafts it carries, a plain one 1.
+            let tokens = 8 + 8 * drafted;
+            b.record_forward(tokens, if tokens > 8 { 1.6e-3 } else { 1e-3 });
+        }
+        assert!(chosen[2..31].iter().all(|&k| k == 0), "{chosen:?}");
+        // The full offer of choice 64 (after the drafts became good) is what turns it round.
+        assert!(chosen[40..63].iter().all(|&k| k == 0), "{chosen:?}");
+        assert!(chosen[63..].iter().all(|&k| k == 4), "{chosen:?}");
     }
 
     #[test]
