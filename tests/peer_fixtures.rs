@@ -10,9 +10,10 @@
 
 mod common;
 
-use common::{default_model, prefill_logits};
+use common::{default_model, prefill_logits_on};
 use indicatif::ProgressBar;
 use kestrel::backend::cpu::CpuBackend;
+use kestrel::backend::KvDtype;
 use kestrel::model::arch::qwen35::Qwen35;
 use kestrel::model::weights::gguf::{GgufFile, GgufValue, GgufWriter};
 use kestrel::model::ModelFiles;
@@ -129,7 +130,8 @@ fn second_half_scoring_is_llama_perplexity_s_choice() {
     let vocab = model.config.vocab_size;
     let (mut total, mut count) = (0.0f64, 0usize);
     for window in ids.chunks_exact(context) {
-        let logits = prefill_logits(&model, window, context);
+        // The CLI's backend: linear inputs rounded to bf16, as on the GPU.
+        let logits = prefill_logits_on(&CpuBackend::new(), &model, window, context, KvDtype::F32);
         for p in context / 2..context - 1 {
             total += nll(&logits[p * vocab..][..vocab], window[p + 1]);
             count += 1;
@@ -195,7 +197,7 @@ fn second_half_scoring_starts_each_window_with_bos_where_the_tokenizer_adds_one(
             if let Some(bos) = bos {
                 window[0] = bos;
             }
-            let logits = prefill_logits(&model, &window, context);
+            let logits = prefill_logits_on(&CpuBackend::new(), &model, &window, context, KvDtype::F32);
             for p in context / 2..context - 1 {
                 total += nll(&logits[p * model.config.vocab_size..][..model.config.vocab_size], window[p + 1]);
                 count += 1;
