@@ -15,6 +15,7 @@ use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
 use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
+use crate::backend::sampling::mask_disallowed;
 use crate::tokenizer::{TokenBytes, Tokenizer};
 
 /// A grammar as a request gives it.
@@ -255,13 +256,10 @@ pub fn with_bounded_whitespace(mut schema: serde_json::Value) -> serde_json::Val
     schema
 }
 
-/// Sets every logit the mask does not allow to negative infinity.
+/// Sets every logit the mask does not allow to negative infinity (the backends' rule for a
+/// row's allowed tokens, so a row masked on the host draws what the device draws).
 pub fn apply_mask(mask: &SimpleVob, logits: &mut [f32]) {
-    for (token, logit) in logits.iter_mut().enumerate() {
-        if token >= mask.len() || !mask.get(token) {
-            *logit = f32::NEG_INFINITY;
-        }
-    }
+    mask_disallowed(mask.as_slice(), logits);
 }
 
 #[cfg(test)]

@@ -106,6 +106,6 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
 
 /// The argmax of each of the `n` logits rows, computed where the logits are.
 fn argmax_rows<B: Backend>(b: &B, logits: &B::Tensor, n: usize) -> Vec<u32> {
-    let greedy = RowSampling { params: SamplingParams::greedy(), position: 0 };
+    let greedy = RowSampling { params: SamplingParams::greedy(), position: 0, allowed: None };
     b.sample_rows(logits, &vec![greedy; n])
 }
