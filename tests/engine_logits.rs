@@ -140,7 +140,7 @@ fn grammar_rows_drawn_by_the_backend_match_the_host_draw() {
             .zip(prompts)
             .map(|(params, prompt)| {
                 let logits = LogitsOptions { grammar: Some(json.clone()), logprobs, ..LogitsOptions::default() };
-                Request { logits, ..Request::new(files.tokenizer.encode(prompt, false).expect("encodes"), params.clone(), 60, ends.clone()) }
+                Request { logits, ..Request::new(files.tokenizer.encode(prompt, false).expect("encodes"), params.clone(), 120, ends.clone()) }
             })
             .collect()
     };
