@@ -2,6 +2,9 @@
 // one block per logits row, so only the chosen token ids leave the GPU.
 //
 // inv_temps[r] == 0 selects greedy: the argmax, NaN as -inf, ties to the lowest id.
+// A row with a grammar mask (mask_rows[r] >= 0: its words start at masks + mask_rows[r] *
+// mask_words) draws as if every token the mask does not allow (bit t % 32 of word t / 32 clear,
+// or past the words) had a logit of -inf.
 // Otherwise Gumbel-max over every token: score = (double)logit * inv_temp - ln(-ln(u)) with
 // u from the SplitMix64 hash of (position key, token); -inf and NaN logits never win. Rows with
 // top-k / top-p / min-p filtering are drawn on the host (the filtered set needs a sort).
@@ -65,7 +68,7 @@ __device__ __forceinline__ void best_of_block(double best_s, int best_t, double*
 // block leaves its range's best in part_s/part_t; the last block of the row to finish (counted
 // in done[r], zero before the launch) picks the best of them and sets done[r] back to zero.
 extern "C" __global__ void sample_rows(int* out, const float* logits, const int* rows, const u64* keys, const double* inv_temps, int vocab, double* part_s, int* part_t,
-        unsigned* done) {
+        unsigned* done, const unsigned* masks, const int* mask_rows, int mask_words) {
     wait_for_inputs();
     __shared__ double best_scores[SAMPLE_THREADS];
     __shared__ int best_tokens[SAMPLE_THREADS];
@@ -74,6 +77,8 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
     const float* row = logits + (long long)rows[r] * vocab;
     double inv_t = inv_temps[r];
     u64 key = keys[r];
+    int mask_row = mask_rows ? mask_rows[r] : -1;
+    const unsigned* mask = mask_row >= 0 ? masks + (long long)mask_row * mask_words : nullptr;
     bool greedy = inv_t == 0.0;
     double best_s = NEG_INF_F64;
     int best_t = 0x7fffffff;
@@ -86,6 +91,7 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
         for (int j = 0; j < 4; ++j) {
             int t = base + j * blockDim.x;
             l[j] = t < t1 ? row[t] : NEG_INF;
+            if (mask && t < t1 && ((t >> 5) >= mask_words || !((mask[t >> 5] >> (t & 31)) & 1u))) l[j] = NEG_INF;
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {

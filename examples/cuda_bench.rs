@@ -300,7 +300,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: &Bandwidt
     // Host time in launches and allocations over the steady steps (KESTREL_CUDA_HOST_PROFILE=1).
     let mut host = kestrel::backend::cuda::HostTiming::default();
     let mut trace = serde_json::Value::Null;
-    let greedy_rows: Vec<kestrel::backend::RowSampling> = (0..nrows).map(|r| kestrel::backend::RowSampling { params: kestrel::backend::sampling::SamplingParams::greedy(), position: r as u64 }).collect();
+    let greedy_rows: Vec<kestrel::backend::RowSampling> = (0..nrows).map(|r| kestrel::backend::RowSampling { params: kestrel::backend::sampling::SamplingParams::greedy(), position: r as u64, allowed: None }).collect();
     for i in 0..o.decode {
         let rows = (0..nrows)
             .map(|r| RowLayout {

@@ -285,12 +285,12 @@ fn device_sampling_draws_what_the_host_sampler_draws() {
             SamplingParams { temperature: 0.9, top_k: 20, top_p: 0.9, seed: 7, ..SamplingParams::greedy() },
             SamplingParams { temperature: 0.8, min_p: 0.05, seed: 11, ..SamplingParams::greedy() },
         ];
-        let specs: Vec<RowSampling> = (0..rows).map(|r| RowSampling { params: params[r % params.len()].clone(), position: (r * 37) as u64 }).collect();
+        let specs: Vec<RowSampling> = (0..rows).map(|r| RowSampling { params: params[r % params.len()].clone(), position: (r * 37) as u64, allowed: None }).collect();
         let on_gpu = gpu.sample_rows(&gpu.from_host(&logits, rows, vocab), &specs);
         let on_cpu = cpu.sample_rows(&cpu.from_host(&logits, rows, vocab), &specs);
         assert_eq!(on_gpu, on_cpu, "vocab {vocab}: device and host draws differ");
         // The draws are not degenerate: sampling rows do not all pick the argmax.
-        let greedy: Vec<RowSampling> = specs.iter().map(|s| RowSampling { params: SamplingParams::greedy(), position: s.position }).collect();
+        let greedy: Vec<RowSampling> = specs.iter().map(|s| RowSampling { params: SamplingParams::greedy(), position: s.position, allowed: None }).collect();
         let argmax = gpu.sample_rows(&gpu.from_host(&logits, rows, vocab), &greedy);
         if vocab > 100 {
             assert!(on_gpu.iter().zip(&argmax).any(|(a, b)| a != b), "vocab {vocab}: sampled rows all equal the argmax");
@@ -327,7 +327,7 @@ fn rows_without_a_finite_logit_draw_the_no_finite_signal_on_the_device() {
             SamplingParams { temperature: 0.8, top_k: 40, min_p: 0.05, seed: 5, ..SamplingParams::greedy() },
         ];
         for p in &params {
-            let specs: Vec<RowSampling> = (0..rows.len()).map(|r| RowSampling { params: p.clone(), position: r as u64 }).collect();
+            let specs: Vec<RowSampling> = (0..rows.len()).map(|r| RowSampling { params: p.clone(), position: r as u64, allowed: None }).collect();
             let on_gpu = gpu.sample_rows(&gpu.from_host(&flat, rows.len(), vocab), &specs);
             let on_cpu = cpu.sample_rows(&cpu.from_host(&flat, rows.len(), vocab), &specs);
             assert_eq!(on_gpu, on_cpu, "vocab {vocab} {p:?}: device and host disagree");
@@ -336,4 +336,88 @@ fn rows_without_a_finite_logit_draw_the_no_finite_signal_on_the_device() {
             assert_eq!(on_gpu[5], (vocab - 1) as u32, "vocab {vocab} {p:?}: the one finite logit must be drawn");
         }
     }
+}
+
+/// Rows masked by a grammar: for every draw (greedy, temperature, filtered), in a row of one
+/// block and in a row split across blocks, with masks of every width (shorter than the
+/// vocabulary, allowing nothing), the device draws what the host draws from the masked row.
+#[test]
+fn device_sampling_applies_grammar_masks_as_the_host_does() {
+    use kestrel::backend::sampling::{is_allowed, AllowedTokens, NO_FINITE_LOGIT};
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(23);
+    for vocab in [1000, 248_320] {
+        let rows = 30;
+        let logits = awkward_logits(&mut rng, rows, vocab);
+        let words = vocab.div_ceil(32);
+        let random_word = |rng: &mut Rng| (rng.below(1 << 16) as u32) << 16 | rng.below(1 << 16) as u32;
+        let mask = |r: usize, rng: &mut Rng| -> Option<AllowedTokens> {
+            match r % 6 {
+                0 => None,
+                // Nothing allowed: nothing to draw.
+                1 => Some(AllowedTokens::from(vec![0u32; words])),
+                // A few tokens, or a mask covering only the first part of the vocabulary.
+                2 => Some((0..words).map(|_| if rng.below(8) == 0 { 1u32 << rng.below(32) } else { 0 }).collect()),
+                3 => Some((0..words / 2).map(|_| random_word(rng)).collect()),
+                _ => Some((0..words).map(|_| random_word(rng)).collect()),
+            }
+        };
+        let params = [
+            SamplingParams::greedy(),
+            SamplingParams { temperature: 0.7, seed: 3, ..SamplingParams::greedy() },
+            SamplingParams { temperature: 0.9, top_k: 20, top_p: 0.9, seed: 7, ..SamplingParams::greedy() },
+        ];
+        let specs: Vec<RowSampling> = (0..rows).map(|r| RowSampling { params: params[r % params.len()].clone(), position: (r * 13) as u64, allowed: mask(r, &mut rng) }).collect();
+        let on_gpu = gpu.sample_rows(&gpu.from_host(&logits, rows, vocab), &specs);
+        let on_cpu = cpu.sample_rows(&cpu.from_host(&logits, rows, vocab), &specs);
+        assert_eq!(on_gpu, on_cpu, "vocab {vocab}: masked device and host draws differ");
+        for (r, (&token, spec)) in on_gpu.iter().zip(&specs).enumerate() {
+            if let Some(allowed) = &spec.allowed {
+                assert!(token == NO_FINITE_LOGIT || is_allowed(allowed, token as usize), "vocab {vocab} row {r}: drew {token}, which its mask forbids");
+            }
+            if r % 6 == 1 {
+                assert_eq!(token, NO_FINITE_LOGIT, "vocab {vocab} row {r}: a mask allowing nothing draws nothing");
+            }
+        }
+        // The masks matter: unmasked, some rows draw a token their mask forbids.
+        let unmasked: Vec<RowSampling> = specs.iter().map(|s| RowSampling { allowed: None, ..s.clone() }).collect();
+        assert_ne!(gpu.sample_rows(&gpu.from_host(&logits, rows, vocab), &unmasked), on_gpu, "vocab {vocab}");
+    }
+}
+
+/// A JSON schema's rows are masked and drawn on the device; asking for log probabilities as well
+/// moves them to the host. Both draw the same tokens, with speculation and graphs or without.
+#[test]
+fn grammar_rows_masked_on_the_device_match_the_host_draw() {
+    use kestrel::engine::logits::grammar::{GrammarCompiler, GrammarSpec};
+    use kestrel::engine::logits::LogitsOptions;
+    let Some(mut rig) = Rig::new() else { return };
+    let ends = rig.files.config.eos_token_ids.clone();
+    let compiler = GrammarCompiler::new(&rig.files.tokenizer, rig.files.config.vocab_size, &ends).expect("token table");
+    let schema = serde_json::json!({"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "args": {"type": "array", "items": {"enum": ["a", "b", "n"]}}, "pure": {"type": "boolean"}}, "required": ["name", "args", "pure"]});
+    let grammar = compiler.compile(&GrammarSpec::JsonSchema(schema), &ends).expect("compiles");
+    let prompts = code_prompts(&rig.files, 6);
+    let run = |rig: &mut Rig, logprobs: Option<usize>, method: Option<SpecMethod>, graphs: bool| {
+        let (gpu, model) = rig.parts.take().expect("parts are returned after every run");
+        let mut engine = Engine::new(gpu, model, EngineConfig { cuda_graphs: graphs, ..config(6, 4) }).expect("engine starts");
+        let requests = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let draw = [Draw::Greedy, Draw::Seeded, Draw::SeededFiltered][i % 3];
+                let logits = LogitsOptions { grammar: Some(grammar.clone()), logprobs, ..LogitsOptions::default() };
+                kestrel::engine::request::Request { logits, stop_token_ids: ends.clone(), ..request(p, 48, sampling(draw, i), Some(method_of(method, i))) }
+            })
+            .collect();
+        let out = run_staggered(&mut engine, requests, &[0, 0, 1, 2, 3, 5]);
+        rig.parts = Some(engine.into_parts());
+        out
+    };
+    let on_host = run(&mut rig, Some(0), Some(SpecMethod::None), false);
+    assert!(on_host.iter().all(|t| t.len() > 4), "{on_host:?}");
+    let first = rig.files.tokenizer.decode(&on_host[0][..1], true).expect("decodes");
+    assert!(first.trim_start().starts_with('{'), "a JSON object starts with a brace: {first:?}");
+    assert_eq!(run(&mut rig, None, Some(SpecMethod::None), false), on_host, "device-masked rows drew other tokens");
+    assert_eq!(run(&mut rig, None, None, true), on_host, "device-masked rows with speculation and graphs drew other tokens");
 }

@@ -118,3 +118,41 @@ fn grammars_hold_the_output() {
     let text = files.tokenizer.decode(&outputs[2].0, true).expect("decodes");
     assert!(text.starts_with("def ") && text.ends_with("):"), "{text:?}");
 }
+
+/// A grammar alone leaves its rows to the backend, which masks and draws them where the logits
+/// are; with log probabilities asked for as well, they are masked and drawn on the host. Both
+/// draw the same tokens, for every kind of draw, alone and batched with speculation.
+#[test]
+fn grammar_rows_drawn_by_the_backend_match_the_host_draw() {
+    let (files, _) = default_model();
+    let compiler = GrammarCompiler::new(&files.tokenizer, files.config.vocab_size, &files.config.eos_token_ids).expect("token table");
+    let ends = files.config.eos_token_ids.clone();
+    let json = compiler.compile(&GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema")), &ends).expect("compiles");
+    let draws = [
+        SamplingParams::greedy(),
+        SamplingParams { temperature: 0.9, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 5 },
+        SamplingParams { temperature: 0.8, top_k: 20, top_p: 0.95, min_p: 0.0, seed: 6 },
+    ];
+    let prompts = ["# a function as JSON\n", "def parse(text):\n", "class Node:\n"];
+    let requests = |logprobs: Option<usize>| -> Vec<Request> {
+        draws
+            .iter()
+            .zip(prompts)
+            .map(|(params, prompt)| {
+                let logits = LogitsOptions { grammar: Some(json.clone()), logprobs, ..LogitsOptions::default() };
+                Request { logits, ..Request::new(files.tokenizer.encode(prompt, false).expect("encodes"), params.clone(), 120, ends.clone()) }
+            })
+            .collect()
+    };
+    assert!(!requests(None)[0].logits.needs_host() && requests(Some(0))[0].logits.needs_host());
+    let tokens = |outputs: Vec<Output>| -> Vec<Vec<u32>> { outputs.into_iter().map(|(t, _)| t).collect() };
+    let on_host: Vec<Vec<u32>> = requests(Some(0)).iter().map(|r| run(std::slice::from_ref(r), SpecMethod::None, 1, None).0.remove(0).0).collect();
+    for (i, text) in on_host.iter().map(|t| files.tokenizer.decode(t, true).expect("decodes")).enumerate() {
+        serde_json::from_str::<serde_json::Value>(&text).unwrap_or_else(|e| panic!("request {i}: not JSON ({e}): {text:?}"));
+    }
+    let alone: Vec<Vec<u32>> = requests(None).iter().map(|r| run(std::slice::from_ref(r), SpecMethod::None, 1, None).0.remove(0).0).collect();
+    assert_eq!(alone, on_host, "a row masked by the backend drew another token than the host");
+    for method in [SpecMethod::None, SpecMethod::Ngram, SpecMethod::Mtp] {
+        assert_eq!(tokens(run(&requests(None), method, 3, None).0), on_host, "{method:?} with a batch of 3");
+    }
+}

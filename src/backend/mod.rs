@@ -19,7 +19,7 @@ pub mod sampling;
 pub mod shapes;
 pub mod weight_bytes;
 
-use crate::backend::sampling::{sample_at_position, SamplingParams};
+use crate::backend::sampling::{sample_allowed, AllowedTokens, SamplingParams};
 use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
 pub use kestrel_quant::kv::KvDtype;
@@ -94,6 +94,8 @@ impl BatchLayout {
 pub struct RowSampling {
     pub params: SamplingParams,
     pub position: u64,
+    /// Only these tokens may be drawn (a grammar's mask); `None`: any.
+    pub allowed: Option<AllowedTokens>,
 }
 
 /// The largest step the engine will run, so that a backend can allocate its per-step input
@@ -342,14 +344,15 @@ pub trait Backend: Send + Sync {
     }
 
     /// One token per row of `logits` (`[N, vocab]`), drawn by position-keyed sampling
-    /// ([`sample_at_position`]) with `rows[i]` for row `i`; a row without a finite logit gives
-    /// [`crate::backend::sampling::NO_FINITE_LOGIT`]. A device backend draws on the device so that
-    /// only the tokens come back; this default copies the logits to the host.
+    /// ([`crate::backend::sampling::sample_at_position`]) with `rows[i]` for row `i`, tokens
+    /// outside the row's `allowed` masked ([`sample_allowed`]); a row without a finite (allowed)
+    /// logit gives [`crate::backend::sampling::NO_FINITE_LOGIT`]. A device backend masks and draws
+    /// on the device so that only the tokens come back; this default copies the logits to the host.
     fn sample_rows(&self, logits: &Self::Tensor, rows: &[RowSampling]) -> Vec<u32> {
         let (n, vocab) = self.shape(logits);
         assert_eq!(n, rows.len(), "sample_rows: {n} logits rows, {} sampling specs", rows.len());
         let host = self.to_host(logits);
-        rows.iter().enumerate().map(|(i, r)| sample_at_position(&host[i * vocab..(i + 1) * vocab], &r.params, r.position)).collect()
+        rows.iter().enumerate().map(|(i, r)| sample_allowed(&host[i * vocab..(i + 1) * vocab], r.allowed.as_deref(), &r.params, r.position)).collect()
     }
 
     /// Rows `rows` of `logits` (`[N, vocab]`) on the host, one after another, for rows the

@@ -13,7 +13,8 @@ use super::logits::logprobs::TokenLogprob;
 use super::plan::{PlannedRow, StepPlan};
 use super::spec::backoff::{NextStepRows, SpecBackoff};
 use super::spec::verify::{accept_drafts, VerifyOutcome};
-use crate::backend::sampling::NO_FINITE_LOGIT;
+use super::step_trace::{Phase, StepTrace};
+use crate::backend::sampling::{AllowedTokens, NO_FINITE_LOGIT};
 use crate::backend::DELTA_RULE_CHUNK as CHUNK;
 use crate::backend::{delta_state_in_place, Backend, BackendError, CacheSpec, KvDtype, RowKind, RowSampling, StateCommit, StepLimits};
 use crate::model::arch::qwen35::{ForwardOutput, Qwen35};
@@ -145,6 +146,8 @@ pub struct Engine<B: Backend> {
     backoff: Option<SpecBackoff>,
     /// Drafts per row the rows of the next step were offered.
     offered_drafts: usize,
+    /// Per-phase step times (KESTREL_STEP_TRACE=1), printed when the engine is dropped.
+    trace: Option<StepTrace>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -214,7 +217,7 @@ impl<B: Backend> Engine<B> {
         );
         let backoff = config.spec_backoff.then(|| SpecBackoff::new(config.spec_tokens));
         let offered_drafts = config.spec_tokens;
-        Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default(), graphs, graph_capture, backoff, offered_drafts })
+        Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default(), graphs, graph_capture, backoff, offered_drafts, trace: StepTrace::from_env() })
     }
 
     /// The capture sizes steps are padded up to (empty: none, every step at its own shape).
@@ -320,9 +323,11 @@ impl<B: Backend> Engine<B> {
     /// Runs one step and returns what it produced.
     pub fn step(&mut self) -> Vec<RequestEvent> {
         let mut events = Vec::new();
+        self.lap(None);
         let scheduled = self.scheduler.schedule(&mut self.seqs);
         self.backend.reset_states(&mut self.cache, &scheduled.fresh_slots);
         self.backend.restore_checkpoints(&mut self.cache, &scheduled.restores);
+        self.lap(Some(Phase::Schedule));
         let plan = scheduled.plan;
         if plan.is_empty() {
             // Every queued request is admissible (checked in add_request) and the budget always
@@ -331,14 +336,16 @@ impl<B: Backend> Engine<B> {
             return events;
         }
         let started = Instant::now();
-        let (out, masks) = self.forward_with_masks(&plan);
+        let (out, mut masks) = self.forward_with_masks(&plan);
         // Invariant 2: a padded step comes back cut to the plan's real rows.
         assert_eq!(self.backend.shape(&out.logits).0, plan.logit_rows.len(), "the forward returned logits of rows the plan does not have");
         assert_eq!(self.backend.shape(&out.hidden).0, plan.num_tokens(), "the forward returned hidden states of tokens the plan does not have");
-        let draws = self.row_sampling(&plan);
+        let draws = self.row_sampling(&plan, &mut masks);
         let host_rows: Vec<bool> = draws.iter().map(|d| d.on_host).collect();
         let (sampled, host_logits) = self.draw_rows(&out.logits, draws, &host_rows);
+        self.lap(Some(Phase::DeviceDraw));
         let mut host_draws = self.draw_on_host(&plan, &host_rows, &host_logits, masks);
+        self.lap(Some(Phase::HostDraw));
         if let Some(backoff) = self.backoff.as_mut().filter(|_| plan.rows.iter().all(|r| r.kind == RowKind::Generate)) {
             backoff.record_forward(plan.num_tokens(), started.elapsed().as_secs_f64());
         }
@@ -416,7 +423,11 @@ impl<B: Backend> Engine<B> {
                 }
             }
             if !new_tokens.is_empty() {
+                let committing = self.trace.as_ref().map(|_| Instant::now());
                 seq.logits.commit(&new_tokens);
+                if let (Some(trace), Some(t)) = (self.trace.as_mut(), committing) {
+                    trace.add_grammar_commit(t.elapsed());
+                }
                 logprobs.truncate(new_tokens.len());
                 seq.logprobs.extend(logprobs.iter().cloned());
                 events.push(RequestEvent::Tokens { id: seq.id, tokens: new_tokens, logprobs, cached_tokens: seq.cached_tokens.unwrap_or(0) });
@@ -460,8 +471,20 @@ impl<B: Backend> Engine<B> {
                 });
             }
         }
+        self.lap(Some(Phase::Commit));
         self.propose(&out.hidden, mtp_items);
+        self.lap(Some(Phase::Propose));
         events
+    }
+
+    /// Closes the trace's current phase (`None`: a step starts).
+    fn lap(&mut self, phase: Option<Phase>) {
+        if let Some(trace) = self.trace.as_mut() {
+            match phase {
+                Some(phase) => trace.lap(phase),
+                None => trace.start_step(),
+            }
+        }
     }
 
     /// The step's forward, and meanwhile on another thread the grammar masks of the rows that
@@ -476,19 +499,35 @@ impl<B: Backend> Engine<B> {
             .collect();
         if constrained.is_empty() {
             let (out, shapes) = forward(&self.model, &self.backend, &mut self.cache, self.graphs.as_ref(), plan, self.config.block_size);
+            self.lap(Some(Phase::Forward));
             self.record_padding(shapes);
             return (out, HashMap::new());
         }
-        let (model, backend, cache, graphs, seqs) = (&self.model, &self.backend, &mut self.cache, self.graphs.as_ref(), &mut self.seqs);
+        let (model, backend, cache, graphs, seqs, trace) = (&self.model, &self.backend, &mut self.cache, self.graphs.as_ref(), &mut self.seqs, &mut self.trace);
         let block_size = self.config.block_size;
         let (out, shapes, masks) = std::thread::scope(|scope| {
             // Each sequence's grammar is its own matcher: their masks are computed in parallel
             // (on the global pool), and all of them while the forward runs.
             let masks = scope.spawn(move || {
-                seqs.par_iter_mut().filter_map(|seq| constrained.get(&seq.id).map(|drafts| (seq.id, seq.logits.masks(drafts)))).collect::<HashMap<_, _>>()
+                seqs.par_iter_mut()
+                    .filter_map(|seq| {
+                        let drafts = constrained.get(&seq.id)?;
+                        let started = Instant::now();
+                        let masks = seq.logits.masks(drafts);
+                        Some((seq.id, (masks, started.elapsed())))
+                    })
+                    .collect::<HashMap<_, _>>()
             });
             let (out, shapes) = forward(model, backend, cache, graphs, plan, block_size);
-            (out, shapes, masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+            if let Some(trace) = trace.as_mut() {
+                trace.lap(Phase::Forward);
+            }
+            let masks = masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            if let Some(trace) = trace.as_mut() {
+                trace.lap(Phase::MaskWait);
+                masks.values().for_each(|(_, took)| trace.add_mask_work(*took));
+            }
+            (out, shapes, masks.into_iter().map(|(id, (masks, _))| (id, masks)).collect())
         });
         self.record_padding(shapes);
         (out, masks)
@@ -549,8 +588,10 @@ impl<B: Backend> Engine<B> {
     }
 
     /// How to draw each logits row of `plan`: a prefill row that samples predicts the request's
-    /// next output position; a generate row's rows predict consecutive positions from there.
-    fn row_sampling(&self, plan: &StepPlan) -> Vec<RowDraw> {
+    /// next output position; a generate row's rows predict consecutive positions from there. A
+    /// row drawn on the backend takes its position's grammar mask out of `masks` (the backend
+    /// masks it where the logits are); a row drawn on the host leaves its masks there.
+    fn row_sampling(&self, plan: &StepPlan, masks: &mut HashMap<RequestId, Vec<TokenMask>>) -> Vec<RowDraw> {
         let mut rows = Vec::with_capacity(plan.logit_rows.len());
         for row in plan.rows.iter() {
             if row.logits_start.is_none() {
@@ -561,7 +602,11 @@ impl<B: Backend> Engine<B> {
             let first = seq.num_generated() as u64;
             let count = if row.kind == RowKind::Prefill { 1 } else { row.drafts.len() + 1 };
             let on_host = seq.logits.needs_host();
-            rows.extend((0..count as u64).map(|i| RowDraw { sampling: RowSampling { params: seq.params.clone(), position: first + i }, on_host }));
+            let row_masks = if on_host { Vec::new() } else { masks.remove(&row.seq).unwrap_or_default() };
+            rows.extend((0..count).map(|i| {
+                let allowed = row_masks.get(i).and_then(Option::as_ref).map(|mask| AllowedTokens::from(mask.as_slice()));
+                RowDraw { sampling: RowSampling { params: seq.params.clone(), position: first + i as u64, allowed }, on_host }
+            }));
         }
         rows
     }

@@ -11,6 +11,7 @@ pub mod plan;
 pub mod request;
 pub mod scheduler;
 pub mod spec;
+pub mod step_trace;
 pub mod worker;
 
 pub use engine::{Engine, EngineConfig, EngineError};

@@ -1,11 +1,12 @@
 //! Position-keyed sampling on the device (cuda/sample.cu): greedy and plain-temperature rows are
-//! drawn by a kernel and only their token ids are copied back. Rows that filter with top-k, top-p
+//! drawn by a kernel and only their token ids are copied back, grammar masks applied on the device
+//! (only the masks' bits go up). Rows that filter with top-k, top-p
 //! or min-p are copied back and drawn by the host sampler, since the filtered set needs a sort.
 //! Both give [`NO_FINITE_LOGIT`] for a row without a finite logit (the kernel writes -1).
 
 use super::{ck, Arg, CudaBackend, CudaTensor};
 use crate::backend::RowSampling;
-use crate::backend::sampling::{position_key, sample_at_position, NO_FINITE_LOGIT};
+use crate::backend::sampling::{position_key, sample_allowed, NO_FINITE_LOGIT};
 
 /// Threads per block: SAMPLE_THREADS in cuda/sample.cu.
 const SAMPLE_THREADS: u32 = 256;
@@ -50,13 +51,27 @@ pub(super) fn sample_rows(be: &CudaBackend, logits: &CudaTensor, rows: &[RowSamp
     let vocab = logits.cols;
     let mut tokens = vec![0u32; rows.len()];
     let (mut device_rows, mut keys, mut inverse_temperatures, mut host_rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // The device rows' masks, one after another, each `mask_words` long (a shorter mask is
+    // padded with zero words: the tokens past it stay disallowed).
+    let mask_words = rows.iter().filter_map(|r| r.allowed.as_ref().map(|a| a.len().max(1))).max().unwrap_or(0);
+    let (mut mask_rows, mut masks) = (Vec::new(), Vec::new());
     for (i, r) in rows.iter().enumerate() {
+        if !r.params.is_greedy() && r.params.filters(vocab) {
+            host_rows.push(i);
+            continue;
+        }
+        match &r.allowed {
+            Some(allowed) => {
+                mask_rows.push((masks.len() / mask_words.max(1)) as i32);
+                masks.extend_from_slice(allowed);
+                masks.resize(masks.len() + mask_words - allowed.len(), 0);
+            }
+            None => mask_rows.push(-1),
+        }
         if r.params.is_greedy() {
             device_rows.push(i as i32);
             keys.push(0u64);
             inverse_temperatures.push(0.0f64);
-        } else if r.params.filters(vocab) {
-            host_rows.push(i);
         } else {
             device_rows.push(i as i32);
             keys.push(position_key(r.params.seed, r.position));
@@ -69,6 +84,9 @@ pub(super) fn sample_rows(be: &CudaBackend, logits: &CudaTensor, rows: &[RowSamp
         let d_rows = ck(be.stream.clone_htod(&device_rows), "sampling rows copy");
         let d_keys = ck(be.stream.clone_htod(&keys), "sampling keys copy");
         let d_inv = ck(be.stream.clone_htod(&inverse_temperatures), "sampling temperatures copy");
+        let masked = !masks.is_empty();
+        let d_masks = masked.then(|| ck(be.stream.clone_htod(&masks), "sampling masks copy"));
+        let d_mask_rows = masked.then(|| ck(be.stream.clone_htod(&mask_rows), "sampling mask rows copy"));
         let out = be.alloc_i32(n);
         let splits = if vocab <= ONE_BLOCK_VOCAB { 1 } else { vocab.div_ceil(TOKENS_PER_BLOCK) };
         assert!(splits <= MAX_SPLITS, "a vocabulary of {vocab} tokens needs more sampling blocks than a row can count");
@@ -91,6 +109,9 @@ pub(super) fn sample_rows(be: &CudaBackend, logits: &CudaTensor, rows: &[RowSamp
                 Arg::Ptr(be.ptr(part_scores)),
                 Arg::Ptr(be.ptr(part_tokens)),
                 Arg::Ptr(be.ptr(done)),
+                Arg::Ptr(d_masks.as_ref().map_or(0, |m| be.ptr(m))),
+                Arg::Ptr(d_mask_rows.as_ref().map_or(0, |m| be.ptr(m))),
+                Arg::I32(mask_words as i32),
             ],
         );
         let drawn = ck(be.stream.clone_dtoh(&out), "sampled tokens copy");
@@ -100,7 +121,7 @@ pub(super) fn sample_rows(be: &CudaBackend, logits: &CudaTensor, rows: &[RowSamp
     }
     for i in host_rows {
         let row = ck(be.stream.clone_dtoh(&logits.data.slice(i * vocab..(i + 1) * vocab)), "logits row copy");
-        tokens[i] = sample_at_position(&row, &rows[i].params, rows[i].position);
+        tokens[i] = sample_allowed(&row, rows[i].allowed.as_deref(), &rows[i].params, rows[i].position);
     }
     tokens
 }

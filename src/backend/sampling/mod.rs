@@ -48,10 +48,12 @@
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
+mod allowed;
 mod params;
 #[cfg(test)]
 mod tests;
 
+pub use allowed::{is_allowed, mask_disallowed, sample_allowed, AllowedTokens};
 pub use params::{seed_from_signed, top_k_from_signed, SamplingError, SamplingParams, MAX_TEMPERATURE};
 
 /// What [`sample_at_position`] (and every device sampler) returns for a logits row without a single

@@ -15,6 +15,7 @@ use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
 use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
+use crate::backend::sampling::mask_disallowed;
 use crate::tokenizer::{TokenBytes, Tokenizer};
 
 /// A grammar as a request gives it.
@@ -117,7 +118,6 @@ impl GrammarCompiler {
 }
 
 /// A compiled grammar and where a generation stands in it.
-#[derive(Clone)]
 pub struct Grammar {
     matcher: Matcher,
     /// The request's end tokens: allowed where the grammar may end.
@@ -127,6 +127,21 @@ pub struct Grammar {
     /// The grammar applies from the token after this one on.
     starts_after: Option<u32>,
     active: bool,
+}
+
+/// A clone owns its lexer state. llguidance's plain clone shares it behind one lock, so the
+/// masks of requests cloned from one compiled grammar (a schema given to many requests) would
+/// be computed one at a time however many threads compute them.
+impl Clone for Grammar {
+    fn clone(&self) -> Self {
+        Grammar {
+            matcher: self.matcher.deep_clone(),
+            end_tokens: self.end_tokens.clone(),
+            all_end_tokens: self.all_end_tokens.clone(),
+            starts_after: self.starts_after,
+            active: self.active,
+        }
+    }
 }
 
 impl std::fmt::Debug for Grammar {
@@ -255,13 +270,10 @@ pub fn with_bounded_whitespace(mut schema: serde_json::Value) -> serde_json::Val
     schema
 }
 
-/// Sets every logit the mask does not allow to negative infinity.
+/// Sets every logit the mask does not allow to negative infinity (the backends' rule for a
+/// row's allowed tokens, so a row masked on the host draws what the device draws).
 pub fn apply_mask(mask: &SimpleVob, logits: &mut [f32]) {
-    for (token, logit) in logits.iter_mut().enumerate() {
-        if token >= mask.len() || !mask.get(token) {
-            *logit = f32::NEG_INFINITY;
-        }
-    }
+    mask_disallowed(mask.as_slice(), logits);
 }
 
 #[cfg(test)]
@@ -322,6 +334,36 @@ mod tests {
         bad[3] = tokenizer.encode("[", false).expect("encodes")[0];
         assert_eq!(drafted.valid_drafts(&bad), 3);
         assert_eq!(drafted.masks(&bad).len(), 4);
+    }
+
+    /// Clones (one per request of a shared schema) own their state: advanced on threads of
+    /// their own, each gives the masks of the grammar stepped alone, and the original is untouched.
+    #[test]
+    fn clones_step_apart_on_threads_of_their_own() {
+        let (tokenizer, compiler, end) = setup();
+        let original = compiler.compile(&GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema")), &[end]).expect("compiles");
+        let texts = [r#"{"a": 1, "b": "x"}"#, r#"{"a": 250, "b": "y"}"#, r#"{"a": -3, "b": "x"}"#, r#"{"a": 44, "b": "y"}"#];
+        let expected: Vec<Vec<Vec<u32>>> = texts
+            .iter()
+            .map(|text| {
+                let mut alone = compiler.compile(&GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema")), &[end]).expect("compiles");
+                let tokens = tokenizer.encode(text, false).expect("encodes");
+                tokens.iter().map(|&t| (alone.masks(&[]).remove(0).expect("a mask").to_list(), alone.commit(&[t])).0).collect()
+            })
+            .collect();
+        let stepped: Vec<Vec<Vec<u32>>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = texts
+                .iter()
+                .map(|text| {
+                    let (mut clone, tokens) = (original.clone(), tokenizer.encode(text, false).expect("encodes"));
+                    scope.spawn(move || tokens.iter().map(|&t| (clone.masks(&[]).remove(0).expect("a mask").to_list(), clone.commit(&[t])).0).collect())
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("no panic")).collect()
+        });
+        assert_eq!(stepped, expected);
+        let mut original = original;
+        assert_eq!(original.masks(&[]).remove(0).expect("a mask").to_list(), expected[0][0], "the original still stands at the start");
     }
 
     #[test]

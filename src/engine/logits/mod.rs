@@ -1,8 +1,10 @@
 //! What a request asks of its logits beyond the position-keyed draw of backend/sampling.rs:
 //! penalties, a logit bias, a grammar mask, log probabilities.
 //!
-//! Each of these reads or changes a row before its token is drawn, so rows of such requests are
-//! copied to the host and drawn there, with the same position-keyed rule the device uses. What a
+//! A grammar's mask goes with the row to the backend, which masks and draws it where the logits
+//! are (only the mask's bits travel). The others read or change a row before its token is drawn,
+//! so rows of such requests are copied to the host and drawn there (their masks applied there
+//! too), with the same position-keyed rule the device uses. What a
 //! row's distribution depends on (the tokens before it, where the grammar stands) is taken at
 //! that row's position: in a verify row, as if the drafts before it had been generated. A
 //! draft is accepted iff it equals the token drawn at its position, so the tokens (and their log
@@ -19,6 +21,7 @@ use logprobs::{token_logprob, TokenLogprob, MAX_TOP_LOGPROBS};
 use penalties::{Penalties, TokenHistory};
 
 /// What a request asks of its logits; the default asks nothing (its rows are drawn on the device).
+/// A grammar alone keeps the rows on the device, masked there.
 #[derive(Debug, Clone, Default)]
 pub struct LogitsOptions {
     pub penalties: Penalties,
@@ -31,9 +34,10 @@ pub struct LogitsOptions {
 }
 
 impl LogitsOptions {
-    /// Whether rows must come to the host: the device sampler knows none of this.
+    /// Whether rows must come to the host: the device sampler knows penalties, biases and log
+    /// probabilities not (it takes a grammar's mask with the row).
     pub fn needs_host(&self) -> bool {
-        self.changes_distribution() || self.logprobs.is_some()
+        self.penalties.is_active() || !self.logit_bias.is_empty() || self.logprobs.is_some()
     }
 
     fn changes_distribution(&self) -> bool {
@@ -211,5 +215,6 @@ mod tests {
         assert!(LogitsOptions { logit_bias: vec![(1, 101.0)], ..LogitsOptions::default() }.validate(8).is_err());
         assert!(LogitsOptions { logprobs: Some(21), ..LogitsOptions::default() }.validate(8).is_err());
         assert!(!LogitsOptions::default().needs_host());
+        assert!(options().needs_host());
     }
 }

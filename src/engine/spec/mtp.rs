@@ -179,6 +179,6 @@ pub fn capture_mtp_at_startup<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut 
 
 /// The argmax of each of the `n` logits rows, computed where the logits are.
 fn argmax_rows<B: Backend>(b: &B, logits: &B::Tensor, n: usize) -> Vec<u32> {
-    let greedy = RowSampling { params: SamplingParams::greedy(), position: 0 };
+    let greedy = RowSampling { params: SamplingParams::greedy(), position: 0, allowed: None };
     b.sample_rows(logits, &vec![greedy; n])
 }
