@@ -50,6 +50,10 @@ pub struct CpuBackend {
     isa: Isa,
     /// `--load-format dummy`: the seed of the next random matrix, while uploads make them.
     random_weights: Mutex<Option<u64>>,
+    /// Whether matmuls round their activations to bf16 first, as the GPU's tensor cores take
+    /// them (the default, so that the backends compute the same products); off, the f32
+    /// reference that the comparisons with transformers' f32 forward use.
+    bf16_activations: bool,
 }
 
 impl Default for CpuBackend {
@@ -81,7 +85,23 @@ impl CpuBackend {
     /// choice gives the same bits). `isa` must be one the CPU runs ([`Isa::detect`] or
     /// [`Isa::Scalar`]).
     pub fn with_options(threads: usize, isa: Isa) -> Self {
-        CpuBackend { pool: ThreadPool::new(threads), isa, random_weights: Mutex::new(None) }
+        CpuBackend { pool: ThreadPool::new(threads), isa, random_weights: Mutex::new(None), bf16_activations: true }
+    }
+
+    /// This backend with matmuls over the f32 activations themselves (no bf16 rounding): the
+    /// exact reference for comparisons with an f32 forward.
+    pub fn with_f32_activations(mut self) -> Self {
+        self.bf16_activations = false;
+        self
+    }
+
+    /// `x` as this backend's matmuls take it.
+    fn matmul_input<'a>(&self, x: &'a [f32]) -> std::borrow::Cow<'a, [f32]> {
+        if self.bf16_activations {
+            std::borrow::Cow::Owned(matmul::bf16_activations(x))
+        } else {
+            std::borrow::Cow::Borrowed(x)
+        }
     }
 
     /// Threads each op runs on.
@@ -255,12 +275,12 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuMatrix) -> CpuTensor {
-        CpuTensor { data: matmul::matmul(&self.pool, self.isa, &x.data, x.rows, w), rows: x.rows, cols: w.rows }
+        CpuTensor { data: matmul::matmul(&self.pool, self.isa, &self.matmul_input(&x.data), x.rows, w), rows: x.rows, cols: w.rows }
     }
 
     fn matmul_add(&self, acc: &mut CpuTensor, x: &CpuTensor, w: &CpuMatrix) {
         assert_eq!((acc.rows, acc.cols), (x.rows, w.rows), "matmul_add: accumulator shape");
-        matmul::matmul_into(&self.pool, self.isa, &x.data, x.rows, w, &mut acc.data, Store::Add);
+        matmul::matmul_into(&self.pool, self.isa, &self.matmul_input(&x.data), x.rows, w, &mut acc.data, Store::Add);
     }
 
     fn matmul_parts(&self, x: &CpuTensor, w: &CpuMatrix, widths: &[usize]) -> Vec<CpuTensor> {
