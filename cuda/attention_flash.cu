@@ -24,6 +24,14 @@
 //
 // Warps: 2 per 16-row tile; both compute the tile's scores (the same bits), each accumulates
 // half of the head dim.
+//
+// A step whose every row is one token (plain decode) skips attn_prep (attn_flash_decode): each
+// block prepares its token's query heads itself with attn_prep's arithmetic (norm_rope_head),
+// and the block whose range holds the token's own position also prepares its kv head's key and
+// stores it and the value in the token's cache slot (store_warp), then reads them back from the
+// cache like any other key after its barrier. No other block reads that slot (ranges are
+// disjoint and every row is a sequence of its own), so the bits are attn_prep's and no block
+// waits for another.
 
 #define FLASH_SPLITS 32
 #define FLASH_ROW_TILES 4
@@ -141,6 +149,51 @@ struct FlashTile<KvFp8> {
     }
 };
 
+// What attn_flash_decode's blocks prepare from: the q/gate projection, the step's keys and
+// values, the q and k norm weights and the rotation's frequencies (attn_prep's inputs).
+struct FlashPrep {
+    const float *qg, *k, *v, *q_norm, *k_norm, *inv_freq;
+    int rot;
+    float eps;
+};
+
+// attn_flash_decode's preparation of token t (position pos) for kv head kvh: the group's query
+// heads into the bf16 parts and remainders of query rows 0..group (zero rows after them), as
+// attn_prep writes them and attn_flash's query load splits them; with `own`, the token's key
+// and value stored in `slot`, as attn_prep stores them. One warp per head row, rows of
+// `scratch` (2 * hd floats per warp: the norm's scratch, then the prepared row).
+template <class KV>
+__device__ __forceinline__ void flash_prepare_decode(const FlashPrep& p, KvCache kv, bf16_t* qs, bf16_t* qr, float* scratch, int t, int pos, long long slot, bool own,
+        int nq, int nkv, int kvh, int hd, int stride) {
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = blockDim.x >> 5;
+    int group = nq / nkv, half = hd / 2;
+    for (int e = group * half + tid; e < FLASH_ROW_TILES * 16 * half; e += blockDim.x) {
+        int r = e / half, d = 2 * (e % half);
+        *(u32*)(qs + r * stride + d) = 0;
+        *(u32*)(qr + r * stride + d) = 0;
+    }
+    float* normed = scratch + warp * 2 * hd;
+    float* row = normed + hd;
+    int jobs = group + (own ? 2 : 0);
+    for (int j = warp; j < jobs; j += nwarps) {
+        if (j < group) {
+            norm_rope_head(row, normed, p.qg + ((long long)t * nq + kvh * group + j) * 2 * hd, p.q_norm, p.inv_freq, hd, p.rot, pos, p.eps);
+            __syncwarp();
+            for (int d = 2 * lane; d < hd; d += 64) split_bf16x2(row[d], row[d + 1], (u32*)(qs + j * stride + d), (u32*)(qr + j * stride + d));
+        } else {
+            long long vec = kv_vector(slot, nkv, kvh), src = ((long long)t * nkv + kvh) * hd;
+            if (j == group) {
+                norm_rope_head(row, normed, p.k + src, p.k_norm, p.inv_freq, hd, p.rot, pos, p.eps);
+                KV::store_warp(kv.k + vec * KV::row_bytes(hd), 0, kv.kp + vec * KV::PARAMS, row, hd, kv.tables);
+            } else {
+                copy_row_warp(row, 0, p.v + src, hd);
+                KV::store_warp(kv.v + vec * KV::row_bytes(hd), 0, kv.vp + vec * KV::PARAMS, row, hd, kv.tables);
+            }
+        }
+        __syncwarp();  // the warp's scratch is read before its next head overwrites it
+    }
+}
+
 // One row's softmax state: the running range (m, l and the accumulators in the caller's
 // registers) and the merged total of the ranges before it.
 struct FlashRow {
@@ -174,10 +227,13 @@ __device__ __forceinline__ void flash_merge_row(FlashRow& r, int i, float acc[FL
 // block z computes range z of its token's query heads into `partial` ([T][nq][FLASH_SPLITS]
 // [hd + 2]: m, l, then the hd accumulators). Dynamic shared memory: (2 * 64 + 2 * KEY_TILE) *
 // (hd + 8) bf16 (queries, keys, values; rows padded by 16 bytes so that
-// ldmatrix's eight rows fall in distinct banks).
-template <class KV>
-__device__ __forceinline__ void attn_flash_body(float* out, const float* q, const float* gate, KvCache kv, const int* tok_row, const int* positions, const RowInfo* rows,
-        const int* block_tables, int num_tokens, int nq, int nkv, int hd, int block_size, int tokens_per_block, float scale, float* partial) {
+// ldmatrix's eight rows fall in distinct banks). The gate of (token t, head h) is
+// gate[(t * nq + h) * gate_stride + d]. PREP (attn_flash_decode, tokens_per_block 1): the
+// queries, keys and values come from `prep` (flash_prepare_decode) instead of `q` and the cache.
+template <class KV, bool PREP>
+__device__ __forceinline__ void attn_flash_body(float* out, const float* q, const float* gate, int gate_stride, KvCache kv, const int* tok_row, const int* positions,
+        const RowInfo* rows, const int* block_tables, int num_tokens, int nq, int nkv, int hd, int block_size, int tokens_per_block, float scale, float* partial,
+        const FlashPrep& prep) {
     extern __shared__ __align__(16) unsigned char flash_smem[];
     const int stride = hd + 8, nrt = FLASH_ROW_TILES;
     bf16_t* qs = (bf16_t*)flash_smem;              // q's bf16 parts
@@ -199,16 +255,30 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
         int first = PLANT_VERIFY_SKIPS_CACHE && ri->kind == 1 && ri->num_tokens > 1 ? ri->start_position : 0;
         int kmax = 0;
         for (int t = t0; t < t1; ++t) kmax = max(kmax, positions[t] + 1);
-        // The run's query rows as bf16 (zero rows for the tile's unused rows).
-        for (int e = tid; e < nrt * 16 * half; e += blockDim.x) {
-            int r = e / half, d = 2 * (e % half), t = t0 + r / group;
-            u32 hi = 0, lo = 0;
-            if (r < nrows && t < t1) {
-                const float* src = q + ((long long)t * nq + kvh * group + r % group) * hd + d;
-                split_bf16x2(src[0], src[1], &hi, &lo);
+        int j0 = 0, j1 = (kmax + KEY_TILE - 1) / KEY_TILE;
+        if (split) {
+            int span = flash_span(kmax);
+            j0 = (int)blockIdx.z * span;
+            j1 = min(j1, j0 + span);
+        }
+        if (PREP) {
+            // One token: the block whose tiles hold its own position stores its key and value
+            // (the key and value tiles' memory is the preparation's scratch until the first load).
+            int pos = kmax - 1;
+            bool own = j0 <= pos / KEY_TILE && pos / KEY_TILE < j1;
+            if (j0 < j1) flash_prepare_decode<KV>(prep, kv, qs, qr, (float*)ks, t0, pos, table_slot(table, pos, block_size), own, nq, nkv, kvh, hd, stride);
+        } else {
+            // The run's query rows as bf16 (zero rows for the tile's unused rows).
+            for (int e = tid; e < nrt * 16 * half; e += blockDim.x) {
+                int r = e / half, d = 2 * (e % half), t = t0 + r / group;
+                u32 hi = 0, lo = 0;
+                if (r < nrows && t < t1) {
+                    const float* src = q + ((long long)t * nq + kvh * group + r % group) * hd + d;
+                    split_bf16x2(src[0], src[1], &hi, &lo);
+                }
+                *(u32*)(qs + r * stride + d) = hi;
+                *(u32*)(qr + r * stride + d) = lo;
             }
-            *(u32*)(qs + r * stride + d) = hi;
-            *(u32*)(qr + r * stride + d) = lo;
         }
         // This thread's two rows: g4 and g4 + 8 of the warp's row tile.
         FlashRow row[2];
@@ -225,12 +295,6 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
         for (int n = 0; n < FLASH_MAX_NT; ++n)
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[n][c] = tot[n][c] = 0.0f;
-        int j0 = 0, j1 = (kmax + KEY_TILE - 1) / KEY_TILE;
-        if (split) {
-            int span = flash_span(kmax);
-            j0 = (int)blockIdx.z * span;
-            j1 = min(j1, j0 + span);
-        }
         for (int j = j0; j < j1; ++j) {
             // A row whose next range starts here (and holds keys) merges the range it ends.
             if (!split && j > 0) {
@@ -238,7 +302,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                 for (int i = 0; i < 2; ++i)
                     if (j % row[i].span == 0 && j * KEY_TILE < row[i].ctx) flash_merge_row(row[i], i, acc, tot, nt);
             }
-            __syncthreads();  // the last tile's reads are done (and the queries stored)
+            __syncthreads();  // the last tile's reads are done (and the queries, key and value stored)
             if (tid < KEY_TILE) {
                 int p = j * KEY_TILE + tid;
                 flash_slots[tid] = p < kmax ? table_slot(table, p, block_size) : -1;
@@ -363,7 +427,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                 continue;
             }
             flash_merge_row(row[i], i, acc, tot, nt);
-            long long o = ((long long)t * nq + h) * hd;
+            long long o = ((long long)t * nq + h) * hd, og = ((long long)t * nq + h) * gate_stride;
 #pragma unroll
             for (int n = 0; n < FLASH_MAX_NT; ++n)
                 if (n < nt) {
@@ -371,7 +435,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                     for (int c = 0; c < 2; ++c) {
                         int d = dh * half + n * 8 + 2 * tig + c;
                         float v = tot[n][2 * i + c] / row[i].lt;
-                        out[o + d] = v * sigmoidf_(gate[o + d]);
+                        out[o + d] = v * sigmoidf_(gate[og + d]);
                     }
                 }
         }
@@ -383,7 +447,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
 
 // grid (T, nq), hd threads (rounded up to a warp): merges the ranges attn_flash's split blocks
 // wrote, in range order, exactly as a block walking them merges them.
-__device__ __forceinline__ void attn_flash_combine_body(int ctx, float* out, const float* gate, const float* partial, int nq, int hd) {
+__device__ __forceinline__ void attn_flash_combine_body(int ctx, float* out, const float* gate, int gate_stride, const float* partial, int nq, int hd) {
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x, nr = flash_ranges(ctx);
     float M = NEG_INF, L = 0.0f, ACC = 0.0f;
     float pm0[FLASH_SPLITS], pm1[FLASH_SPLITS], pa[FLASH_SPLITS];
@@ -404,24 +468,36 @@ __device__ __forceinline__ void attn_flash_combine_body(int ctx, float* out, con
         ACC = merge_sum(ACC, pa[r], c_old, c_new);
     }
     if (d < hd) {
-        long long o = ((long long)t * nq + h) * hd + d;
         float v = ACC / L;
-        out[o] = v * sigmoidf_(gate[o]);
+        out[((long long)t * nq + h) * hd + d] = v * sigmoidf_(gate[((long long)t * nq + h) * gate_stride + d]);
     }
     if (d == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
 
-// attn_flash_NAME and attn_flash_combine_NAME for a format with a FlashTile loader.
+// attn_flash_NAME, attn_flash_decode_NAME and attn_flash_combine_NAME for a format with a
+// FlashTile loader. attn_flash_decode: grid (T, nkv, 1 or FLASH_SPLITS), a step whose every row
+// is one token, straight from the projections (its arguments after the first two are
+// attn_prep's, then the scale); its gates are the q/gate projection's second halves.
 #define FLASH_KERNELS(NAME, KV)                                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256) attn_flash_##NAME(float* out, const float* q, const float* gate, KvCache kv, const int* tok_row,  \
             const int* positions, const RowInfo* rows, const int* block_tables, int num_tokens, int nq, int nkv, int hd, int block_size,               \
             int tokens_per_block, float scale, float* partial) {                                                                                       \
         wait_for_inputs();                                                                                                                             \
-        attn_flash_body<KV>(out, q, gate, kv, tok_row, positions, rows, block_tables, num_tokens, nq, nkv, hd, block_size, tokens_per_block, scale,  \
-                partial);                                                                                                                              \
+        FlashPrep none = {};                                                                                                                           \
+        attn_flash_body<KV, false>(out, q, gate, hd, kv, tok_row, positions, rows, block_tables, num_tokens, nq, nkv, hd, block_size, tokens_per_block, \
+                scale, partial, none);                                                                                                                 \
     }                                                                                                                                                  \
-    extern "C" __global__ void attn_flash_combine_##NAME(float* out, const float* gate, const float* partial, const int* positions, int nq, int hd) { \
+    extern "C" __global__ void __launch_bounds__(256) attn_flash_decode_##NAME(float* out, float* partial, KvCache kv, const float* qg, const float* k, \
+            const float* v, const float* q_norm, const float* k_norm, const float* inv_freq, const int* tok_row, const int* positions, const RowInfo* rows, \
+            const int* block_tables, int nq, int nkv, int hd, int rot, int block_size, float eps, float scale) {                                         \
+        wait_for_inputs();                                                                                                                             \
+        FlashPrep prep = {qg, k, v, q_norm, k_norm, inv_freq, rot, eps};                                                                               \
+        attn_flash_body<KV, true>(out, 0, qg + hd, 2 * hd, kv, tok_row, positions, rows, block_tables, gridDim.x, nq, nkv, hd, block_size, 1, scale,   \
+                partial, prep);                                                                                                                        \
+    }                                                                                                                                                  \
+    extern "C" __global__ void attn_flash_combine_##NAME(float* out, const float* gate, const float* partial, const int* positions, int nq, int hd,    \
+            int gate_stride) {                                                                                                                         \
         int ctx = positions[blockIdx.x] + 1;                                                                                                           \
         wait_for_inputs();                                                                                                                             \
-        attn_flash_combine_body(ctx, out, gate, partial, nq, hd);                                                                                      \
+        attn_flash_combine_body(ctx, out, gate, gate_stride, partial, nq, hd);                                                                         \
     }

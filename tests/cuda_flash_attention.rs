@@ -2,8 +2,9 @@
 //! random inputs: prefill pieces starting at unaligned positions, odd head counts and group
 //! sizes, verify and decode rows, and a context long enough to cut into several ranges; and the
 //! bitwise cases: a prompt prefilled in one piece or in 64- and 128-token pieces, a decode row
-//! alone, among 7 and among 63 rows, a verify row alone and beside a prefill. Runs where a GPU
-//! is present:
+//! alone, among 7 and among 63 rows, a verify row alone and beside a prefill; and a plain decode
+//! step, whose launch prepares its own heads (attn_flash_decode), against the same tokens
+//! prepared by attn_prep in verify and prefill rows. Runs where a GPU is present:
 //!
 //!     cargo test --release --test cuda_flash_attention
 
@@ -204,6 +205,72 @@ fn flash_attention_rows_are_bitwise_invariant() {
             let rows = [(RowKind::Prefill, 5, 150), (RowKind::Generate, 0, 4)];
             let beside = layer.run(&gpu, &mut cache, &layout_rows(&seqs, &rows), &Inputs::concat(&[&prefill, &verify]));
             assert!(bitwise_equal(&alone, &beside[150 * nq * hd..]), "{what}: a verify row beside a prefill differs from the row alone");
+        }
+    }
+}
+
+/// A plain decode step prepares its heads inside the attention launch (attn_flash_decode): its
+/// rows and the keys and values it stores have the bits of the same tokens prepared by attn_prep
+/// as the last token of a 4-token verify row and as the last token of a prefill piece. Decode
+/// steps of 36 rows (one block per token for 4 and 5 kv heads) and of 5 rows (a block per
+/// range); contexts of 2301 keys, at tile edges (the new token first or last of its tile) and
+/// random.
+#[test]
+fn flash_attention_fused_decode_rows_equal_the_prepared_rows() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::new(seed());
+    let n = 36;
+    for dtype in FLASH_DTYPES {
+        for (nq, nkv, hd, rot) in [(16, 4, 256, 64), (3, 1, 16, 4), (15, 5, 128, 32)] {
+            let what = format!("{dtype} {nq}/{nkv}x{hd}");
+            let layer = Layer::new(&mut rng, nq, nkv, hd, rot);
+            // Prompt lengths (each at least 4: the verify run prefills all but the last 3 first);
+            // the decoded token follows the prompt.
+            let mut prompts = vec![2300, 63, 64, 127, 128, 4];
+            prompts.extend((prompts.len()..n).map(|_| 4 + rng.below(200)));
+            let seqs = cache_sequences(&mut rng, n, 2301_usize.div_ceil(16));
+            let tokens: Vec<Inputs> = prompts.iter().map(|&p| layer.inputs(&mut rng, p + 1)).collect();
+            let spec = attention_spec(dtype, nkv, hd, n * seqs[0].table.len(), n);
+            // Runs `steps`, each a list of (kind, sequence, first token, tokens), on a fresh cache;
+            // returns each step's output and the cache.
+            let run = |steps: &[Vec<(RowKind, usize, usize, usize)>]| {
+                let mut cache = gpu.alloc_cache(&spec).unwrap();
+                let mut s = seqs.clone();
+                let mut outs = Vec::new();
+                for step in steps {
+                    let rows: Vec<(RowKind, usize, usize)> = step.iter().map(|&(kind, q, _, len)| (kind, q, len)).collect();
+                    let parts: Vec<Inputs> = step.iter().map(|&(_, q, a, len)| tokens[q].tokens(a, a + len, nq, nkv, hd)).collect();
+                    outs.push(layer.run(&gpu, &mut cache, &layout_rows(&s, &rows), &Inputs::concat(&parts.iter().collect::<Vec<_>>())));
+                    advance_rows(&mut s, &rows);
+                }
+                (outs, gpu.cache_to_host(&cache).kv)
+            };
+            let row = |out: &[f32], i: usize| out[i * nq * hd..(i + 1) * nq * hd].to_vec();
+            let prefill: Vec<_> = (0..n).map(|q| (RowKind::Prefill, q, 0, prompts[q])).collect();
+            // Decoded: all rows, and on a cache of its own the first 5.
+            let decode = |count: usize| (0..count).map(|q| (RowKind::Generate, q, prompts[q], 1)).collect::<Vec<_>>();
+            let (fused, fused_kv) = run(&[prefill.clone(), decode(n)]);
+            let (few, _) = run(&[prefill, decode(5)]);
+            // Verified: the prompts' last 3 tokens and the new one as 4-token rows.
+            let short: Vec<_> = (0..n).map(|q| (RowKind::Prefill, q, 0, prompts[q] - 3)).collect();
+            let verify: Vec<_> = (0..n).map(|q| (RowKind::Generate, q, prompts[q] - 3, 4)).collect();
+            let (verified, verified_kv) = run(&[short, verify]);
+            // Prefilled: prompt and token in one piece.
+            let whole: Vec<_> = (0..n).map(|q| (RowKind::Prefill, q, 0, prompts[q] + 1)).collect();
+            let (prefilled, prefilled_kv) = run(&[whole]);
+            let mut ends = (0, 0);
+            for q in 0..n {
+                ends.0 += 4;
+                ends.1 += prompts[q] + 1;
+                let want = row(&verified[1], ends.0 - 1);
+                assert!(bitwise_equal(&row(&fused[1], q), &want), "{what}: decode row {q} (context {}) differs from the verify row's", prompts[q] + 1);
+                assert!(bitwise_equal(&row(&prefilled[0], ends.1 - 1), &want), "{what}: prefilled row {q} differs from the verify row's");
+                if q < 5 {
+                    assert!(bitwise_equal(&row(&few[1], q), &want), "{what}: decode row {q} among 5 differs from the verify row's");
+                }
+            }
+            assert!(fused_kv.k == verified_kv.k && fused_kv.v == verified_kv.v, "{what}: the decode step stored other keys or values than the verify step");
+            assert!(prefilled_kv.k == verified_kv.k && prefilled_kv.v == verified_kv.v, "{what}: the prefill stored other keys or values than the verify step");
         }
     }
 }

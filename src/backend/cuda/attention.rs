@@ -32,9 +32,18 @@ struct AttnKernels<'a> {
     decode: &'a CudaFunction,
     /// The merge of a split step's ranges (rotating the output back for a rotated format).
     combine: &'a CudaFunction,
-    /// attn_flash and its range merge: tensor-core attention (bf16 and fp8 caches).
-    flash: Option<(&'a CudaFunction, &'a CudaFunction)>,
+    /// Tensor-core attention (bf16 and fp8 caches).
+    flash: Option<FlashKernels<'a>>,
     rotated: bool,
+}
+
+/// attn_flash, its plain-decode form that prepares its own heads (attn_flash_decode), and their
+/// range merge (cuda/attention_flash.cu).
+#[derive(Clone, Copy)]
+struct FlashKernels<'a> {
+    flash: &'a CudaFunction,
+    decode: &'a CudaFunction,
+    combine: &'a CudaFunction,
 }
 
 fn kernels(be: &CudaBackend, dtype: KvDtype) -> AttnKernels<'_> {
@@ -42,8 +51,8 @@ fn kernels(be: &CudaBackend, dtype: KvDtype) -> AttnKernels<'_> {
     let (prep, core, decode, combine, flash) = match dtype {
         // f32 stays the exact reference; tq3's codebook rows keep the per-(token, head) kernels.
         KvDtype::F32 => (&k.attn_prep_f32, &k.attn_core_f32, &k.attn_decode_f32, &k.attn_combine_f32, None),
-        KvDtype::Bf16 => (&k.attn_prep_bf16, &k.attn_core_bf16, &k.attn_decode_bf16, &k.attn_combine_bf16, Some((&k.attn_flash_bf16, &k.attn_flash_combine_bf16))),
-        KvDtype::Fp8 => (&k.attn_prep_fp8, &k.attn_core_fp8, &k.attn_decode_fp8, &k.attn_combine_fp8, Some((&k.attn_flash_fp8, &k.attn_flash_combine_fp8))),
+        KvDtype::Bf16 => (&k.attn_prep_bf16, &k.attn_core_bf16, &k.attn_decode_bf16, &k.attn_combine_bf16, Some(FlashKernels { flash: &k.attn_flash_bf16, decode: &k.attn_flash_decode_bf16, combine: &k.attn_flash_combine_bf16 })),
+        KvDtype::Fp8 => (&k.attn_prep_fp8, &k.attn_core_fp8, &k.attn_decode_fp8, &k.attn_combine_fp8, Some(FlashKernels { flash: &k.attn_flash_fp8, decode: &k.attn_flash_decode_fp8, combine: &k.attn_flash_combine_fp8 })),
         KvDtype::Tq3 => (&k.attn_prep_tq3, &k.attn_core_tq3, &k.attn_decode_tq3, &k.attn_combine_tq3, None),
         KvDtype::Tq3UniformValues => unreachable!("refused when the cache was allocated (kv_tables)"),
     };
@@ -105,8 +114,8 @@ pub(super) fn gated_attention(
     let heads_per_block = if t >= GROUPED_HEADS_MIN_TOKENS && group * hd <= MAX_BLOCK_ELEMS { group } else { 1 };
     let out = be.tensor(t, nq * hd);
     let scale = 1.0 / (hd as f32).sqrt();
-    // What attn_prep and attn_decode read to prepare the step's heads: their arguments after
-    // the first two, in the same order.
+    // What attn_prep, attn_decode and attn_flash_decode read to prepare the step's heads: their
+    // arguments after the first two, in the same order.
     let head_inputs = [
         Arg::Kv(kv),
         Arg::Ptr(be.ptr(&q_gate.data)),
@@ -135,8 +144,7 @@ pub(super) fn gated_attention(
         (q, gate)
     };
     // Tensor cores: every step, decode included, so that a row's bits are the same on every path.
-    if let Some((flash, flash_combine)) = kernels.flash.filter(|_| hd % 16 == 0 && group <= FLASH_ROWS) {
-        let (q, gate) = prepare();
+    if let Some(fk) = kernels.flash.filter(|_| hd % 16 == 0 && group <= FLASH_ROWS) {
         // A block takes 64 / group tokens of one sequence; a decode step's tokens are each a
         // sequence of their own, so one each.
         let single = layout.rows.iter().all(|r| r.num_tokens == 1);
@@ -147,37 +155,50 @@ pub(super) fn gated_attention(
             tokens_per_block = 1;
         }
         // Query rows (bf16 parts and remainders), then the key and value tiles, bf16 rows of
-        // hd + 8 (cuda/attention_flash.cu).
+        // hd + 8 (cuda/attention_flash.cu); attn_flash_decode's preparation scratch (16 rows of
+        // hd floats) fits in the tiles.
         let smem = (2 * FLASH_ROWS + 2 * KEY_TILE) * (hd + 8) * 2;
         assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
         let partial = split.then(|| be.alloc_f32(t * nq * FLASH_SPLITS * (hd + 2)));
-        be.launch(
-            flash,
-            (t.div_ceil(tokens_per_block) as u32, nkv as u32, if split { FLASH_SPLITS as u32 } else { 1 }),
-            256,
-            smem,
-            &[
-                Arg::Ptr(be.ptr(&out.data)),
-                Arg::Ptr(be.ptr(&q.data)),
-                Arg::Ptr(be.ptr(&gate.data)),
-                Arg::Kv(kv),
-                Arg::Ptr(at(dl.tok_row_off)),
-                Arg::Ptr(at(dl.pos_off)),
-                Arg::Ptr(base),
-                Arg::Ptr(base),
-                Arg::I32(t as i32),
-                Arg::I32(nq as i32),
-                Arg::I32(nkv as i32),
-                Arg::I32(hd as i32),
-                Arg::I32(bs as i32),
-                Arg::I32(tokens_per_block as i32),
-                Arg::F32(scale),
-                Arg::Ptr(partial.as_ref().map_or(0, |p| be.ptr(p))),
-            ],
-        );
+        let partial_ptr = partial.as_ref().map_or(0, |p| be.ptr(p));
+        let grid = (t.div_ceil(tokens_per_block) as u32, nkv as u32, if split { FLASH_SPLITS as u32 } else { 1 });
+        // Plain decode prepares its heads in the attention launch; the gates are then the q/gate
+        // projection's second halves.
+        let prepared = (!(single && be.attn_decode)).then(prepare);
+        let (gate, gate_stride) = if let Some((q, gate)) = &prepared {
+            be.launch(
+                fk.flash,
+                grid,
+                256,
+                smem,
+                &[
+                    Arg::Ptr(be.ptr(&out.data)),
+                    Arg::Ptr(be.ptr(&q.data)),
+                    Arg::Ptr(be.ptr(&gate.data)),
+                    Arg::Kv(kv),
+                    Arg::Ptr(at(dl.tok_row_off)),
+                    Arg::Ptr(at(dl.pos_off)),
+                    Arg::Ptr(base),
+                    Arg::Ptr(base),
+                    Arg::I32(t as i32),
+                    Arg::I32(nq as i32),
+                    Arg::I32(nkv as i32),
+                    Arg::I32(hd as i32),
+                    Arg::I32(bs as i32),
+                    Arg::I32(tokens_per_block as i32),
+                    Arg::F32(scale),
+                    Arg::Ptr(partial_ptr),
+                ],
+            );
+            (be.ptr(&gate.data), hd)
+        } else {
+            let args = [&[Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(partial_ptr)][..], &head_inputs, &[Arg::F32(scale)]].concat();
+            be.launch(fk.decode, grid, 256, smem, &args);
+            (be.ptr(&q_gate.data) + 4 * hd as u64, 2 * hd)
+        };
         if let Some(partial) = &partial {
-            let args = [Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(be.ptr(&gate.data)), Arg::Ptr(be.ptr(partial)), Arg::Ptr(at(dl.pos_off)), Arg::I32(nq as i32), Arg::I32(hd as i32)];
-            be.launch(flash_combine, (t as u32, nq as u32, 1), hd.div_ceil(32) as u32 * 32, 0, &args);
+            let args = [Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(gate), Arg::Ptr(be.ptr(partial)), Arg::Ptr(at(dl.pos_off)), Arg::I32(nq as i32), Arg::I32(hd as i32), Arg::I32(gate_stride as i32)];
+            be.launch(fk.combine, (t as u32, nq as u32, 1), hd.div_ceil(32) as u32 * 32, 0, &args);
         }
         return out;
     }
