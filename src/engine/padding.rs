@@ -175,27 +175,36 @@ pub fn pad_step(plan: &StepPlan, shape: PaddedShape, scratch: Scratch, block_siz
     let mut ids = plan.ids.0.clone();
     let mut layout = plan.layout.clone();
     // Snapshot slots are handed out in token order; the padded rows' follow the real rows'.
-    let mut snapshot = layout.rows.iter().filter(|r| r.kind == RowKind::Generate).map(|r| r.snapshot_base + r.num_tokens).max().unwrap_or(0);
+    let snapshot = layout.rows.iter().filter(|r| r.kind == RowKind::Generate).map(|r| r.snapshot_base + r.num_tokens).max().unwrap_or(0);
+    push_padded_rows(&mut ids, &mut layout, real, shape, scratch, block_size, RowKind::Generate, Some(snapshot));
+    let logit_rows = (0..shape.tokens.0 as u32).collect();
+    PaddedStep { ids, layout, logit_rows, real, shape }
+}
+
+/// Appends the rows that pad `real` up to `shape`: one token each, the last taking the rest, at
+/// position 0 in the scratch KV block and state slot, of `kind`. Their snapshot slots follow on
+/// from `snapshot` where the rows keep snapshots (generate rows), else 0.
+#[allow(clippy::too_many_arguments)]
+fn push_padded_rows(ids: &mut Vec<u32>, layout: &mut BatchLayout, real: RealShape, shape: PaddedShape, scratch: Scratch, block_size: usize, kind: RowKind, snapshot: Option<usize>) {
     let extra_rows = shape.rows.extra_over(real.rows);
     let extra_tokens = shape.tokens.extra_over(real.tokens);
     let mut token = real.tokens.0;
+    let mut snapshot = snapshot;
     for i in 0..extra_rows {
         let n = if i + 1 == extra_rows { extra_tokens - (extra_rows - 1) } else { 1 };
         ids.extend(std::iter::repeat_n(0, n));
         layout.rows.push(RowLayout {
-            kind: RowKind::Generate,
+            kind,
             token_start: token,
             num_tokens: n,
             start_position: 0,
             block_table: vec![scratch.block; n.div_ceil(block_size.max(1))],
             state_slot: scratch.state_slot,
-            snapshot_base: snapshot,
+            snapshot_base: snapshot.unwrap_or(0),
         });
         token += n;
-        snapshot += n;
+        snapshot = snapshot.map(|s| s + n);
     }
-    let logit_rows = (0..shape.tokens.0 as u32).collect();
-    PaddedStep { ids, layout, logit_rows, real, shape }
 }
 
 /// Every row's last token, in order: the logits rows of an MTP drafter forward.
@@ -215,23 +224,7 @@ pub fn pad_mtp_forward(ids: &[u32], layout: &BatchLayout, shape: PaddedShape, sc
     assert!(fits(shape, real, PadLimits { max_tokens: usize::MAX, max_blocks_per_row: usize::MAX, block_size }), "{shape:?} cannot hold {real:?}");
     let mut ids = ids.to_vec();
     let mut layout = layout.clone();
-    let extra_rows = shape.rows.extra_over(real.rows);
-    let extra_tokens = shape.tokens.extra_over(real.tokens);
-    let mut token = real.tokens.0;
-    for i in 0..extra_rows {
-        let n = if i + 1 == extra_rows { extra_tokens - (extra_rows - 1) } else { 1 };
-        ids.extend(std::iter::repeat_n(0, n));
-        layout.rows.push(RowLayout {
-            kind: RowKind::Prefill,
-            token_start: token,
-            num_tokens: n,
-            start_position: 0,
-            block_table: vec![scratch.block; n.div_ceil(block_size.max(1))],
-            state_slot: scratch.state_slot,
-            snapshot_base: 0,
-        });
-        token += n;
-    }
+    push_padded_rows(&mut ids, &mut layout, real, shape, scratch, block_size, RowKind::Prefill, None);
     let logit_rows = last_tokens(&layout);
     PaddedStep { ids, layout, logit_rows, real, shape }
 }
