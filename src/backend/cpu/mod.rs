@@ -6,6 +6,7 @@ mod attention;
 mod dequant;
 pub mod dot;
 pub mod gdn;
+pub mod int8;
 pub mod kv_store;
 pub mod matmul;
 pub mod pool;
@@ -15,6 +16,7 @@ use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
 use kv_store::KvStore;
 pub use dot::Isa;
+pub use int8::MatmulMode;
 pub use matmul::CpuMatrix;
 use matmul::Store;
 use pool::{SharedOut, ThreadPool};
@@ -48,6 +50,8 @@ pub struct CpuCache {
 pub struct CpuBackend {
     pool: ThreadPool,
     isa: Isa,
+    /// Exact f32 products (the reference) or the integer path for quantized weights.
+    matmul_mode: MatmulMode,
     /// `--load-format dummy`: the seed of the next random matrix, while uploads make them.
     random_weights: Mutex<Option<u64>>,
 }
@@ -81,7 +85,7 @@ impl CpuBackend {
     /// choice gives the same bits). `isa` must be one the CPU runs ([`Isa::detect`] or
     /// [`Isa::Scalar`]).
     pub fn with_options(threads: usize, isa: Isa) -> Self {
-        CpuBackend { pool: ThreadPool::new(threads), isa, random_weights: Mutex::new(None) }
+        CpuBackend { pool: ThreadPool::new(threads), isa, matmul_mode: MatmulMode::Exact, random_weights: Mutex::new(None) }
     }
 
     /// Threads each op runs on.
@@ -91,6 +95,24 @@ impl CpuBackend {
 
     pub fn isa(&self) -> Isa {
         self.isa
+    }
+
+    /// The same backend multiplying quantized weights as `mode` says.
+    pub fn with_matmul_mode(mut self, mode: MatmulMode) -> Self {
+        self.matmul_mode = mode;
+        self
+    }
+
+    pub fn matmul_mode(&self) -> MatmulMode {
+        self.matmul_mode
+    }
+
+    /// `y (store) x @ w^T` in the backend's matmul mode.
+    fn matmul_into(&self, x: &[f32], t: usize, w: &CpuMatrix, y: &mut [f32], store: Store) {
+        match self.matmul_mode {
+            MatmulMode::Exact => matmul::matmul_into(&self.pool, self.isa, x, t, w, y, store),
+            MatmulMode::Int8 => int8::matmul_into(&self.pool, self.isa, x, t, w, y, store),
+        }
     }
 }
 
@@ -255,12 +277,14 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuMatrix) -> CpuTensor {
-        CpuTensor { data: matmul::matmul(&self.pool, self.isa, &x.data, x.rows, w), rows: x.rows, cols: w.rows }
+        let mut data = vec![0.0f32; x.rows * w.rows];
+        self.matmul_into(&x.data, x.rows, w, &mut data, Store::Set);
+        CpuTensor { data, rows: x.rows, cols: w.rows }
     }
 
     fn matmul_add(&self, acc: &mut CpuTensor, x: &CpuTensor, w: &CpuMatrix) {
         assert_eq!((acc.rows, acc.cols), (x.rows, w.rows), "matmul_add: accumulator shape");
-        matmul::matmul_into(&self.pool, self.isa, &x.data, x.rows, w, &mut acc.data, Store::Add);
+        self.matmul_into(&x.data, x.rows, w, &mut acc.data, Store::Add);
     }
 
     fn matmul_parts(&self, x: &CpuTensor, w: &CpuMatrix, widths: &[usize]) -> Vec<CpuTensor> {
