@@ -154,71 +154,69 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatr
     }
 }
 
-/// Rows `r0..r1` of an integer-kernel part against every token, up to four tokens per pass
-/// over a weight row.
-fn int8_rows(isa: Isa, acts: &QuantActs, t: usize, part: &MatrixBytes, r0: usize, r1: usize, dst: &Dst) {
-    let (rb, bytes) = (part.row_bytes(), part.bytes());
-    for r in r0..r1 {
-        let row = &bytes[r * rb..(r + 1) * rb];
-        let mut i0 = 0;
-        while i0 < t {
-            let n = (t - i0).min(4);
-            let mut res = [0.0f32; 4];
-            row_dots(isa, part.dtype, row, acts, i0, &mut res[..n]);
-            for (i, &v) in res[..n].iter().enumerate() {
-                // SAFETY: this share owns rows r0..r1's columns.
-                unsafe { dst.put(i0 + i, r, v) };
+/// Runs `avx2::kernel::<T>` for the tile of `out.len()` tokens (one to four).
+#[cfg(target_arch = "x86_64")]
+macro_rules! tiles {
+    ($out:expr, $kernel:ident, $row:expr, $a:expr, $stride:expr) => {
+        unsafe {
+            match $out.len() {
+                1 => $out.copy_from_slice(&avx2::$kernel::<1>($row, $a, $stride)),
+                2 => $out.copy_from_slice(&avx2::$kernel::<2>($row, $a, $stride)),
+                3 => $out.copy_from_slice(&avx2::$kernel::<3>($row, $a, $stride)),
+                _ => $out.copy_from_slice(&avx2::$kernel::<4>($row, $a, $stride)),
             }
-            i0 += n;
         }
-    }
+    };
 }
 
-/// Weight row `row` (of `dtype`) against tokens `i0..i0 + out.len()`.
-fn row_dots(isa: Isa, dtype: Dtype, row: &[u8], acts: &QuantActs, i0: usize, out: &mut [f32]) {
-    match isa {
-        Isa::Scalar => {
-            for (i, o) in out.iter_mut().enumerate() {
-                *o = match dtype {
-                    Dtype::Q4K => scalar::q4_k_row(row, acts.q8k_row(i0 + i)),
-                    Dtype::Q6K => scalar::q6_k_row(row, acts.q8k_row(i0 + i)),
-                    Dtype::Q8_0 => scalar::q8_0_row(row, acts.q80_row(i0 + i)),
-                    Dtype::Q4_0 => scalar::q4_0_row(row, acts.q80_row(i0 + i)),
-                    _ => unreachable!("no integer kernel for {dtype}"),
-                };
+/// Rows `r0..r1` of an integer-kernel part against every token.
+fn int8_rows(isa: Isa, acts: &QuantActs, t: usize, part: &MatrixBytes, r0: usize, r1: usize, dst: &Dst) {
+    let (rb, bytes) = (part.row_bytes(), part.bytes());
+    let rows = |kernel: &dyn Fn(&[u8], usize, &mut [f32])| {
+        let mut res = [0.0f32; 4];
+        for r in r0..r1 {
+            let row = &bytes[r * rb..(r + 1) * rb];
+            let mut i0 = 0;
+            while i0 < t {
+                let n = (t - i0).min(4);
+                kernel(row, i0, &mut res[..n]);
+                for (i, &v) in res[..n].iter().enumerate() {
+                    // SAFETY: this share owns rows r0..r1's columns.
+                    unsafe { dst.put(i0 + i, r, v) };
+                }
+                i0 += n;
             }
         }
+    };
+    let (k_stride, stride_0) = (acts.k_blocks, acts.blocks_0);
+    match isa {
+        Isa::Scalar => {
+            let dots = |row: &[u8], i0: usize, out: &mut [f32]| {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = match part.dtype {
+                        Dtype::Q4K => scalar::q4_k_row(row, acts.q8k_row(i0 + i)),
+                        Dtype::Q6K => scalar::q6_k_row(row, acts.q8k_row(i0 + i)),
+                        Dtype::Q8_0 => scalar::q8_0_row(row, acts.q80_row(i0 + i)),
+                        Dtype::Q4_0 => scalar::q4_0_row(row, acts.q80_row(i0 + i)),
+                        other => unreachable!("no integer kernel for {other}"),
+                    };
+                }
+            };
+            rows(&dots)
+        }
+        // SAFETY (each kernel): AVX2 is available (the backend checked it when choosing
+        // `isa`); tokens i0..i0 + n hold a block per block of the weight row.
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2 is available (the backend checked it when choosing `isa`); the
-        // activation rows hold a block per block of the weight row.
-        Isa::Avx2 => unsafe {
-            match out.len() {
-                1 => out.copy_from_slice(&avx2_dots::<1>(dtype, row, acts, i0)),
-                2 => out.copy_from_slice(&avx2_dots::<2>(dtype, row, acts, i0)),
-                3 => out.copy_from_slice(&avx2_dots::<3>(dtype, row, acts, i0)),
-                _ => out.copy_from_slice(&avx2_dots::<4>(dtype, row, acts, i0)),
-            }
+        Isa::Avx2 => match part.dtype {
+            Dtype::Q4K => rows(&|row, i0, out| tiles!(out, q4_k, row, &acts.q8k[i0 * k_stride..], k_stride)),
+            Dtype::Q6K => rows(&|row, i0, out| tiles!(out, q6_k, row, &acts.q8k[i0 * k_stride..], k_stride)),
+            Dtype::Q8_0 => rows(&|row, i0, out| tiles!(out, q8_0, row, &acts.q80[i0 * stride_0..], stride_0)),
+            Dtype::Q4_0 => rows(&|row, i0, out| tiles!(out, q4_0, row, &acts.q80[i0 * stride_0..], stride_0)),
+            other => unreachable!("no integer kernel for {other}"),
         },
     }
 }
 
-/// # Safety
-/// AVX2 is available; tokens `i0..i0 + T` are quantized in the form `dtype` reads.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn avx2_dots<const T: usize>(dtype: Dtype, row: &[u8], acts: &QuantActs, i0: usize) -> [f32; T] {
-    let k_rows = || std::array::from_fn(|i| acts.q8k_row(i0 + i));
-    let rows_0 = || std::array::from_fn(|i| acts.q80_row(i0 + i));
-    unsafe {
-        match dtype {
-            Dtype::Q4K => avx2::q4_k::<T>(row, k_rows()),
-            Dtype::Q6K => avx2::q6_k::<T>(row, k_rows()),
-            Dtype::Q8_0 => avx2::q8_0::<T>(row, rows_0()),
-            Dtype::Q4_0 => avx2::q4_0::<T>(row, rows_0()),
-            _ => unreachable!("no integer kernel for {dtype}"),
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests;
