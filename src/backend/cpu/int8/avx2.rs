@@ -8,7 +8,7 @@
 //! Activation rows are `stride` blocks apart: token `i`'s block `b` is `a[i * stride + b]`.
 
 use super::act::{BlockQ80, BlockQ8K};
-use super::scalar::{f16_at, q4_k_scales_mins};
+use super::scalar::q4_k_scales_mins;
 use crate::backend::cpu::dot::{reduce_lanes, LANES};
 use std::arch::x86_64::*;
 
@@ -17,18 +17,30 @@ unsafe fn load32(p: *const u8) -> __m256i {
     unsafe { _mm256_loadu_si256(p as *const __m256i) }
 }
 
+/// The eight lanes of each accumulator summed in the reference order.
 #[inline(always)]
-unsafe fn lanes_sum(v: __m256) -> f32 {
-    let mut l = [0.0f32; LANES];
-    unsafe { _mm256_storeu_ps(l.as_mut_ptr(), v) };
-    reduce_lanes(&l)
+unsafe fn lanes_sums<const T: usize>(acc: &[__m256; T]) -> [f32; T] {
+    let mut out = [0.0f32; T];
+    for (o, v) in out.iter_mut().zip(acc) {
+        let mut l = [0.0f32; LANES];
+        unsafe { _mm256_storeu_ps(l.as_mut_ptr(), *v) };
+        *o = reduce_lanes(&l);
+    }
+    out
+}
+
+/// The f16 at `b[at..at + 2]` as f32 (exact, as `half` converts it), inline with F16C.
+#[inline(always)]
+unsafe fn f16_at(b: &[u8], at: usize) -> f32 {
+    let bits = i32::from(u16::from_le_bytes([b[at], b[at + 1]]));
+    unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits))) }
 }
 
 /// Q4_K row `w` against `T` q8_K rows.
 ///
 /// # Safety
-/// AVX2 is available; `a` holds `T` rows of a block per 256 weights of `w`, `stride` apart.
-#[target_feature(enable = "avx2")]
+/// AVX2 and F16C are available; `a` holds `T` rows of a block per 256 weights of `w`, `stride` apart.
+#[target_feature(enable = "avx2,f16c")]
 pub unsafe fn q4_k<const T: usize>(w: &[u8], a: &[BlockQ8K], stride: usize) -> [f32; T] {
     unsafe {
         let m4 = _mm256_set1_epi8(0x0F);
@@ -63,15 +75,15 @@ pub unsafe fn q4_k<const T: usize>(w: &[u8], a: &[BlockQ8K], stride: usize) -> [
                 *lanes = _mm256_sub_ps(_mm256_add_ps(*lanes, _mm256_mul_ps(d, _mm256_cvtepi32_ps(*sum))), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(min_lanes)));
             }
         }
-        acc.map(|v| lanes_sum(v))
+        lanes_sums(&acc)
     }
 }
 
 /// Q6_K row `w` against `T` q8_K rows.
 ///
 /// # Safety
-/// AVX2 is available; `a` holds `T` rows of a block per 256 weights of `w`, `stride` apart.
-#[target_feature(enable = "avx2")]
+/// AVX2 and F16C are available; `a` holds `T` rows of a block per 256 weights of `w`, `stride` apart.
+#[target_feature(enable = "avx2,f16c")]
 pub unsafe fn q6_k<const T: usize>(w: &[u8], a: &[BlockQ8K], stride: usize) -> [f32; T] {
     unsafe {
         let m4 = _mm256_set1_epi8(0x0F);
@@ -110,7 +122,7 @@ pub unsafe fn q6_k<const T: usize>(w: &[u8], a: &[BlockQ8K], stride: usize) -> [
                 *lanes = _mm256_add_ps(*lanes, _mm256_mul_ps(_mm256_set1_ps(ab.d * wd), _mm256_cvtepi32_ps(net)));
             }
         }
-        acc.map(|v| lanes_sum(v))
+        lanes_sums(&acc)
     }
 }
 
@@ -132,15 +144,15 @@ unsafe fn lanes_rows<const B: usize, const T: usize>(w: &[u8], a: &[BlockQ80], s
                 *lanes = _mm256_add_ps(*lanes, _mm256_mul_ps(_mm256_set1_ps(wd * ab.d), _mm256_cvtepi32_ps(s)));
             }
         }
-        acc.map(|v| lanes_sum(v))
+        lanes_sums(&acc)
     }
 }
 
 /// Q8_0 row `w` against `T` q8_0 rows.
 ///
 /// # Safety
-/// AVX2 is available; `a` holds `T` rows of a block per 32 weights of `w`, `stride` apart.
-#[target_feature(enable = "avx2")]
+/// AVX2 and F16C are available; `a` holds `T` rows of a block per 32 weights of `w`, `stride` apart.
+#[target_feature(enable = "avx2,f16c")]
 pub unsafe fn q8_0<const T: usize>(w: &[u8], a: &[BlockQ80], stride: usize) -> [f32; T] {
     unsafe { lanes_rows::<34, T>(w, a, stride, |wb| load32(wb.as_ptr().add(2))) }
 }
@@ -148,8 +160,8 @@ pub unsafe fn q8_0<const T: usize>(w: &[u8], a: &[BlockQ80], stride: usize) -> [
 /// Q4_0 row `w` against `T` q8_0 rows.
 ///
 /// # Safety
-/// AVX2 is available; `a` holds `T` rows of a block per 32 weights of `w`, `stride` apart.
-#[target_feature(enable = "avx2")]
+/// AVX2 and F16C are available; `a` holds `T` rows of a block per 32 weights of `w`, `stride` apart.
+#[target_feature(enable = "avx2,f16c")]
 pub unsafe fn q4_0<const T: usize>(w: &[u8], a: &[BlockQ80], stride: usize) -> [f32; T] {
     unsafe {
         lanes_rows::<18, T>(w, a, stride, |wb| {

@@ -57,6 +57,9 @@ impl std::str::FromStr for MatmulMode {
     }
 }
 
+/// Bytes of weight rows a thread runs every token against before moving on (within L1).
+const ROW_BLOCK_BYTES: usize = 12 * 1024;
+
 /// The activation blocks a weight format's integer kernel reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ActFormat {
@@ -172,17 +175,22 @@ macro_rules! tiles {
 /// Rows `r0..r1` of an integer-kernel part against every token.
 fn int8_rows(isa: Isa, acts: &QuantActs, t: usize, part: &MatrixBytes, r0: usize, r1: usize, dst: &Dst) {
     let (rb, bytes) = (part.row_bytes(), part.bytes());
+    // Blocks of weight rows that stay in L1 while every tile of up to four tokens (whose
+    // activation blocks stay in L1 across the block's rows) passes over them.
+    let block = (ROW_BLOCK_BYTES / rb.max(1)).max(1);
     let rows = |kernel: &dyn Fn(&[u8], usize, &mut [f32])| {
         let mut res = [0.0f32; 4];
-        for r in r0..r1 {
-            let row = &bytes[r * rb..(r + 1) * rb];
+        for b0 in (r0..r1).step_by(block) {
+            let b1 = (b0 + block).min(r1);
             let mut i0 = 0;
             while i0 < t {
                 let n = (t - i0).min(4);
-                kernel(row, i0, &mut res[..n]);
-                for (i, &v) in res[..n].iter().enumerate() {
-                    // SAFETY: this share owns rows r0..r1's columns.
-                    unsafe { dst.put(i0 + i, r, v) };
+                for r in b0..b1 {
+                    kernel(&bytes[r * rb..(r + 1) * rb], i0, &mut res[..n]);
+                    for (i, &v) in res[..n].iter().enumerate() {
+                        // SAFETY: this share owns rows r0..r1's columns.
+                        unsafe { dst.put(i0 + i, r, v) };
+                    }
                 }
                 i0 += n;
             }
@@ -204,7 +212,7 @@ fn int8_rows(isa: Isa, acts: &QuantActs, t: usize, part: &MatrixBytes, r0: usize
             };
             rows(&dots)
         }
-        // SAFETY (each kernel): AVX2 is available (the backend checked it when choosing
+        // SAFETY (each kernel): AVX2 and F16C are available (the backend checked them when choosing
         // `isa`); tokens i0..i0 + n hold a block per block of the weight row.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => match part.dtype {
