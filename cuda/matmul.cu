@@ -8,21 +8,20 @@
 //    an f32 accumulator that starts at zero; the 8 slice sums are then added in slice order.
 //  - Inside a 32-wide block, a thread's 8 consecutive k values feed two mmas (k permuted
 //    consistently for activations and weights, so 16-byte loads feed the fragments directly).
-//  - Each f32 activation is split as hi = bf16(x), lo = bf16(x - hi): the product keeps about
-//    16 bits of the activation. F32/F16 weights are split the same way (hi + lo matrices).
-//    Per half-block the order is hi*Whi, lo*Whi, then hi*Wlo when the weight has a lo part.
+//  - Each f32 activation enters as bf16 (round to nearest even; round8), one mma per product,
+//    as bf16 inference does (vLLM, llama.cpp's cuBLAS path); the residual stream stays f32.
+//    F32/F16 weights are split as Whi = bf16(w), Wlo = bf16(w - Whi) to keep their precision:
+//    per half-block the order is x*Whi, then x*Wlo when the weight has a lo part.
 // The small-row kernel gives each warp one slice and adds the slices through shared memory;
 // the tiled and pipelined kernels walk the slices in sequence. All add 0 + s0 + s1 + ... + s7
 // in order. The batch-invariance tests check this bitwise across the kernels.
 
-// One 32-wide k block for one m16 x n8 tile. ahi/alo[s] are the fragments of half-block s.
-__device__ __forceinline__ void mma_kblock(float c[4], const u32 ahi[2][4], const u32 alo[2][4], uint4 whi, uint4 wlo, bool has_lo) {
-    mma_bf16(c, ahi[0], whi.x, whi.y);
-    mma_bf16(c, alo[0], whi.x, whi.y);
-    if (has_lo) mma_bf16(c, ahi[0], wlo.x, wlo.y);
-    mma_bf16(c, ahi[1], whi.z, whi.w);
-    mma_bf16(c, alo[1], whi.z, whi.w);
-    if (has_lo) mma_bf16(c, ahi[1], wlo.z, wlo.w);
+// One 32-wide k block for one m16 x n8 tile. a[s] are the fragments of half-block s.
+__device__ __forceinline__ void mma_kblock(float c[4], const u32 a[2][4], uint4 whi, uint4 wlo, bool has_lo) {
+    mma_bf16(c, a[0], whi.x, whi.y);
+    if (has_lo) mma_bf16(c, a[0], wlo.x, wlo.y);
+    mma_bf16(c, a[1], whi.z, whi.w);
+    if (has_lo) mma_bf16(c, a[1], wlo.z, wlo.w);
 }
 
 __device__ __forceinline__ void load8_f32(const float* row, int k, int K, bool vec, float v[8]) {
@@ -115,39 +114,35 @@ template <int NT>
 __device__ __forceinline__ void small_kblock(float c[NT][4], const float* xr0, const float* xr1, bool two, int k, int K, bool vec, const uint4 bh[NT], const uint4 bl[NT], bool has_lo) {
     float v0[8];
     load8_f32(xr0, k, K, vec, v0);
-    u32 h0[4], l0[4], h1[4] = {0, 0, 0, 0}, l1[4] = {0, 0, 0, 0}, ahi[2][4], alo[2][4];
-    split8(v0, h0, l0);
+    u32 h0[4], h1[4] = {0, 0, 0, 0}, a[2][4];
+    round8(v0, h0);
     if (two) {
         float v1[8];
         load8_f32(xr1, k, K, vec, v1);
-        split8(v1, h1, l1);
+        round8(v1, h1);
     }
-    make_frags(h0, h1, ahi);
-    make_frags(l0, l1, alo);
+    make_frags(h0, h1, a);
 #pragma unroll
-    for (int j = 0; j < NT; ++j) mma_kblock(c[j], ahi, alo, bh[j], bl[j], has_lo);
+    for (int j = 0; j < NT; ++j) mma_kblock(c[j], a, bh[j], bl[j], has_lo);
 }
 
-// One fragment row's 8 bf16 hi and lo halves at k of an activation row split ahead of time
-// (`h`, its lo halves `lo_off` elements further on).
-__device__ __forceinline__ void load_split8(const bf16_t* h, long long lo_off, int k, u32 hi[4], u32 lo[4]) {
-    uint4 a = *(const uint4*)(h + k), b = *(const uint4*)(h + lo_off + k);
+// One fragment row's 8 bf16 values at k of an activation row rounded ahead of time (`h`).
+__device__ __forceinline__ void load_round8(const bf16_t* h, int k, u32 hi[4]) {
+    uint4 a = *(const uint4*)(h + k);
     hi[0] = a.x; hi[1] = a.y; hi[2] = a.z; hi[3] = a.w;
-    lo[0] = b.x; lo[1] = b.y; lo[2] = b.z; lo[3] = b.w;
 }
 
-// small_kblock on activations split ahead of time (split_activations): rows g and g+8 of the
-// tile come as bf16 hi arrays `h0`/`h1` with their lo halves `lo_off` elements further on.
-// The fragments are exactly those split8 makes, so the results are bitwise the same.
+// small_kblock on activations rounded to bf16 ahead of time (round_activations): rows g and
+// g+8 of the tile come as bf16 arrays `h0`/`h1`. The fragments are exactly those round8
+// makes, so the results are bitwise the same.
 template <int NT>
-__device__ __forceinline__ void small_kblock_split(float c[NT][4], const bf16_t* h0, const bf16_t* h1, long long lo_off, bool two, int k, const uint4 bh[NT], const uint4 zero[NT]) {
-    u32 hi0[4] = {0, 0, 0, 0}, lo0[4] = {0, 0, 0, 0}, hi1[4] = {0, 0, 0, 0}, lo1[4] = {0, 0, 0, 0}, ahi[2][4], alo[2][4];
-    if (h0) load_split8(h0, lo_off, k, hi0, lo0);
-    if (two && h1) load_split8(h1, lo_off, k, hi1, lo1);
-    make_frags(hi0, hi1, ahi);
-    make_frags(lo0, lo1, alo);
+__device__ __forceinline__ void small_kblock_rounded(float c[NT][4], const bf16_t* h0, const bf16_t* h1, bool two, int k, const uint4 bh[NT], const uint4 zero[NT]) {
+    u32 hi0[4] = {0, 0, 0, 0}, hi1[4] = {0, 0, 0, 0}, a[2][4];
+    if (h0) load_round8(h0, k, hi0);
+    if (two && h1) load_round8(h1, k, hi1);
+    make_frags(hi0, hi1, a);
 #pragma unroll
-    for (int j = 0; j < NT; ++j) mma_kblock(c[j], ahi, alo, bh[j], zero[j], false);
+    for (int j = 0; j < NT; ++j) mma_kblock(c[j], a, bh[j], zero[j], false);
 }
 
 // Few rows: grid (column blocks, ceil(rows/(16*MT)), groups), 32 * KSLICES threads; warp w
@@ -159,12 +154,12 @@ __device__ __forceinline__ void small_kblock_split(float c[NT][4], const bf16_t*
 // NT (n8 tiles per block) trades per-column overhead against parallelism for small N, and
 // SMALL_UNROLL (k blocks of weight loads in flight per warp) keeps the bytes in flight per SM
 // up when there are few columns; the per-element arithmetic depends on none of MT, NT, SMALL_UNROLL.
-// PRESPLIT kernels (more than one m tile) read activations split into bf16 halves once by
-// split_activations (`x` is then the hi array, lo_off elements before the lo array) instead of
-// splitting them in every column block; they take bf16 weights with K a multiple of 32 only.
+// PRESPLIT kernels (more than one m tile) read activations rounded to bf16 once by
+// round_activations (`x` is then a bf16 array) instead of rounding them in every column
+// block; they take bf16 weights with K a multiple of 32 only.
 template <int MT, int NT, int SMALL_UNROLL, bool PRESPLIT>
 __device__ __forceinline__ void matmul_small_body(float* out, const float* x, const bf16_t* whi_, const bf16_t* wlo_, int rows, int N, int K,
-        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active, long long lo_off, const Epilogue& epi) {
+        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active, const Epilogue& epi) {
     __shared__ float red[KSLICES][MT][NT][32][4];
     Group grp = group_of(whi_, wlo_, rows, group_w, counts, lists, list_stride, active);
     int m0 = blockIdx.y * 16 * MT;
@@ -220,7 +215,7 @@ __device__ __forceinline__ void matmul_small_body(float* out, const float* x, co
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         if (!live[mt]) continue;
-                        if constexpr (PRESPLIT) small_kblock_split<NT>(c[mt], xh0[mt], xh1[mt], lo_off, two[mt], (kb + u) * 32 + q * 8, bh[u], zero);
+                        if constexpr (PRESPLIT) small_kblock_rounded<NT>(c[mt], xh0[mt], xh1[mt], two[mt], (kb + u) * 32 + q * 8, bh[u], zero);
                         else small_kblock<NT>(c[mt], xr0[mt], xr1[mt], two[mt], (kb + u) * 32 + q * 8, K, true, bh[u], zero, false);
                     }
                 }
@@ -326,12 +321,12 @@ __device__ __forceinline__ void prefetch_small(const bf16_t* whi, const bf16_t* 
 #define SMALL_KERNEL(NAME, MT, NT, UNROLL, PRESPLIT)                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * KSLICES) NAME(float* out, const float* x, const bf16_t* whi, const bf16_t* wlo, int rows, \
             int N, int K, const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active,        \
-            long long lo_off, Epilogue epi, int lists_ready) {                                                                           \
+            long long x_elems, Epilogue epi, int lists_ready) {                                                                           \
         prefetch_small(whi, wlo, N, K, 8 * NT, group_w, active, lists_ready, epi);                                                      \
         wait_for_inputs();                                                                                                              \
-        matmul_small_body<MT, NT, UNROLL, PRESPLIT>(out, x, whi, wlo, rows, N, K, group_w, counts, lists, list_stride, a_div, active, lo_off, epi); \
+        matmul_small_body<MT, NT, UNROLL, PRESPLIT>(out, x, whi, wlo, rows, N, K, group_w, counts, lists, list_stride, a_div, active, epi); \
     }
-// Up to 16 rows, f32 activations split in the k loop. Four k blocks of loads in flight per warp
+// Up to 16 rows, f32 activations rounded in the k loop. Four k blocks of loads in flight per warp
 // leave registers for two or three resident blocks per SM, which streams faster than deeper
 // unrolling at fewer blocks (on the H100, 1 row: 4096x4096 22.5 -> 17.7 us, 24576x4096
 // 82.7 -> 76.6 us, 4096x12288 50.9 -> 43.2 us against nt4/u4 and nt2/u8).
@@ -340,12 +335,12 @@ SMALL_KERNEL(matmul_small_nt2, 1, 2, 4, false)
 // A K of at most 16 k blocks (two per warp): four n tiles, so that a block's one round of
 // loads per column block is four times as large.
 SMALL_KERNEL(matmul_small_nt4, 1, 4, 2, false)
-// Up to 32 rows, activations split ahead. With two n tiles, two k blocks in flight leave
+// Up to 32 rows, activations rounded ahead. With two n tiles, two k blocks in flight leave
 // registers for two resident blocks per SM (32 rows on the H100: 4096x4096 35.3 -> 24.7 us,
 // 4096x12288 85.0 -> 67.9 us against eight k blocks at one block per SM).
 SMALL_KERNEL(matmul_small2_nt1, 2, 1, 16, true)
 SMALL_KERNEL(matmul_small2_nt2, 2, 2, 2, true)
-// Up to 64 rows, activations split ahead.
+// Up to 64 rows, activations rounded ahead.
 SMALL_KERNEL(matmul_small4_nt1, 4, 1, 8, true)
 SMALL_KERNEL(matmul_small4_nt2, 4, 2, 4, true)
 
@@ -357,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(32 * KSLICES) matmul_router(float* 
         int* active, int slots, int fold) {
     prefetch_small(whi, wlo, N, K, 8, 0, 0, 0, epi);
     wait_for_inputs();
-    matmul_small_body<1, 1, 4, false>(out, x, whi, wlo, rows, N, K, 0, 0, 0, 0, 1, 0, 0, epi);
+    matmul_small_body<1, 1, 4, false>(out, x, whi, wlo, rows, N, K, 0, 0, 0, 0, 1, 0, epi);
     route_in_last_block(done, topk_idx, topk_w, logits, T, E, k, renormalize, lists, counts, active, slots, fold);
 }
 // The end of a warp's MI x 4 block of m16n8 tiles in the tiled and pipelined kernels: the
@@ -382,12 +377,11 @@ __device__ __forceinline__ void finish_warp_tiles(float* out, float tot[MI][4][4
 #define TBN 64
 
 // Many rows: grid (ceil(N/64), ceil(rows/64), groups), 128 threads as 2x2 warps of 32x32.
-// Shared tiles hold one 32-wide k block as bf16 (activations already split into hi/lo).
+// Shared tiles hold one 32-wide k block as bf16 (activations rounded on the way in).
 extern "C" __global__ void __launch_bounds__(128) matmul_tiled(float* out, const float* x, const bf16_t* whi_, const bf16_t* wlo_, int rows, int N, int K,
         const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active, Epilogue epi) {
     wait_for_inputs();
-    __shared__ __align__(16) bf16_t s_ahi[2][TBM][32];
-    __shared__ __align__(16) bf16_t s_alo[2][TBM][32];
+    __shared__ __align__(16) bf16_t s_a[2][TBM][32];
     __shared__ __align__(16) bf16_t s_whi[2][TBN][32];
     __shared__ __align__(16) bf16_t s_wlo[2][TBN][32];
     Group grp = group_of(whi_, wlo_, rows, group_w, counts, lists, list_stride, active);
@@ -428,10 +422,9 @@ extern "C" __global__ void __launch_bounds__(128) matmul_tiled(float* out, const
     auto store = [&](int buf) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            u32 hi[4], lo[4];
-            split8(xv[h], hi, lo);
-            *(uint4*)&s_ahi[buf][lr][lk + 8 * h] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-            *(uint4*)&s_alo[buf][lr][lk + 8 * h] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+            u32 hi[4];
+            round8(xv[h], hi);
+            *(uint4*)&s_a[buf][lr][lk + 8 * h] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
             *(uint4*)&s_whi[buf][lr][lk + 8 * h] = wv[0][h];
             *(uint4*)&s_wlo[buf][lr][lk + 8 * h] = wv[1][h];
         }
@@ -445,16 +438,13 @@ extern "C" __global__ void __launch_bounds__(128) matmul_tiled(float* out, const
     for (int kb = 0; kb < nkb; ++kb) {
         int buf = kb & 1;
         if (kb + 1 < nkb) load(kb + 1);
-        u32 ahi[2][2][4], alo[2][2][4];
+        u32 a[2][2][4];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             int r = wm * 32 + i * 16 + g;
-            uint4 h0 = *(const uint4*)&s_ahi[buf][r][q * 8], h1 = *(const uint4*)&s_ahi[buf][r + 8][q * 8];
-            uint4 l0 = *(const uint4*)&s_alo[buf][r][q * 8], l1 = *(const uint4*)&s_alo[buf][r + 8][q * 8];
+            uint4 h0 = *(const uint4*)&s_a[buf][r][q * 8], h1 = *(const uint4*)&s_a[buf][r + 8][q * 8];
             u32 a0[4] = {h0.x, h0.y, h0.z, h0.w}, a1[4] = {h1.x, h1.y, h1.z, h1.w};
-            u32 b0[4] = {l0.x, l0.y, l0.z, l0.w}, b1[4] = {l1.x, l1.y, l1.z, l1.w};
-            make_frags(a0, a1, ahi[i]);
-            make_frags(b0, b1, alo[i]);
+            make_frags(a0, a1, a[i]);
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -462,7 +452,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_tiled(float* out, const
             uint4 bh = *(const uint4*)&s_whi[buf][n][q * 8];
             uint4 bl = *(const uint4*)&s_wlo[buf][n][q * 8];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) mma_kblock(acc[i][j], ahi[i], alo[i], bh, bl, has_lo);
+            for (int i = 0; i < 2; ++i) mma_kblock(acc[i][j], a[i], bh, bl, has_lo);
         }
         if (kb + 1 == slice_end) {
 #pragma unroll
@@ -483,123 +473,3 @@ extern "C" __global__ void __launch_bounds__(128) matmul_tiled(float* out, const
     finish_warp_tiles<2>(out, tot, slice, grp, N, m0 + wm * 32, n0 + wn * 32, g, q, epi);
 }
 
-// Activations split once for the pipelined kernel: hi = bf16(x), lo = bf16(x - hi), exactly
-// the values the other kernels form in registers. Thread per 8 values (n8 = T*K/8).
-extern "C" __global__ void split_activations(bf16_t* hi, bf16_t* lo, const float* x, long long n8) {
-    wait_for_inputs();
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n8) return;
-    float4 a = *(const float4*)(x + 8 * i), b = *(const float4*)(x + 8 * i + 4);
-    float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    u32 h[4], l[4];
-    split8(v, h, l);
-    *(uint4*)(hi + 8 * i) = make_uint4(h[0], h[1], h[2], h[3]);
-    *(uint4*)(lo + 8 * i) = make_uint4(l[0], l[1], l[2], l[3]);
-}
-
-#define PBM 128
-#define PBN 128
-#define PSTAGES 3
-
-// Many rows, bf16 weights, K a multiple of 32: grid (ceil(N/128), ceil(rows/128), groups),
-// 256 threads as 2x4 warps of 64x32, a 3-stage cp.async pipeline over 32-wide k blocks.
-// Same per-element mma sequence and slice sums as the kernels above.
-extern "C" __global__ void __launch_bounds__(256, 1) matmul_pipelined(float* out, const bf16_t* xhi, const bf16_t* xlo, const bf16_t* whi_, int rows, int N, int K,
-        const u64* group_w, const int* counts, const int* lists, int list_stride, int a_div, const int* active, Epilogue epi) {
-    wait_for_inputs();
-    extern __shared__ __align__(16) unsigned char psm[];
-    bf16_t (*s_ahi)[PBM][32] = (bf16_t (*)[PBM][32])psm;
-    bf16_t (*s_alo)[PBM][32] = (bf16_t (*)[PBM][32])(psm + PSTAGES * PBM * 64);
-    bf16_t (*s_w)[PBN][32] = (bf16_t (*)[PBN][32])(psm + 2 * PSTAGES * PBM * 64);
-    Group grp = group_of(whi_, 0, rows, group_w, counts, lists, list_stride, active);
-    int m0 = blockIdx.y * PBM;
-    if (m0 >= grp.rows) return;
-    int n0 = blockIdx.x * PBN;
-    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    int wm = warp >> 2, wn = warp & 3;
-    // Loader: each thread copies 2 16-byte chunks of each of A hi, A lo and W per stage.
-    long long a_off[2];
-    const bf16_t* w_src[2];
-    bool a_ok[2], w_ok[2];
-    int ld_row[2], ld_chunk[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        int c = tid + i * 256;  // 0..511: row c/4, chunk c%4
-        ld_row[i] = c >> 2;
-        ld_chunk[i] = c & 3;
-        int r = m0 + ld_row[i];
-        a_ok[i] = r < grp.rows;
-        long long arow = a_ok[i] ? (grp.list ? grp.list[r] / a_div : r) : 0;
-        a_off[i] = arow * K + ld_chunk[i] * 8;
-        int n = n0 + ld_row[i];
-        w_ok[i] = n < N;
-        w_src[i] = grp.whi + (w_ok[i] ? weight_row(epi, n, N) : 0) * K + ld_chunk[i] * 8;
-    }
-    int nkb = K / 32, kps = (nkb + KSLICES - 1) / KSLICES;
-    auto load_stage = [&](int stage, int kb) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            long long off = a_off[i] + kb * 32;
-            cp_async16(&s_ahi[stage][ld_row[i]][ld_chunk[i] * 8], xhi + off, a_ok[i]);
-            cp_async16(&s_alo[stage][ld_row[i]][ld_chunk[i] * 8], xlo + off, a_ok[i]);
-            cp_async16(&s_w[stage][ld_row[i]][ld_chunk[i] * 8], w_src[i] + kb * 32, w_ok[i]);
-        }
-    };
-    float acc[4][4][4], tot[4][4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = tot[i][j][e] = 0.0f;
-#pragma unroll
-    for (int s = 0; s < PSTAGES - 1; ++s) {
-        if (s < nkb) load_stage(s, s);
-        asm volatile("cp.async.commit_group;");
-    }
-    int slice = 0, slice_end = min(kps, nkb);
-    for (int kb = 0; kb < nkb; ++kb) {
-        asm volatile("cp.async.wait_group %0;" ::"n"(PSTAGES - 2));
-        __syncthreads();
-        if (kb + PSTAGES - 1 < nkb) load_stage((kb + PSTAGES - 1) % PSTAGES, kb + PSTAGES - 1);
-        asm volatile("cp.async.commit_group;");
-        int st = kb % PSTAGES;
-        u32 bw[4][4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            uint4 v = *(const uint4*)&s_w[st][wn * 32 + j * 8 + g][q * 8];
-            bw[j][0] = v.x; bw[j][1] = v.y; bw[j][2] = v.z; bw[j][3] = v.w;
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            int r = wm * 64 + i * 16 + g;
-            uint4 h0 = *(const uint4*)&s_ahi[st][r][q * 8], h1 = *(const uint4*)&s_ahi[st][r + 8][q * 8];
-            uint4 l0 = *(const uint4*)&s_alo[st][r][q * 8], l1 = *(const uint4*)&s_alo[st][r + 8][q * 8];
-            u32 a0[4] = {h0.x, h0.y, h0.z, h0.w}, a1[4] = {h1.x, h1.y, h1.z, h1.w};
-            u32 b0[4] = {l0.x, l0.y, l0.z, l0.w}, b1[4] = {l1.x, l1.y, l1.z, l1.w};
-            u32 ahi[2][4], alo[2][4];
-            make_frags(a0, a1, ahi);
-            make_frags(b0, b1, alo);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                uint4 wv = make_uint4(bw[j][0], bw[j][1], bw[j][2], bw[j][3]);
-                mma_kblock(acc[i][j], ahi, alo, wv, make_uint4(0, 0, 0, 0), false);
-            }
-        }
-        if (kb + 1 == slice_end) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        tot[i][j][e] += acc[i][j][e];
-                        acc[i][j][e] = 0.0f;
-                    }
-            ++slice;
-            slice_end = min((slice + 1) * kps, nkb);
-        }
-    }
-    asm volatile("cp.async.wait_group 0;");
-    finish_warp_tiles<4>(out, tot, slice, grp, N, m0 + wm * 64, n0 + wn * 32, g, q, epi);
-}

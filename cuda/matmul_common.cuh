@@ -1,5 +1,5 @@
 // Definitions shared by the matmul module (cuda/matmul.cu) and the quantized matmul modules
-// (cuda/qmatmul.cu): the k-slice count, the stores, the bf16 mma and the activation split.
+// (cuda/qmatmul.cu): the k-slice count, the stores, the bf16 mma and the activations' rounding to bf16.
 
 #define KSLICES 8
 
@@ -54,14 +54,10 @@ __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// hi/lo bf16 pairs of 8 consecutive values: out[i] = {v[2i], v[2i+1]}.
-__device__ __forceinline__ void split8(const float v[8], u32 hi[4], u32 lo[4]) {
+// Activations enter the tensor cores as bf16 (round to nearest even), one mma per product
+// with an f32 accumulator, as bf16 inference does everywhere (the residual stream stays f32).
+// Pairs of 8 consecutive values: out[i] = {v[2i], v[2i+1]}.
+__device__ __forceinline__ void round8(const float v[8], u32 hi[4]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float a = v[2 * i], b = v[2 * i + 1];
-        float ah = bf16_to_f32(f32_to_bf16(a)), bh = bf16_to_f32(f32_to_bf16(b));
-        hi[i] = pack_bf16x2(a, b);
-        lo[i] = pack_bf16x2(a - ah, b - bh);
-    }
+    for (int i = 0; i < 4; ++i) hi[i] = pack_bf16x2(v[2 * i], v[2 * i + 1]);
 }
-

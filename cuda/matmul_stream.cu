@@ -226,8 +226,7 @@ __device__ __forceinline__ float k_slices_sum(float v, float* scratch) {
 // rms_norm_row_registers' at its 256 threads: the same bits as the row norm (after
 // moe_combine_norm's sum), then the split. The first block stores the normalized rows to
 // `normed` and the updated residual rows to `mc->resid_out` (where given).
-__device__ __forceinline__ void stream_norm_rows(const float* x, const MoeCombine* mc, int rows, int K, const StreamRing& ring, float eps, float* normed, bf16_t* xs, int xstride,
-        long long lo_off) {
+__device__ __forceinline__ void stream_norm_rows(const float* x, const MoeCombine* mc, int rows, int K, const StreamRing& ring, float eps, float* normed, bf16_t* xs, int xstride) {
     __shared__ float scratch[33];
     int nvec = K >> 2;
     for (int t = 0; t < rows; ++t) {
@@ -252,10 +251,9 @@ __device__ __forceinline__ void stream_norm_rows(const float* x, const MoeCombin
             if (blockIdx.x == 0 && mc && mc->resid_out) ((float4*)(mc->resid_out + (long long)t * K))[c] = v[i];
             if (blockIdx.x == 0 && normed) ((float4*)(normed + (long long)t * K))[c] = n4;
             float n[8] = {n4.x, n4.y, n4.z, n4.w, 0.0f, 0.0f, 0.0f, 0.0f};
-            u32 hi[4], lo[4];
-            split8(n, hi, lo);
+            u32 hi[4];
+            round8(n, hi);
             *(uint2*)(xs + (long long)t * xstride + 4 * c) = make_uint2(hi[0], hi[1]);
-            *(uint2*)(xs + lo_off + (long long)t * xstride + 4 * c) = make_uint2(lo[0], lo[1]);
         }
     }
 }
@@ -296,17 +294,17 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
         }
         return;
     }
-    // The group's activation rows split into bf16 hi and lo halves once, into shared memory
-    // after the ring (rows of K values plus the weight rows' pad, the lo rows `lo_off` values
-    // after the hi rows; where rows are padded, a warp's fragment loads fall on distinct
-    // banks). The k loop then loads ready fragments, as the pre-split kernels do, instead of
-    // converting the activations again for every column block.
+    // The group's activation rows rounded to bf16 once, into shared memory after the ring
+    // (rows of K values plus the weight rows' pad; where rows are padded, a warp's fragment
+    // loads fall on distinct banks). The k loop then loads ready fragments, as the pre-rounded
+    // kernels do, instead of converting the activations again for every column block. (The
+    // area the launch sizes still holds twice these rows, the room the lo halves of the
+    // former two-mma split took.)
     int xstride = ring.row_bytes / 2;
-    long long lo_off = (long long)rows * xstride;
     bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)S * per * ring.row_bytes);
     // Rows normalized on the way in: in registers, by stream_norm_rows.
     bool norm_in = INPUT == STREAM_INPUT_COMBINE || (INPUT == STREAM_INPUT_NORM && norm_w);
-    if (norm_in) stream_norm_rows(x, mc, grp.rows, K, ring, eps, normed, xs, xstride, lo_off);
+    if (norm_in) stream_norm_rows(x, mc, grp.rows, K, ring, eps, normed, xs, xstride);
     // ROW_BATCH chunks of 8 per thread loaded before any is split and stored: the stores to
     // shared memory would otherwise keep the next chunk's loads from being issued early, and a
     // wide row (K = 12288: six chunks per thread) would take six round trips.
@@ -325,10 +323,9 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
             int c = c0 + b * 32 * KSLICES;
             if (c >= grp.rows * (K / 8)) break;
             int r = c / (K / 8), k = (c % (K / 8)) * 8;
-            u32 hi[4], lo[4];
-            split8(v[b], hi, lo);
+            u32 hi[4];
+            round8(v[b], hi);
             *(uint4*)(xs + (long long)r * xstride + k) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-            *(uint4*)(xs + lo_off + (long long)r * xstride + k) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
         }
     }
     k_slices_sync();
@@ -352,7 +349,7 @@ __device__ __forceinline__ void matmul_stream_body(const StreamRing& ring, float
             uint4 bh[NT];
 #pragma unroll
             for (int j = 0; j < NT; ++j) bh[j] = *(const uint4*)(st + (long long)stage_slot<NT>(epi, j * 8 + g) * ring.row_bytes + kb * 64);
-            small_kblock_split<NT>(c, h0, h1, lo_off, two, kb * 32 + q * 8, bh, zero);
+            small_kblock_rounded<NT>(c, h0, h1, two, kb * 32 + q * 8, bh, zero);
         }
         // This warp's reads of the stage are done: the producer may refill it.
         __syncwarp();

@@ -111,7 +111,6 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_down_combine(fl
         return;
     }
     int xstride = ring.row_bytes / 2;
-    long long lo_off = (long long)slots * xstride;
     bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)stages * 8 * ring.row_bytes);
     // Lanes 0-3 of warp 0 hold columns n0 + 2q and n0 + 2q + 1 of the fragments (row 0).
     bool holder = warp == 0 && g == 0;
@@ -122,8 +121,8 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_down_combine(fl
     }
     // Each slot's factor in the sum, in shared memory before the k loop's chain needs them.
     if ((int)threadIdx.x < slots) slot_scale[threadIdx.x] = (int)threadIdx.x < k ? topk_w[threadIdx.x] : shared_scale(shared_gate, 0);
-    // The slots' rows split into bf16 halves, two chunks of 8 per thread loaded before either
-    // is split (nine rows of K = 512 are 2.25 chunks a thread).
+    // The slots' rows rounded to bf16, two chunks of 8 per thread loaded before either is
+    // rounded (nine rows of K = 512 are 2.25 chunks a thread).
     for (int c0 = threadIdx.x; c0 < slots * (K / 8); c0 += 2 * 32 * KSLICES) {
         float v[2][8];
 #pragma unroll
@@ -135,10 +134,9 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_down_combine(fl
         for (int b = 0; b < 2; ++b) {
             int c = c0 + b * 32 * KSLICES, r = c / (K / 8), kk = (c % (K / 8)) * 8;
             if (c >= slots * (K / 8)) break;
-            u32 hi[4], lo[4];
-            split8(v[b], hi, lo);
+            u32 hi[4];
+            round8(v[b], hi);
             *(uint4*)(xs + (long long)r * xstride + kk) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-            *(uint4*)(xs + lo_off + (long long)r * xstride + kk) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
         }
     }
     k_slices_sync();
@@ -158,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) moe_down_combine(fl
         const unsigned char* st = ring.stage0 + (long long)s * 8 * ring.row_bytes + g * ring.row_bytes + q * 16;
         for (int kb = kb0; kb < kb1; ++kb) {
             uint4 bh[1] = {*(const uint4*)(st + kb * 64)};
-            small_kblock_split<1>(c, g == 0 ? xs + (long long)i * xstride : 0, 0, lo_off, false, kb * 32 + q * 8, bh, zero);
+            small_kblock_rounded<1>(c, g == 0 ? xs + (long long)i * xstride : 0, 0, false, kb * 32 + q * 8, bh, zero);
         }
         // This warp's reads of the stage are done: the producer may refill it.
         __syncwarp();
@@ -252,7 +250,7 @@ __device__ __forceinline__ void store4_in_cluster_block(const float* local, u32 
 // and 2q + 1). `pass` alternates the reduction buffers. Written out rather than shared with
 // matmul_stream_body for the reason moe_down_combine gives.
 template <int P>
-__device__ __forceinline__ void one_row_column_blocks(const StreamRing& ring, int i, int pass, const Epilogue& epi, const bf16_t* h0, long long lo_off, int kb0, int kb1,
+__device__ __forceinline__ void one_row_column_blocks(const StreamRing& ring, int i, int pass, const Epilogue& epi, const bf16_t* h0, int kb0, int kb1,
         float (*red)[KSLICES][RGU_MAX_PASS][4][2], float t[RGU_MAX_PASS][4]) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, S = ring.stages;
     float c[P][4];
@@ -268,22 +266,17 @@ __device__ __forceinline__ void one_row_column_blocks(const StreamRing& ring, in
         uint4 bh[P];
 #pragma unroll
         for (int j = 0; j < P; ++j) bh[j] = *(const uint4*)(st[j] + kb * 64);
-        // small_kblock_split's fragments (rows 8-15 zero) and mma_kblock's four products for
+        // small_kblock_rounded's fragments (rows 8-15 zero) and mma_kblock's two products for
         // each chain, but step by step across the chains: the products are issued in program
         // order, so chain by chain each mma waited for the one before it.
-        u32 hi0[4] = {0, 0, 0, 0}, lo0[4] = {0, 0, 0, 0}, ahi[2][4], alo[2][4];
+        u32 hi0[4] = {0, 0, 0, 0}, a[2][4];
         const u32 none[4] = {0, 0, 0, 0};
-        if (h0) load_split8(h0, lo_off, kb * 32 + q * 8, hi0, lo0);
-        make_frags(hi0, none, ahi);
-        make_frags(lo0, none, alo);
+        if (h0) load_round8(h0, kb * 32 + q * 8, hi0);
+        make_frags(hi0, none, a);
 #pragma unroll
-        for (int j = 0; j < P; ++j) mma_bf16(c[j], ahi[0], bh[j].x, bh[j].y);
+        for (int j = 0; j < P; ++j) mma_bf16(c[j], a[0], bh[j].x, bh[j].y);
 #pragma unroll
-        for (int j = 0; j < P; ++j) mma_bf16(c[j], alo[0], bh[j].x, bh[j].y);
-#pragma unroll
-        for (int j = 0; j < P; ++j) mma_bf16(c[j], ahi[1], bh[j].z, bh[j].w);
-#pragma unroll
-        for (int j = 0; j < P; ++j) mma_bf16(c[j], alo[1], bh[j].z, bh[j].w);
+        for (int j = 0; j < P; ++j) mma_bf16(c[j], a[1], bh[j].z, bh[j].w);
     }
     // This warp's reads of the stages are done: the producer may refill them.
     __syncwarp();
@@ -493,9 +486,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_GATE_UP_THREADS) moe_route_ga
         return;
     }
     int xstride = ring.row_bytes / 2;
-    long long lo_off = xstride;
     bf16_t* xs = (bf16_t*)(ring.stage0 + (long long)stages * 8 * ring.row_bytes);
-    stream_norm_rows(resid, 0, 1, K, ring, eps, 0, xs, xstride, lo_off);
+    stream_norm_rows(resid, 0, 1, K, ring, eps, 0, xs, xstride);
     k_slices_sync();
     if (threadIdx.x == 0 && blockIdx.x == 0) TRACE_MARK(TRACE_ROWS_READY);
     const bf16_t* h0 = g == 0 ? xs : 0;
@@ -508,9 +500,9 @@ extern "C" __global__ void __launch_bounds__(ROUTE_GATE_UP_THREADS) moe_route_ga
     for (; i < nr; ++pass) {
         // The router's column blocks land together: all of a block's share in one pass.
         int n = min(RGU_MAX_PASS, nr - i);
-        if (n == 3) one_row_column_blocks<3>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, st.red, t);
-        else if (n == 2) one_row_column_blocks<2>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, st.red, t);
-        else one_row_column_blocks<1>(ring, i, pass, router_epi, h0, lo_off, kb0, kb1, st.red, t);
+        if (n == 3) one_row_column_blocks<3>(ring, i, pass, router_epi, h0, kb0, kb1, st.red, t);
+        else if (n == 2) one_row_column_blocks<2>(ring, i, pass, router_epi, h0, kb0, kb1, st.red, t);
+        else one_row_column_blocks<1>(ring, i, pass, router_epi, h0, kb0, kb1, st.red, t);
         // The column blocks' logits into this block's copy, then (lane r) into block r's.
         if (warp == 0) {
             for (int j = 0; j < n; ++j) {
@@ -548,8 +540,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_GATE_UP_THREADS) moe_route_ga
     if (n_gu == 0) let_dependents_launch();
     for (int j0 = 0; j0 < n_gu; ++pass) {
         int n = min(RGU_PASS, n_gu - j0);
-        if (n == 2) one_row_column_blocks<2>(ring, i, pass, gu_epi, h0, lo_off, kb0, kb1, st.red, t);
-        else one_row_column_blocks<1>(ring, i, pass, gu_epi, h0, lo_off, kb0, kb1, st.red, t);
+        if (n == 2) one_row_column_blocks<2>(ring, i, pass, gu_epi, h0, kb0, kb1, st.red, t);
+        else one_row_column_blocks<1>(ring, i, pass, gu_epi, h0, kb0, kb1, st.red, t);
         if (j0 == 0) let_dependents_launch();
         if (j0 == 0 && threadIdx.x == 0 && blockIdx.x == 0) TRACE_MARK(TRACE_FIRST_DATA);
         if (warp == 0) {

@@ -4,18 +4,18 @@
 // that format is uploaded.
 //
 // The weights are the mma's A operand (16 weight rows per m16 tile, rows g and g+8 in lane g's
-// registers), the activations its B operand (8 tokens per n8 tile), split into bf16 hi and lo
-// halves as in cuda/matmul.cu. Every output element (weight row n, token t) is computed by the
+// registers), the activations its B operand (8 tokens per n8 tile), rounded to bf16 as in
+// cuda/matmul.cu (one mma per product). Every output element (weight row n, token t) is computed by the
 // same sequence of operations in every kernel below, whatever the token count or the kernel:
 //  - K is cut into units of QU elements, grouped into KSLICES fixed slices of ceil(units/8)
 //    units each (from K alone). A slice's sum starts at 0 and walks its units in order; the
 //    slice sums are added in slice order: 0 + s0 + s1 + ... + s7.
 //  - Within a unit, per scale block (QSB elements) a fresh f32 accumulator P takes, per k16 step
-//    in k order, mma(w, x_hi) then mma(w, x_lo), w the block's codes as exact bf16 numbers
+//    in k order, mma(w, bf16(x)), w the block's codes as exact bf16 numbers
 //    (integers, IQ4 codebook entries, e4m3 values); then sum = fma(scale, P, sum). The formats
 //    with a min (Q4_1, Q5_1, Q4_K, Q5_K) multiply 128 + code (the bf16 the code lands in, one
 //    instruction fewer per pair) and then add sum = fma(min - 128 * scale, S, sum), S the sum of
-//    the block's activation halves (split_block), which is what the 128s added.
+//    the block's bf16 activations (split_block), which is what the 128s added.
 // The few-row kernel (qmm_few*) gives each warp one slice and adds the slices through shared
 // memory; the many-row kernel (qmm_many) walks them in sequence. The tests compare their bits.
 //
@@ -24,13 +24,14 @@
 
 // ---- activations ----
 
-// One 32-element block of an activation row (`xb`, f32) as bf16 hi halves at `hb` and lo halves
-// `lo_off` elements further, in fragment order (quad q's eight: elements 4q..4q+3, 16+4q..+3),
-// and its sum: ((s0 + s1) + (s2 + s3)), s_q the left-to-right sum of quad q's eight (hi + lo
-// each) in that order. Every kernel takes S from here, so the sums are the same bits everywhere.
+// One 32-element block of an activation row (`xb`, f32) rounded to bf16 at `hb`, in fragment
+// order (quad q's eight: elements 4q..4q+3, 16+4q..+3), and its sum: ((s0 + s1) + (s2 + s3)),
+// s_q the left-to-right sum of quad q's eight bf16 values in that order. Every kernel takes S
+// from here, so the sums are the same bits everywhere. (The launches still size room for lo
+// halves `lo_off` elements on, which the former two-mma split wrote; nothing reads it.)
 // With a norm weight `nw` (the block's 32 weights), each value is first normalized as
 // rms_norm_rows writes it: x * inv * w.
-__device__ __forceinline__ void split_block(const float* xb, bf16_t* hb, long long lo_off, float* sum, const float* nw = 0, float inv = 0.0f) {
+__device__ __forceinline__ void split_block(const float* xb, bf16_t* hb, float* sum, const float* nw = 0, float inv = 0.0f) {
     float sq[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -42,18 +43,16 @@ __device__ __forceinline__ void split_block(const float* xb, bf16_t* hb, long lo
 #pragma unroll
             for (int i = 0; i < 8; ++i) v[i] = v[i] * inv * w[i];
         }
-        u32 h[4], l[4];
-        split8(v, h, l);
+        u32 h[4];
+        round8(v, h);
         *(uint4*)(hb + 8 * q) = make_uint4(h[0], h[1], h[2], h[3]);
-        *(uint4*)(hb + lo_off + 8 * q) = make_uint4(l[0], l[1], l[2], l[3]);
-        // The halves as the mma multiplies them (hi + lo is exact in f32).
+        // The values as the mma multiplies them.
         float s = 0.0f;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             float h0 = __uint_as_float(h[i] << 16), h1 = __uint_as_float(h[i] & 0xFFFF0000u);
-            float l0 = __uint_as_float(l[i] << 16), l1 = __uint_as_float(l[i] & 0xFFFF0000u);
-            s = i == 0 ? __fadd_rn(h0, l0) : __fadd_rn(s, __fadd_rn(h0, l0));
-            s = __fadd_rn(s, __fadd_rn(h1, l1));
+            s = i == 0 ? h0 : __fadd_rn(s, h0);
+            s = __fadd_rn(s, h1);
         }
         sq[q] = s;
     }
@@ -63,8 +62,9 @@ __device__ __forceinline__ void split_block(const float* xb, bf16_t* hb, long lo
 // Row stride of the block sums: whole groups of four, so a stage copies them 16 bytes at a time.
 __device__ __forceinline__ int sums_stride(int K) { return ((K / 32 + 3) / 4) * 4; }
 
-// Activations split once for the launches that read them from memory: hi [rows][K], lo
-// `lo_off` elements further, block sums [rows][sums_stride]. A thread per (row, block).
+// Activations rounded once for the launches that read them from memory: bf16 [rows][K] (the
+// buffer keeps room for lo halves `lo_off` elements further, unused), block sums
+// [rows][sums_stride]. A thread per (row, block).
 extern "C" __global__ void qsplit(bf16_t* hi, long long lo_off, float* sums, const float* x, int rows, int K) {
     wait_for_inputs();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -72,7 +72,7 @@ extern "C" __global__ void qsplit(bf16_t* hi, long long lo_off, float* sums, con
     if (i >= (long long)rows * nkb) return;
     long long r = i / nkb;
     int kb = (int)(i % nkb);
-    split_block(x + r * K + kb * 32, hi + r * K + kb * 32, lo_off, sums + r * sums_stride(K) + kb);
+    split_block(x + r * K + kb * 32, hi + r * K + kb * 32, sums + r * sums_stride(K) + kb);
 }
 
 // ---- one unit ----
@@ -84,25 +84,18 @@ __device__ __forceinline__ void apply_scale(float c[4], float2 sc, const float P
     c[3] = __fmaf_rn(sc.y, P[3], c[3]);
 }
 
-// Where a warp finds its token tiles' activations: per tile j, the hi row of token 8j+g (null:
-// no token, zeros), the lo halves `lo_off` elements on; the block-sum rows of tokens 8j+2q and
+// Where a warp finds its token tiles' activations: per tile j, the bf16 row of token 8j+g
+// (null: no token, zeros); the block-sum rows of tokens 8j+2q and
 // 8j+2q+1 (min formats; null: zeros). Rows are whole K-rows in the few-row kernel, a stage's
 // in the many-row kernel (q_unit's `kb` counts blocks from their start).
 template <int TT>
 struct QAct {
     const bf16_t* x[TT];
     const float* s[TT][2];
-    long long lo_off;
 };
 
-__device__ __forceinline__ void load_b(const bf16_t* row, long long lo_off, int k, uint4& bh, uint4& bl) {
-    if (row) {
-        bh = *(const uint4*)(row + k);
-        bl = *(const uint4*)(row + lo_off + k);
-    } else {
-        bh = make_uint4(0, 0, 0, 0);
-        bl = bh;
-    }
+__device__ __forceinline__ void load_b(const bf16_t* row, int k, uint4& bh) {
+    bh = row ? *(const uint4*)(row + k) : make_uint4(0, 0, 0, 0);
 }
 
 // Adds units un[0..WT) (the same unit of WT weight tiles; tiles past `wtiles` skipped) into the
@@ -122,8 +115,8 @@ __device__ __forceinline__ void q_unit(float c[WT][TT][4], const QUnit (&un)[WT]
         for (int j = 0; j < TT; ++j) {
             if (j >= tiles) break;
 #if QSB == 16
-            uint4 bh, bl;
-            load_b(act.x[j], act.lo_off, (kb + b0) * 32 + 8 * q, bh, bl);
+            uint4 bh;
+            load_b(act.x[j], (kb + b0) * 32 + 8 * q, bh);
 #pragma unroll
             for (int w = 0; w < WT; ++w) {
                 if (WT > 1 && w >= wtiles) break;
@@ -131,15 +124,14 @@ __device__ __forceinline__ void q_unit(float c[WT][TT][4], const QUnit (&un)[WT]
                 for (int s = 0; s < 2; ++s) {
                     float P[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                     mma_bf16(P, a[w][0][s], s ? bh.z : bh.x, s ? bh.w : bh.y);
-                    mma_bf16(P, a[w][0][s], s ? bl.z : bl.x, s ? bl.w : bl.y);
                     apply_scale(c[w][j], q_scale(un[w], 2 * b0 + s), P);
                 }
             }
 #else
             // One block's activations at a time (a wide scale block has one weight tile: WT is 1).
             static_assert(QBPS == 1 || WT == 1, "a wide scale block takes one weight tile");
-            uint4 bh, bl;
-            if (QBPS == 1) load_b(act.x[j], act.lo_off, (kb + b0) * 32 + 8 * q, bh, bl);
+            uint4 bh;
+            if (QBPS == 1) load_b(act.x[j], (kb + b0) * 32 + 8 * q, bh);
 #if QHAS_MIN
             float s0 = act.s[j][0] ? act.s[j][0][kb + b0] : 0.0f, s1 = act.s[j][1] ? act.s[j][1][kb + b0] : 0.0f;
 #endif
@@ -149,11 +141,9 @@ __device__ __forceinline__ void q_unit(float c[WT][TT][4], const QUnit (&un)[WT]
                 float P[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
                 for (int bb = 0; bb < QBPS; ++bb) {
-                    if (QBPS > 1) load_b(act.x[j], act.lo_off, (kb + b0 + bb) * 32 + 8 * q, bh, bl);
+                    if (QBPS > 1) load_b(act.x[j], (kb + b0 + bb) * 32 + 8 * q, bh);
                     mma_bf16(P, a[w][bb][0], bh.x, bh.y);
-                    mma_bf16(P, a[w][bb][0], bl.x, bl.y);
                     mma_bf16(P, a[w][bb][1], bh.z, bh.w);
-                    mma_bf16(P, a[w][bb][1], bl.z, bl.w);
                 }
                 float2 sc = q_scale(un[w], b0 / QBPS);
                 apply_scale(c[w][j], sc, P);
@@ -294,7 +284,6 @@ __device__ __forceinline__ void qmm_few_body(QFewStart& start, float* out, const
     if (XSMEM) {
         int xstride = K + 32, nkb = K / 32;
         bf16_t* xh = (bf16_t*)qsm;
-        act.lo_off = (long long)nt * xstride;
         float* ss = (float*)(qsm + 4LL * nt * xstride);
         if (norm_w) {
             // rms_norm_rows' register path at 256 threads: the same sums, the same inverse.
@@ -311,7 +300,7 @@ __device__ __forceinline__ void qmm_few_body(QFewStart& start, float* out, const
         for (int i = threadIdx.x; i < nt * nkb; i += blockDim.x) {
             int r = i / nkb, kb = i % nkb, tok = t0 + r;
             long long arow = grp.list ? grp.list[tok] / a_div : tok;
-            split_block(x + arow * K + kb * 32, xh + (long long)r * xstride + kb * 32, act.lo_off, ss + r * sstride + kb, norm_w ? norm_w + kb * 32 : 0, norm_w ? row_inv[r] : 0.0f);
+            split_block(x + arow * K + kb * 32, xh + (long long)r * xstride + kb * 32, ss + r * sstride + kb, norm_w ? norm_w + kb * 32 : 0, norm_w ? row_inv[r] : 0.0f);
         }
         __syncthreads();
 #pragma unroll
@@ -322,7 +311,6 @@ __device__ __forceinline__ void qmm_few_body(QFewStart& start, float* out, const
             act.s[j][1] = r0 + 1 < nt ? ss + (r0 + 1) * sstride : 0;
         }
     } else {
-        act.lo_off = lo_off;
 #pragma unroll
         for (int j = 0; j < TT; ++j) {
             int r = 8 * j + g, r0 = 8 * j + 2 * q;
@@ -455,7 +443,6 @@ __device__ __forceinline__ void qmm_many_body(float* out, const bf16_t* xs, long
             cp_async16(base + t * (QM_UPS * QUNIT_BYTES) + o, src, ok);
         }
         bf16_t* xh = (bf16_t*)(base + QM_WBYTES);
-        bf16_t* xl = (bf16_t*)(base + QM_WBYTES + QM_XBYTES);
         float* sb = (float*)(base + QM_WBYTES + 2 * QM_XBYTES);
         int k0 = stage * QM_SK, kn = min(QM_SK, K - k0), o = (threadIdx.x & 15) * 8;
 #pragma unroll
@@ -464,7 +451,6 @@ __device__ __forceinline__ void qmm_many_body(float* out, const bf16_t* xs, long
             bool ok = aok[i] && o < kn;
             const bf16_t* src = xs + arow[i] * K + k0 + (ok ? o : 0);
             cp_async16(xh + r * QM_XSTRIDE + o, src, ok);
-            cp_async16(xl + r * QM_XSTRIDE + o, src + lo_off, ok);
             if ((threadIdx.x & 15) == 0) cp_async16(sb + r * 4, sums + arow[i] * sstride + stage * 4, aok[i]);
         }
     };
@@ -491,7 +477,6 @@ __device__ __forceinline__ void qmm_many_body(float* out, const bf16_t* xs, long
         const bf16_t* xh = (const bf16_t*)(base + QM_WBYTES);
         const float* sb = (const float*)(base + QM_WBYTES + 2 * QM_XBYTES);
         QAct<4> act;
-        act.lo_off = QM_XBYTES / 2;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             int r = wn * 32 + 8 * j;

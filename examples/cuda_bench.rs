@@ -200,7 +200,8 @@ fn matmul_microbench(gpu: &CudaBackend, c: &ModelConfig) -> serde_json::Value {
     let h = c.hidden_size;
     let inter = if c.intermediate_size > 0 { c.intermediate_size } else { 4 * h };
     let mut out = serde_json::Map::new();
-    for (name, n, k) in [("up", inter, h), ("down", h, inter), ("lm_head", c.vocab_size, h)] {
+    // gate_up: the fused gate and up projection a layer runs (2 * inter outputs).
+    for (name, n, k) in [("up", inter, h), ("gate_up", 2 * inter, h), ("down", h, inter), ("lm_head", c.vocab_size, h)] {
         let weight = match random_weight(gpu, n, k) {
             Ok(w) => w,
             Err(e) => {

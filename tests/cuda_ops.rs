@@ -430,7 +430,10 @@ fn moe_matches_cpu_and_tokens_are_independent() {
             cpu.moe_add(&mut acc, &cpu.from_host(&x[..t * h], t, h), &cw, &cfg);
             let want = cpu.to_host(&acc);
             let err = relative_error(&got, &want);
-            assert!(err < 1e-4, "moe E{e} k{k} with {t} tokens: relative error {err}");
+            // Both backends round the SwiGLU rows to bf16 before the down projection; where the
+            // GPU's f32 sums and the CPU's differ in their last bit, a value can round to the
+            // neighbouring bf16 (2^-8 apart): 2.1e-4 measured at E16 k5, 70 tokens (H100).
+            assert!(err < 1e-3, "moe E{e} k{k} with {t} tokens: relative error {err}");
             assert!(bitwise_equal(&got, &full[..t * h]), "moe E{e} k{k}: tokens differ between {t} and {max_t} tokens");
         }
         // The whole MoE half of a layer (the input norm inside the streaming router for up to

@@ -45,14 +45,15 @@ fn quantized(dtype: Dtype, rows: usize, cols: usize, seed: u64) -> MatrixBytes {
     MatrixBytes { data: SharedBytes::from_vec(bytes), start: 0, dtype, rows, cols }
 }
 
-/// `x @ W^T` in f64 from the CPU's dequantized weights.
+/// `x @ W^T` in f64 from the CPU's dequantized weights, the activations rounded to bf16 as the
+/// GPU's mmas (and the CPU backend) take them.
 fn reference(x: &[f32], rows: usize, w: &MatrixBytes) -> Vec<f32> {
     let values = kestrel_quant::dequantize(w.dtype, w.bytes()).expect("valid rows");
     let (n, k) = (w.rows, w.cols);
     let mut out = vec![0f32; rows * n];
     for r in 0..rows {
         for c in 0..n {
-            let s: f64 = (0..k).map(|i| x[r * k + i] as f64 * values[c * k + i] as f64).sum();
+            let s: f64 = (0..k).map(|i| kestrel_quant::round_to_bf16(x[r * k + i]) as f64 * values[c * k + i] as f64).sum();
             out[r * n + c] = s as f32;
         }
     }

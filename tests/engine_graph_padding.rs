@@ -44,7 +44,7 @@ fn references(prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
     let (_, mut model) = default_model();
     let mut out = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
-        let mut e = Engine::new(kestrel::backend::cpu::CpuBackend::new(), model, EngineConfig { max_num_seqs: 1, cuda_graphs: false, ..EngineConfig::default() }).expect("engine starts");
+        let mut e = Engine::new(kestrel::backend::cpu::CpuBackend::new().with_f32_activations(), model, EngineConfig { max_num_seqs: 1, cuda_graphs: false, ..EngineConfig::default() }).expect("engine starts");
         out.push(run_staggered(&mut e, vec![request(p, max_tokens(i), sampling(i), Some(SpecMethod::None))], &[0]).remove(0));
         model = e.into_parts().1;
     }

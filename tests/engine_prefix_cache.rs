@@ -220,8 +220,8 @@ fn a_cached_prefix_whose_blocks_were_freed_and_reused_is_not_hit() {
 
 #[test]
 fn the_cache_needs_blocks_that_divide_the_delta_rule_chunk() {
-    let err = Engine::new(kestrel::backend::cpu::CpuBackend::new(), default_model().1, EngineConfig { block_size: 48, ..config(1, 512, 4) }).err().expect("refused");
+    let err = Engine::new(kestrel::backend::cpu::CpuBackend::new().with_f32_activations(), default_model().1, EngineConfig { block_size: 48, ..config(1, 512, 4) }).err().expect("refused");
     assert!(matches!(&err, EngineError::Config(m) if m.contains("block size that divides 64")), "{err}");
     // Without the cache any block size goes.
-    assert!(Engine::new(kestrel::backend::cpu::CpuBackend::new(), default_model().1, EngineConfig { block_size: 48, ..config(1, 512, 0) }).is_ok());
+    assert!(Engine::new(kestrel::backend::cpu::CpuBackend::new().with_f32_activations(), default_model().1, EngineConfig { block_size: 48, ..config(1, 512, 0) }).is_ok());
 }

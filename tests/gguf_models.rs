@@ -30,7 +30,7 @@ fn gguf_path(name: &str) -> PathBuf {
 
 fn load(path: &Path) -> (ModelFiles, Qwen35<CpuBackend>) {
     let files = ModelFiles::open(Some(path)).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let model = Qwen35::load(&CpuBackend::new(), files.config.clone(), &files.store, &ProgressBar::hidden()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let model = Qwen35::load(&CpuBackend::new().with_f32_activations(), files.config.clone(), &files.store, &ProgressBar::hidden()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     (files, model)
 }
 
@@ -39,7 +39,7 @@ fn gguf_load_error(path: &Path) -> String {
         Err(e) => return e.to_string(),
         Ok(f) => f,
     };
-    match Qwen35::load(&CpuBackend::new(), files.config.clone(), &files.store, &ProgressBar::hidden()) {
+    match Qwen35::load(&CpuBackend::new().with_f32_activations(), files.config.clone(), &files.store, &ProgressBar::hidden()) {
         Err(e) => e.to_string(),
         Ok(_) => panic!("{} loaded without error", path.display()),
     }
@@ -215,7 +215,7 @@ fn tokenizer_matches_the_hf_tokenizer() {
 
 /// Logits of the MTP head over a prefilled prompt (each position fed the next prompt token).
 fn mtp_logits(model: &Qwen35<CpuBackend>, ids: &[u32]) -> Vec<f32> {
-    let b = CpuBackend::new();
+    let b = CpuBackend::new().with_f32_activations();
     let mut cache = b.alloc_cache(&model.cache_spec(64, 16, 1, 0)).unwrap();
     b.reset_states(&mut cache, &[0]);
     let layout = BatchLayout { rows: vec![RowLayout { kind: RowKind::Prefill, token_start: 0, num_tokens: ids.len(), start_position: 0, block_table: (0..64).collect(), state_slot: 0, snapshot_base: 0 }] };

@@ -143,7 +143,7 @@ fn seed_40880_mtp_k3_tq3_verify_rows_equal_no_speculation() {
 /// through decode and verify rows, in every format.
 #[test]
 fn row_logits_are_batch_invariant_for_each_kv_dtype() {
-    let cpu = CpuBackend::new();
+    let cpu = CpuBackend::new().with_f32_activations();
     let (_, model) = default_model();
     for dtype in [KvDtype::Bf16, KvDtype::Fp8, KvDtype::Tq3, KvDtype::F32] {
         let one = run_invariance(&cpu, &model, dtype, 0, Prefill::OneChunk);
@@ -162,7 +162,7 @@ fn row_logits_are_batch_invariant_for_each_kv_dtype() {
 fn heldout_nll(dtype: KvDtype, tokens: usize) -> f64 {
     let (files, model) = default_model();
     let ids = files.tokenizer.encode(&std::fs::read_to_string(root().join("models/kestrel-coder/heldout.txt")).unwrap(), false).unwrap();
-    let cpu = CpuBackend::new();
+    let cpu = CpuBackend::new().with_f32_activations();
     window_nll(&model, &cpu, dtype, &ids[..tokens], 256, Scoring::EveryToken, cpu.threads(), &indicatif::ProgressBar::hidden()).unwrap().0
 }
 
@@ -183,7 +183,7 @@ fn quantized_caches_keep_perplexity_close_to_bf16() {
 /// alone gives bitwise what the whole op gives once it has written the step's keys and values.
 #[test]
 fn attention_over_the_cache_is_the_attention_of_the_op() {
-    let cpu = CpuBackend::new();
+    let cpu = CpuBackend::new().with_f32_activations();
     let (nq, nkv, hd) = (4, 2, 64);
     let dims = AttentionDims { num_heads: nq, num_kv_heads: nkv, head_dim: hd, rotary_dim: 16, rope_theta: 1e4, eps: 1e-6 };
     let values = |n: usize, seed: u32| -> Vec<f32> { (0..n).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2000) as f32 / 1000.0 - 1.0).collect() };
@@ -210,10 +210,10 @@ fn formats_that_cannot_hold_the_heads_are_refused() {
     let (_, model) = default_model();
     let spec = CacheSpec { head_dim: 96, ..model.cache_spec(4, 16, 1, 0) };
     for dtype in [KvDtype::Tq3, KvDtype::Tq3UniformValues] {
-        let err = CpuBackend::new().alloc_cache(&CacheSpec { kv_dtype: dtype, ..spec.clone() }).err().expect("refused").to_string();
+        let err = CpuBackend::new().with_f32_activations().alloc_cache(&CacheSpec { kv_dtype: dtype, ..spec.clone() }).err().expect("refused").to_string();
         assert!(err.contains("head dimension 96") && err.contains(dtype.name()), "{err}");
     }
-    assert!(CpuBackend::new().alloc_cache(&CacheSpec { kv_dtype: KvDtype::Fp8, ..spec }).is_ok());
+    assert!(CpuBackend::new().with_f32_activations().alloc_cache(&CacheSpec { kv_dtype: KvDtype::Fp8, ..spec }).is_ok());
 }
 
 /// Prefix caching shares the KV blocks of earlier turns and restores the recurrent state from

@@ -149,7 +149,7 @@ fn cancel_and_drop_free_the_cache_and_the_worker_keeps_serving() {
 fn a_failed_start_is_reported() {
     let result = EngineWorker::spawn(|| {
         let (_, model) = load_model(&fixture_dir(MODEL));
-        kestrel::engine::Engine::new(kestrel::backend::cpu::CpuBackend::new(), model, EngineConfig { max_num_seqs: 0, ..EngineConfig::default() })
+        kestrel::engine::Engine::new(kestrel::backend::cpu::CpuBackend::new().with_f32_activations(), model, EngineConfig { max_num_seqs: 0, ..EngineConfig::default() })
     });
     match result {
         Err(WorkerError::Startup(message)) => assert!(message.contains("max_num_seqs"), "{message}"),

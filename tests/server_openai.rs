@@ -177,11 +177,11 @@ fn logprobs_are_log_softmax_of_the_logits() {
     let ids = |key: &str| -> Vec<u32> { got[key].as_array().expect("a list").iter().map(|v| v.as_u64().expect("an id") as u32).collect() };
     let (prompt, tokens) = (ids("prompt"), ids("tokens"));
     let files = kestrel::model::ModelFiles::open_dir(chat_model()).expect("model opens");
-    let model = kestrel::model::arch::qwen35::Qwen35::load(&kestrel::backend::cpu::CpuBackend::new(), files.config.clone(), &files.store, &indicatif::ProgressBar::hidden()).expect("weights load");
+    let model = kestrel::model::arch::qwen35::Qwen35::load(&kestrel::backend::cpu::CpuBackend::new().with_f32_activations(), files.config.clone(), &files.store, &indicatif::ProgressBar::hidden()).expect("weights load");
     let vocab = files.config.vocab_size;
     let all: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
-    // The server's cache: the default KV format.
-    let logits = common::prefill_logits_cached_as(&model, &all, 64, kestrel::backend::KvDtype::default());
+    // The server's backend (bf16 activations) and cache (the default KV format).
+    let logits = common::prefill_logits_on(&kestrel::backend::cpu::CpuBackend::new(), &model, &all, 64, kestrel::backend::KvDtype::default());
     for (i, &token) in tokens.iter().enumerate() {
         let row = &logits[(prompt.len() - 1 + i) * vocab..][..vocab];
         let max = row.iter().map(|&l| f64::from(l)).fold(f64::NEG_INFINITY, f64::max);

@@ -111,6 +111,12 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatr
     }
 }
 
+/// `x` rounded to bf16 (round to nearest even), as the GPU's matmuls take their activations
+/// (the backend rounds before [`matmul_into`] unless built with f32 activations).
+pub fn bf16_activations(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| kestrel_quant::round_to_bf16(v)).collect()
+}
+
 /// Where results go: column `col0 + r` of the `[t, ldy]` output for local weight row `r`.
 pub(super) struct Dst {
     pub(super) y: SharedOut,
@@ -312,6 +318,15 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Round to nearest even: 1 + 2^-8 is a tie that rounds to 1, 1 + 3 * 2^-9 rounds up to
+    /// 1 + 2^-7; NaN stays NaN.
+    #[test]
+    fn bf16_activations_round_to_nearest_even() {
+        let r = bf16_activations(&[1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-9), -0.0, f32::NAN]);
+        assert_eq!(&r[..3], &[1.0, 1.0 + 2f32.powi(-7), -0.0]);
+        assert!(r[3].is_nan());
     }
 
     /// Columns that are not a multiple of the lane count take the tail path on every kernel.

@@ -54,6 +54,10 @@ pub struct CpuBackend {
     matmul_mode: MatmulMode,
     /// `--load-format dummy`: the seed of the next random matrix, while uploads make them.
     random_weights: Mutex<Option<u64>>,
+    /// Whether matmuls round their activations to bf16 first, as the GPU's tensor cores take
+    /// them (the default, so that the backends compute the same products); off, the f32
+    /// reference that the comparisons with transformers' f32 forward use.
+    bf16_activations: bool,
 }
 
 impl Default for CpuBackend {
@@ -85,7 +89,23 @@ impl CpuBackend {
     /// choice gives the same bits). `isa` must be one the CPU runs ([`Isa::detect`] or
     /// [`Isa::Scalar`]).
     pub fn with_options(threads: usize, isa: Isa) -> Self {
-        CpuBackend { pool: ThreadPool::new(threads), isa, matmul_mode: MatmulMode::Exact, random_weights: Mutex::new(None) }
+        CpuBackend { pool: ThreadPool::new(threads), isa, matmul_mode: MatmulMode::Exact, random_weights: Mutex::new(None), bf16_activations: true }
+    }
+
+    /// This backend with matmuls over the f32 activations themselves (no bf16 rounding): the
+    /// exact reference for comparisons with an f32 forward.
+    pub fn with_f32_activations(mut self) -> Self {
+        self.bf16_activations = false;
+        self
+    }
+
+    /// `x` as this backend's matmuls take it.
+    fn matmul_input<'a>(&self, x: &'a [f32]) -> std::borrow::Cow<'a, [f32]> {
+        if self.bf16_activations {
+            std::borrow::Cow::Owned(matmul::bf16_activations(x))
+        } else {
+            std::borrow::Cow::Borrowed(x)
+        }
     }
 
     /// Threads each op runs on.
@@ -107,11 +127,14 @@ impl CpuBackend {
         self.matmul_mode
     }
 
-    /// `y (store) x @ w^T` in the backend's matmul mode.
+    /// `y (store) x @ w^T` in the backend's matmul mode, on the activations as the matmuls
+    /// take them (int8 mode quantizes those, so it differs from exact mode only where it
+    /// multiplies in integers).
     fn matmul_into(&self, x: &[f32], t: usize, w: &CpuMatrix, y: &mut [f32], store: Store) {
+        let x = self.matmul_input(x);
         match self.matmul_mode {
-            MatmulMode::Exact => matmul::matmul_into(&self.pool, self.isa, x, t, w, y, store),
-            MatmulMode::Int8 => int8::matmul_into(&self.pool, self.isa, x, t, w, y, store),
+            MatmulMode::Exact => matmul::matmul_into(&self.pool, self.isa, &x, t, w, y, store),
+            MatmulMode::Int8 => int8::matmul_into(&self.pool, self.isa, &x, t, w, y, store),
         }
     }
 }

@@ -14,7 +14,7 @@ pub const COMMON_SOURCE: &str = include_str!("../../../cuda/common.cuh");
 /// kernels' code (cuda/attention.cu), and their instantiation for the format.
 pub const SOURCES: [(&str, &str); 9] = [
     ("elementwise", include_str!("../../../cuda/elementwise.cu")),
-    ("matmul", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/matmul_common.cuh"), include_str!("../../../cuda/matmul.cu"), include_str!("../../../cuda/matmul_stream.cu"), include_str!("../../../cuda/moe_stream.cu"))),
+    ("matmul", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/matmul_common.cuh"), include_str!("../../../cuda/matmul.cu"), include_str!("../../../cuda/matmul_stream.cu"), include_str!("../../../cuda/moe_stream.cu"), include_str!("../../../cuda/matmul_tiles.cu"))),
     ("attention_f32", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), "ATTN_KERNELS(f32, KvF32)\n")),
     ("attention_bf16", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), include_str!("../../../cuda/attention_flash.cu"), "ATTN_KERNELS(bf16, KvBf16)\nFLASH_KERNELS(bf16, KvBf16)\n")),
     ("attention_fp8", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), include_str!("../../../cuda/attention_flash.cu"), "ATTN_KERNELS(fp8, KvFp8)\nFLASH_KERNELS(fp8, KvFp8)\n")),

@@ -286,9 +286,21 @@ pub(super) struct Grouped {
     pub lists_ready: bool,
 }
 
-/// Bytes of dynamic shared memory of the pipelined kernel (3 stages of A hi, A lo and W tiles
-/// of 128 rows x 32 bf16).
-pub(super) const PIPELINED_SMEM: usize = 3 * 3 * 128 * 64;
+/// Bytes of dynamic shared memory of the pipelined kernel (3 stages of A and W tiles of 128
+/// rows x 32 bf16).
+pub(super) const PIPELINED_SMEM: usize = 3 * 2 * 128 * 64;
+/// Bytes of dynamic shared memory of the large-tile kernel (cuda/matmul_tiles.cu): 4 stages of
+/// 128 activation and 256 weight rows of 32 bf16, then the 128 x 256 f32 slice sums.
+pub(crate) const LARGE_SMEM: usize = 4 * (128 + 256) * 64 + 128 * 256 * 4;
+/// Bytes of dynamic shared memory of the k-sliced kernel: 4 stages of 64 activation and 128
+/// weight rows of 32 bf16, then the slice sums of its 8 rows ([8][8][136] f32).
+pub(crate) const SLICED_SMEM: usize = 4 * (64 + 128) * 64 + 8 * 8 * 136 * 4;
+/// Most rows a k-sliced launch takes (two 64-row tiles).
+const SLICED_MAX_ROWS: usize = 128;
+
+/// Rows past which a bf16 launch takes the large-tile kernel: a 128 x 256 tile over fewer rows
+/// leaves too few blocks for the GPU (the 128 x 128 pipelined kernel runs them).
+const LARGE_MIN_ROWS: usize = 128;
 
 /// `out[rows, n] = x[x_rows, k] @ W^T`. Plain launches read rows `0..rows` of `x`; grouped
 /// launches read the rows listed per group (at most `rows` per group).
@@ -327,12 +339,22 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
             return;
         }
     }
+    // 17 to 128 rows of a plain bf16 launch on Hopper: one k-slice per block, the slices of a
+    // tile summed across a cluster of 8 (cuda/matmul_tiles.cu). Each weight column block is
+    // read once and the activations once per 128 columns, where the small-row kernels re-read
+    // the activations for every 16 columns.
+    if be.sliced_matmul && grouped.is_none() && !has_lo && k.is_multiple_of(32) && rows > 16 && rows <= SLICED_MAX_ROWS {
+        let rounded = round_activations(be, x, x_rows * k);
+        let args = [Arg::Ptr(out), Arg::Ptr(be.ptr(&rounded)), Arg::Ptr(whi), Arg::I32(rows as i32), Arg::I32(n as i32), Arg::I32(k as i32), Arg::Epilogue(epi)];
+        be.launch_in_clusters(&be.k.matmul_sliced, ((n.div_ceil(128) * 8) as u32, rows.div_ceil(64) as u32, 1), 256, SLICED_SMEM, 8, &args);
+        return;
+    }
     if small {
         let index = small_variant(rows, n, k, grouped.is_some());
         let v = &SMALL_VARIANTS[index];
-        // Activations split into bf16 halves once for all column blocks (multi-tile kernels).
-        let split = (v.mt > 1).then(|| split_activations(be, x, x_rows * k));
-        let xs = split.as_ref().map_or(x, |s| be.ptr(s));
+        // Activations rounded to bf16 once for all column blocks (multi-tile kernels).
+        let rounded = (v.mt > 1).then(|| round_activations(be, x, x_rows * k));
+        let xs = rounded.as_ref().map_or(x, |s| be.ptr(s));
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(xs), Arg::Ptr(whi), Arg::Ptr(wlo)];
         args.extend(tail);
         args.push(Arg::I64((x_rows * k) as i64));
@@ -348,14 +370,16 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
         let col_blocks = n.div_ceil(8 * v.nt).min(wave);
         be.launch((v.kernel)(&be.k), (col_blocks as u32, rows.div_ceil(16 * v.mt) as u32, groups as u32), SMALL_THREADS, 0, &args);
     } else if bf16_blocks {
-        // Split the activations once, then stream bf16 tiles with cp.async.
-        let elems = x_rows * k;
-        let split = split_activations(be, x, elems);
-        let (hi, lo) = (be.ptr(&split), be.ptr(&split) + 2 * elems as u64);
-        let mut args = vec![Arg::Ptr(out), Arg::Ptr(hi), Arg::Ptr(lo), Arg::Ptr(whi)];
+        // Round the activations to bf16 once, then stream bf16 tiles with cp.async.
+        let rounded = round_activations(be, x, x_rows * k);
+        let mut args = vec![Arg::Ptr(out), Arg::Ptr(be.ptr(&rounded)), Arg::Ptr(whi)];
         args.extend(tail);
         args.push(Arg::Epilogue(epi));
-        be.launch(&be.k.matmul_pipelined, (n.div_ceil(128) as u32, rows.div_ceil(128) as u32, groups as u32), 256, PIPELINED_SMEM, &args);
+        if be.large_matmul && rows > LARGE_MIN_ROWS {
+            be.launch(&be.k.matmul_large, (n.div_ceil(256) as u32, rows.div_ceil(128) as u32, groups as u32), 256, LARGE_SMEM, &args);
+        } else {
+            be.launch(&be.k.matmul_pipelined, (n.div_ceil(128) as u32, rows.div_ceil(128) as u32, groups as u32), 256, PIPELINED_SMEM, &args);
+        }
     } else {
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(x), Arg::Ptr(whi), Arg::Ptr(wlo)];
         args.extend(tail);
@@ -462,7 +486,9 @@ impl StreamKernels {
         // STREAM_ROW_PAD=1 (unpadded rows, the default, take less).
         let row_bytes = 2 * k + if (2 * k).is_multiple_of(128) { 64 } else { 0 };
         let stage = 8 * nt * row_bytes;
-        // The activation rows, split into bf16 hi and lo rows padded like the weight rows.
+        // The activation rows as bf16, padded like the weight rows. The kernels write only the
+        // first `rows` rows; the area still holds two per activation row, the room of the
+        // former hi/lo split (halving it changes every stage count this shape plans).
         let x_bytes = 2 * rows * row_bytes;
         let stages = (ring_bytes.saturating_sub(x_bytes) / stage).clamp(2, STREAM_MAX_STAGES);
         let smem = stages * stage + x_bytes;
@@ -482,13 +508,13 @@ fn stream_plan(be: &CudaBackend, rows: usize, k: usize, grouped: bool) -> Option
     Some(([&be.k.matmul_stream_nt1, &be.k.matmul_stream_nt2, &be.k.matmul_stream_nt4][shape.variant], shape))
 }
 
-/// `x` (`elems` f32, a multiple of 8) as bf16 hi halves followed by the lo halves.
-fn split_activations(be: &CudaBackend, x: u64, elems: usize) -> cudarc::driver::CudaSlice<u16> {
-    // SAFETY: fully written by split_activations before any matmul reads it.
-    let split = ck(be.host_timer.time(true, || unsafe { be.stream.alloc::<u16>(2 * elems) }), "alloc");
-    let (hi, lo) = (be.ptr(&split), be.ptr(&split) + 2 * elems as u64);
-    be.launch(&be.k.split_activations, ((elems / 8).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(hi), Arg::Ptr(lo), Arg::Ptr(x), Arg::I64((elems / 8) as i64)]);
-    split
+/// `x` (`elems` f32, a multiple of 8) rounded to bf16 (the values every matmul kernel feeds
+/// its mmas).
+fn round_activations(be: &CudaBackend, x: u64, elems: usize) -> cudarc::driver::CudaSlice<u16> {
+    // SAFETY: fully written by round_activations before any matmul reads it.
+    let rounded = ck(be.host_timer.time(true, || unsafe { be.stream.alloc::<u16>(elems) }), "alloc");
+    be.launch(&be.k.round_activations, ((elems / 8).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(be.ptr(&rounded)), Arg::Ptr(x), Arg::I64((elems / 8) as i64)]);
+    rounded
 }
 
 /// Whether the pipelined kernel takes this weight: bf16 only, K in whole 32-wide blocks.

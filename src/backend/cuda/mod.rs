@@ -137,7 +137,7 @@ macro_rules! kernel_table {
 
 kernel_table! {
     "elementwise" => [embed_rows, rms_norm_rows, add_assign, silu_mul, gather_cols, gather_rows, concat_cols, fill_random_bf16, copy_bandwidth, read_bandwidth],
-    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_stream_norm_nt1, matmul_stream_norm_nt2, matmul_stream_norm_nt4, matmul_stream_combine_nt1, matmul_stream_combine_nt2, matmul_stream_combine_nt4, matmul_router, matmul_router_stream, moe_down_combine, moe_route_gate_up, matmul_tiled, matmul_pipelined, split_activations],
+    "matmul" => [matmul_small_nt1, matmul_small_nt2, matmul_small_nt4, matmul_small2_nt1, matmul_small2_nt2, matmul_small4_nt1, matmul_small4_nt2, matmul_stream_nt1, matmul_stream_nt2, matmul_stream_nt4, matmul_stream_norm_nt1, matmul_stream_norm_nt2, matmul_stream_norm_nt4, matmul_stream_combine_nt1, matmul_stream_combine_nt2, matmul_stream_combine_nt4, matmul_router, matmul_router_stream, moe_down_combine, moe_route_gate_up, matmul_tiled, matmul_pipelined, matmul_large, matmul_sliced, round_activations],
     "attention_f32" => [attn_prep_f32, attn_core_f32, attn_decode_f32, attn_combine_f32],
     "attention_bf16" => [attn_prep_bf16, attn_core_bf16, attn_decode_bf16, attn_combine_bf16, attn_flash_bf16, attn_flash_combine_bf16],
     "attention_fp8" => [attn_prep_fp8, attn_core_fp8, attn_decode_fp8, attn_combine_fp8, attn_flash_fp8, attn_flash_combine_fp8],
@@ -172,6 +172,12 @@ pub struct CudaBackend {
     rope_tables: Mutex<HashMap<RopeKey, Arc<CudaSlice<f32>>>>,
     sampling_scratch: Mutex<Option<sample::SamplingScratch>>,
     pub(super) max_dynamic_smem: usize,
+    /// Whether `matmul_large` fits this GPU's shared memory ([`matmul::LARGE_SMEM`]).
+    pub(super) large_matmul: bool,
+    /// Whether `matmul_sliced` runs launches of 17 to 128 rows ([`matmul::SLICED_SMEM`]; Hopper;
+    /// `KESTREL_CUDA_SLICED=0` turns it off for A/B runs, as `KESTREL_CUDA_LARGE=0` does the
+    /// large-tile kernel).
+    pub(super) sliced_matmul: bool,
     /// Resident blocks of each small-row matmul variant (matmul::SMALL_VARIANTS) across the GPU.
     pub(super) small_matmul_slots: [usize; matmul::SMALL_VARIANTS.len()],
     /// The weight-streaming matmuls for up to 16 rows (sm_90 and later; `KESTREL_CUDA_STREAM=0`
@@ -297,6 +303,11 @@ impl CudaBackend {
         for f in [&k.gdn_chunk_prep, &k.gdn_chunk_state_32, &k.gdn_chunk_state_16, &k.moe_group_few, &k.matmul_pipelined].into_iter().chain(attention_kernels) {
             max_dynamic_smem = max_dynamic_smem.min(optin - open_dynamic_smem(f)?);
         }
+        // The large-tile matmul takes nearly all of an SM's shared memory (Hopper's 227 KB);
+        // elsewhere the pipelined kernel runs every many-row launch.
+        let large_matmul = (optin - open_dynamic_smem(&k.matmul_large)?).max(0) as usize >= matmul::LARGE_SMEM && std::env::var("KESTREL_CUDA_LARGE").map_or(true, |v| v != "0");
+        // The k-sliced matmul runs in thread block clusters (sm_90).
+        let sliced_matmul = major >= 9 && (optin - open_dynamic_smem(&k.matmul_sliced)?).max(0) as usize >= matmul::SLICED_SMEM && std::env::var("KESTREL_CUDA_SLICED").map_or(true, |v| v != "0");
         let sm_count = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)?.max(1) as usize;
         let mut small_matmul_slots = [0; matmul::SMALL_VARIANTS.len()];
         for (slots, v) in small_matmul_slots.iter_mut().zip(&matmul::SMALL_VARIANTS) {
@@ -386,6 +397,8 @@ impl CudaBackend {
             rope_tables: Mutex::new(HashMap::new()),
             sampling_scratch: Mutex::new(None),
             max_dynamic_smem: max_dynamic_smem.max(0) as usize,
+            large_matmul,
+            sliced_matmul,
             profiler: profile::Profiler::from_env(),
             host_timer: profile::HostTimer::from_env(),
             small_matmul_slots,

@@ -185,8 +185,9 @@ pub(super) fn random_tiles(be: &CudaBackend, dtype: Dtype, order: RowOrder, rows
     Ok(QuantTiles { fmt, order, data, kernels })
 }
 
-/// `x` (`x_rows` rows of `k`) split once into bf16 halves and block sums for the kernels that
-/// read them from memory (qsplit): (buffer, hi pointer, lo offset in elements, sums pointer).
+/// `x` (`x_rows` rows of `k`) rounded once to bf16, with block sums, for the kernels that read
+/// them from memory (qsplit): (buffer, bf16 pointer, lo offset in elements, sums pointer). The
+/// buffer keeps the room of the former lo halves at the offset, unused.
 fn split_rows(be: &CudaBackend, t: &QuantTiles, x: u64, x_rows: usize, k: usize) -> (CudaSlice<u8>, u64, i64, u64) {
     let halves = 4 * x_rows * k;
     let bytes = halves + 4 * x_rows * sums_stride(k);
