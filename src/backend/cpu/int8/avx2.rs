@@ -91,6 +91,8 @@ pub unsafe fn q6_k<const T: usize>(w: &[u8], a: &[BlockQ8K], stride: usize) -> [
         for (b, wb) in w.chunks_exact(210).enumerate() {
             let sc8 = _mm_loadu_si128(wb.as_ptr().add(192) as *const __m128i);
             let scales = _mm256_cvtepi8_epi16(sc8);
+            // Each half's eight scales as i16 in both 128-bit lanes, for the shuffles below.
+            let halves = [_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8)), _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128::<8>(sc8)))];
             let mut sums = [_mm256_setzero_si256(); T];
             for h in 0..2 {
                 let ql0 = load32(wb.as_ptr().add(64 * h));
@@ -105,8 +107,10 @@ pub unsafe fn q6_k<const T: usize>(w: &[u8], a: &[BlockQ8K], stride: usize) -> [
                     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4), _mm256_srli_epi16::<2>(_mm256_and_si256(qh, _mm256_set1_epi8(0xC0u8 as i8)))),
                 ];
                 for (j, qj) in q.iter().enumerate() {
-                    let s = (8 * h + 2 * j) as i16;
-                    let scale = _mm256_set_m128i(_mm_set1_epi16(i16::from(wb[192 + s as usize + 1] as i8)), _mm_set1_epi16(i16::from(wb[192 + s as usize] as i8)));
+                    // Scale 8h + 2j for the run's first 16 values (low lane), 8h + 2j + 1 for
+                    // the last 16 (high lane).
+                    let pick = |i: usize| _mm_set1_epi16(i16::from_le_bytes([2 * i as u8, 2 * i as u8 + 1]));
+                    let scale = _mm256_shuffle_epi8(halves[h], _mm256_set_m128i(pick(2 * j + 1), pick(2 * j)));
                     for (i, sum) in sums.iter_mut().enumerate() {
                         let qs = a.get_unchecked(i * stride + b).qs.as_ptr() as *const u8;
                         let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*qj, load32(qs.add(128 * h + 32 * j))), scale);
