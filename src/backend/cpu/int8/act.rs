@@ -39,6 +39,13 @@ impl Default for BlockQ80 {
     }
 }
 
+/// `v` rounded half to even, for |v| < 2^22: llama.cpp's `nearest_int`, which adds 1.5 * 2^23
+/// so that the float addition does the rounding (no library call on baseline x86-64).
+#[inline(always)]
+fn nearest_int(v: f32) -> i32 {
+    ((v + 12_582_912.0).to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
 /// `x` (a multiple of 256 values) into `out` (one block per 256): the scale makes the value of
 /// largest magnitude -127 (its sign folded into `d`), the others round half to even.
 pub fn quantize_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
@@ -58,7 +65,7 @@ pub fn quantize_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
         let iscale = -127.0 / max;
         for (q, &v) in y.qs.iter_mut().zip(xb) {
             // |iscale * v| <= 127 up to rounding; the clamp keeps a rounding step in range.
-            *q = ((iscale * v).round_ties_even() as i32).clamp(-127, 127) as i8;
+            *q = nearest_int(iscale * v).clamp(-127, 127) as i8;
         }
         for (s, qs) in y.bsums.iter_mut().zip(y.qs.chunks_exact(16)) {
             *s = qs.iter().map(|&q| i16::from(q)).sum();
@@ -102,6 +109,13 @@ mod tests {
         }
         quantize_q8_k(&[0.0; QK_K], &mut b);
         assert_eq!((b[0].d, b[0].qs, b[0].bsums), (0.0, [0; QK_K], [0; 16]));
+    }
+
+    #[test]
+    fn nearest_int_rounds_half_to_even() {
+        for v in [-127.0f32, -2.5, -1.5, -0.5, -0.49, 0.0, 0.5, 0.51, 1.5, 2.5, 126.5, 127.0] {
+            assert_eq!(nearest_int(v), v.round_ties_even() as i32, "{v}");
+        }
     }
 
     #[test]
