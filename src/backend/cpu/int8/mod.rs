@@ -100,8 +100,12 @@ impl QuantActs {
                 let xi = &x[i * k..(i + 1) * k];
                 // SAFETY: each row's blocks belong to the one share that holds the row.
                 unsafe {
-                    act::quantize_q8_k(xi, out_k.slice(i * k_blocks, k_blocks));
-                    act::quantize_q8_0(xi, out_0.slice(i * blocks_0, blocks_0));
+                    if q8k {
+                        act::quantize_q8_k(xi, out_k.slice(i * k_blocks, k_blocks));
+                    }
+                    if q80 {
+                        act::quantize_q8_0(xi, out_0.slice(i * blocks_0, blocks_0));
+                    }
                 }
             }
         };
