@@ -206,6 +206,24 @@ fn the_thread_count_keeps_the_text() {
     }
 }
 
+/// `--cpu-matmul int8` runs llama.cpp's Q4_K_M file on the integer path: its text does not
+/// depend on the thread count either, and perplexity takes the flag too.
+#[test]
+fn the_int8_cpu_matmul_runs_a_quantized_file_and_keeps_the_thread_invariance() {
+    let gguf = root().join("tests/fixtures/peer/kc-Q4_K_M.gguf");
+    let model = gguf.to_str().unwrap();
+    let run = |threads: &str| ok_json(&["run", "def fib(n):", "-n", "24", "--json", "--model", model, "--device", "cpu", "--cpu-matmul", "int8", "-t", threads]);
+    let one = run("1");
+    assert_eq!(one["token_ids"].as_array().map(Vec::len), Some(24));
+    assert_eq!(run("3")["token_ids"], one["token_ids"], "-t 3 changed the int8 text");
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("text.txt");
+    std::fs::write(&text, std::fs::read_to_string(root().join("models/kestrel-coder/heldout.txt")).unwrap().chars().take(3000).collect::<String>()).unwrap();
+    let ppl = |mode: &str| ok_json(&["perplexity", "--model", model, "--file", text.to_str().unwrap(), "--context", "256", "--device", "cpu", "--cpu-matmul", mode, "--json"])["perplexity"].as_f64().expect("a perplexity");
+    let (exact, int8) = (ppl("exact"), ppl("int8"));
+    assert!(exact.is_finite() && exact > 1.0 && exact != int8 && (int8 / exact - 1.0).abs() < 0.01, "perplexity exact {exact}, int8 {int8}");
+}
+
 /// A real-size model with random weights runs on the CPU (the values the GPU would make).
 #[test]
 fn dummy_weights_at_a_real_size_run_on_the_cpu() {
@@ -236,6 +254,9 @@ fn bad_input_gets_a_clear_error() {
     fails_with(&["bench", "-t", "0", "--num-prompts", "1"], "--threads must be at least 1");
     fails_with(&["run", "hi", "--load-format", "dummy"], "needs --model PRESET");
     fails_with(&["run", "hi", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]");
+    fails_with(&["run", "hi", "--cpu-matmul", "fast"], "unknown CPU matmul mode `fast`; expected one of: exact, int8");
+    fails_with(&["perplexity", "--cpu-matmul", "int4"], "unknown CPU matmul mode `int4`");
+    fails_with(&["run", "hi", "--device", "cuda", "--cpu-matmul", "int8"], "--cpu-matmul int8 applies to the CPU backend, not to --device cuda");
     // The bench's grammar ends requests at the model's end-of-sequence token: dummy weights
     // have none, which is said before anything loads.
     let schema = dir.path().join("schema.json");
@@ -321,13 +342,13 @@ fn options_with_help(sub: &str) -> Vec<(String, bool)> {
 #[test]
 fn each_subcommand_lists_only_the_flags_it_uses_each_with_a_help_line() {
     let cases: [(&str, &[&str], &[&str]); 7] = [
-        ("run", &["--temperature", "--min-p", "--stop", "--file", "--spec", "--max-model-len", "--device", "--ignore-generation-config"], &["--input", "--port", "--context", "--max-num-seqs"]),
-        ("info", &["--model", "--json", "--load-format"], &["--spec", "--device", "--max-model-len", "--temperature", "--kv-blocks", "--gpu-memory-utilization", "--kv-cache-dtype"]),
-        ("perplexity", &["--file", "--context", "--device", "--allow-long-context", "--kv-cache-dtype"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs", "--cuda-graph-sizes", "--prefix-cache-memory"]),
+        ("run", &["--temperature", "--min-p", "--stop", "--file", "--spec", "--max-model-len", "--device", "--cpu-matmul", "--ignore-generation-config"], &["--input", "--port", "--context", "--max-num-seqs"]),
+        ("info", &["--model", "--json", "--load-format"], &["--spec", "--device", "--cpu-matmul", "--max-model-len", "--temperature", "--kv-blocks", "--gpu-memory-utilization", "--kv-cache-dtype"]),
+        ("perplexity", &["--file", "--context", "--device", "--cpu-matmul", "--allow-long-context", "--kv-cache-dtype"], &["--spec", "--temperature", "--max-model-len", "--kv-blocks", "--no-cuda-graphs", "--cuda-graph-sizes", "--prefix-cache-memory"]),
         ("serve", &["--host", "--max-num-seqs", "--allowed-origins", "--spec", "--no-spec-backoff", "--max-model-len", "--prefix-cache-memory", "--no-prefix-cache"], &["--temperature", "--input", "--json"]),
         ("batch", &["--input", "--max-num-seqs", "--spec", "--ignore-generation-config"], &["--temperature", "--port", "--json"]),
         ("chat", &["--system", "--temperature", "--spec", "--max-model-len"], &["--json", "--port", "--input"]),
-        ("bench", &["--concurrency", "--spec", "--no-spec-backoff", "--temperature", "--dataset", "--turns", "--turn-len", "--no-prefix-cache", "--cuda-graph-sizes", "--max-cuda-graph-size"], &["--port", "--input", "--ignore-generation-config"]),
+        ("bench", &["--concurrency", "--cpu-matmul", "--spec", "--no-spec-backoff", "--temperature", "--dataset", "--turns", "--turn-len", "--no-prefix-cache", "--cuda-graph-sizes", "--max-cuda-graph-size"], &["--port", "--input", "--ignore-generation-config"]),
     ];
     for (sub, present, absent) in cases {
         let options = options_with_help(sub);

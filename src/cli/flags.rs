@@ -3,7 +3,7 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
-use kestrel::backend::cpu::CpuBackend;
+use kestrel::backend::cpu::{CpuBackend, MatmulMode};
 use kestrel::backend::cuda::CudaBackend;
 use kestrel::backend::sampling::{top_k_from_signed, SamplingError, SamplingParams};
 use kestrel::backend::KvDtype;
@@ -166,6 +166,12 @@ pub struct DeviceArgs {
     /// not depend on it.
     #[arg(long, short = 't', value_name = "N")]
     pub threads: Option<usize>,
+    /// How the CPU backend multiplies quantized weights: exact (each weight converted to f32,
+    /// the reference) or int8 (Q4_K, Q6_K, Q8_0 and Q4_0 weights against activations quantized
+    /// to 8 bits per row, in integers, as llama.cpp does: several times faster, with slightly
+    /// different numerics; still independent of the batch and the thread count).
+    #[arg(long, default_value = "exact", value_parser = parse_cpu_matmul, value_name = "MODE")]
+    pub cpu_matmul: MatmulMode,
     /// Fraction of GPU memory Kestrel may take (weights, activations, recurrent state and KV
     /// cache), above 0 and at most 1.
     #[arg(long, default_value_t = 0.9, allow_negative_numbers = true, value_name = "FRACTION")]
@@ -188,10 +194,13 @@ impl DeviceArgs {
     /// call, since a missing one would abort the process.
     pub fn select_backend(&self) -> Result<SelectedBackend> {
         self.check()?;
-        let cpu = || CpuBackend::with_threads(self.cpu_threads());
+        let cpu = || CpuBackend::with_threads(self.cpu_threads()).with_matmul_mode(self.cpu_matmul);
         match self.device {
             Device::Cpu => Ok(SelectedBackend::Cpu(cpu())),
             Device::Cuda => {
+                if self.cpu_matmul != MatmulMode::Exact {
+                    bail!("--cpu-matmul {} applies to the CPU backend, not to --device cuda", self.cpu_matmul);
+                }
                 kestrel::backend::cuda::probe().context("--device cuda")?;
                 Ok(SelectedBackend::Cuda(Box::new(CudaBackend::new(0).context("--device cuda: cannot start the CUDA backend")?)))
             }
@@ -209,6 +218,10 @@ impl DeviceArgs {
     pub fn cpu_threads(&self) -> usize {
         self.threads.unwrap_or_else(kestrel::backend::cpu::default_threads)
     }
+}
+
+fn parse_cpu_matmul(s: &str) -> Result<MatmulMode, String> {
+    s.parse()
 }
 
 fn parse_spec(s: &str) -> Result<SpecMethod, String> {

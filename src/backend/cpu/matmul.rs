@@ -23,7 +23,7 @@ const DIRECT_TOKENS: usize = 4;
 const SCRATCH_VALUES_FEW: usize = 4 * 1024;
 const SCRATCH_VALUES_MANY: usize = 16 * 1024;
 /// Multiply-adds below which a matmul runs on the calling thread alone.
-const SERIAL_WORK: usize = 16 * 1024;
+pub(super) const SERIAL_WORK: usize = 16 * 1024;
 
 /// A weight as the CPU reads it: one or more parts stacked by rows, each read straight from
 /// the memory map (stacking never copies the weights).
@@ -39,6 +39,11 @@ impl CpuMatrix {
     pub fn stacked(parts: &[MatrixBytes]) -> Result<Self, String> {
         let (rows, cols) = MatrixBytes::stacked_shape(parts)?;
         Ok(CpuMatrix { parts: parts.to_vec(), rows, cols })
+    }
+
+    /// The parts, stacked by rows.
+    pub fn parts(&self) -> &[MatrixBytes] {
+        &self.parts
     }
 }
 
@@ -113,11 +118,11 @@ pub fn bf16_activations(x: &[f32]) -> Vec<f32> {
 }
 
 /// Where results go: column `col0 + r` of the `[t, ldy]` output for local weight row `r`.
-struct Dst {
-    y: SharedOut,
-    ldy: usize,
-    col0: usize,
-    store: Store,
+pub(super) struct Dst {
+    pub(super) y: SharedOut,
+    pub(super) ldy: usize,
+    pub(super) col0: usize,
+    pub(super) store: Store,
 }
 
 impl Dst {
@@ -126,7 +131,7 @@ impl Dst {
     /// # Safety
     /// The calling share owns weight row `r`'s column of the output.
     #[inline(always)]
-    unsafe fn put(&self, i: usize, r: usize, v: f32) {
+    pub(super) unsafe fn put(&self, i: usize, r: usize, v: f32) {
         let at = i * self.ldy + self.col0 + r;
         unsafe {
             match self.store {
@@ -146,7 +151,7 @@ thread_local! {
 }
 
 /// Rows `r0..r1` of one part against every token.
-fn part_rows(isa: Isa, x: &[f32], t: usize, part: &MatrixBytes, r0: usize, r1: usize, dst: &Dst) {
+pub(super) fn part_rows(isa: Isa, x: &[f32], t: usize, part: &MatrixBytes, r0: usize, r1: usize, dst: &Dst) {
     let k = part.cols;
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 && t <= DIRECT_TOKENS {

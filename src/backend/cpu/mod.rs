@@ -6,6 +6,7 @@ mod attention;
 mod dequant;
 pub mod dot;
 pub mod gdn;
+pub mod int8;
 pub mod kv_store;
 pub mod matmul;
 pub mod pool;
@@ -15,6 +16,7 @@ use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
 use kv_store::KvStore;
 pub use dot::Isa;
+pub use int8::MatmulMode;
 pub use matmul::CpuMatrix;
 use matmul::Store;
 use pool::{SharedOut, ThreadPool};
@@ -48,6 +50,8 @@ pub struct CpuCache {
 pub struct CpuBackend {
     pool: ThreadPool,
     isa: Isa,
+    /// Exact f32 products (the reference) or the integer path for quantized weights.
+    matmul_mode: MatmulMode,
     /// `--load-format dummy`: the seed of the next random matrix, while uploads make them.
     random_weights: Mutex<Option<u64>>,
     /// Whether matmuls round their activations to bf16 first, as the GPU's tensor cores take
@@ -85,7 +89,7 @@ impl CpuBackend {
     /// choice gives the same bits). `isa` must be one the CPU runs ([`Isa::detect`] or
     /// [`Isa::Scalar`]).
     pub fn with_options(threads: usize, isa: Isa) -> Self {
-        CpuBackend { pool: ThreadPool::new(threads), isa, random_weights: Mutex::new(None), bf16_activations: true }
+        CpuBackend { pool: ThreadPool::new(threads), isa, matmul_mode: MatmulMode::Exact, random_weights: Mutex::new(None), bf16_activations: true }
     }
 
     /// This backend with matmuls over the f32 activations themselves (no bf16 rounding): the
@@ -111,6 +115,27 @@ impl CpuBackend {
 
     pub fn isa(&self) -> Isa {
         self.isa
+    }
+
+    /// The same backend multiplying quantized weights as `mode` says.
+    pub fn with_matmul_mode(mut self, mode: MatmulMode) -> Self {
+        self.matmul_mode = mode;
+        self
+    }
+
+    pub fn matmul_mode(&self) -> MatmulMode {
+        self.matmul_mode
+    }
+
+    /// `y (store) x @ w^T` in the backend's matmul mode, on the activations as the matmuls
+    /// take them (int8 mode quantizes those, so it differs from exact mode only where it
+    /// multiplies in integers).
+    fn matmul_into(&self, x: &[f32], t: usize, w: &CpuMatrix, y: &mut [f32], store: Store) {
+        let x = self.matmul_input(x);
+        match self.matmul_mode {
+            MatmulMode::Exact => matmul::matmul_into(&self.pool, self.isa, &x, t, w, y, store),
+            MatmulMode::Int8 => int8::matmul_into(&self.pool, self.isa, &x, t, w, y, store),
+        }
     }
 }
 
@@ -275,12 +300,14 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuMatrix) -> CpuTensor {
-        CpuTensor { data: matmul::matmul(&self.pool, self.isa, &self.matmul_input(&x.data), x.rows, w), rows: x.rows, cols: w.rows }
+        let mut data = vec![0.0f32; x.rows * w.rows];
+        self.matmul_into(&x.data, x.rows, w, &mut data, Store::Set);
+        CpuTensor { data, rows: x.rows, cols: w.rows }
     }
 
     fn matmul_add(&self, acc: &mut CpuTensor, x: &CpuTensor, w: &CpuMatrix) {
         assert_eq!((acc.rows, acc.cols), (x.rows, w.rows), "matmul_add: accumulator shape");
-        matmul::matmul_into(&self.pool, self.isa, &self.matmul_input(&x.data), x.rows, w, &mut acc.data, Store::Add);
+        self.matmul_into(&x.data, x.rows, w, &mut acc.data, Store::Add);
     }
 
     fn matmul_parts(&self, x: &CpuTensor, w: &CpuMatrix, widths: &[usize]) -> Vec<CpuTensor> {

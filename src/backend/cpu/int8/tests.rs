@@ -1,0 +1,167 @@
+//! The integer path's kernels against each other and against f64 references.
+
+use super::act::{quantize_q8_0, quantize_q8_k, BlockQ80, BlockQ8K, QK8_0, QK_K};
+use super::*;
+use crate::backend::cpu::dequant::tests::random_matrix;
+use crate::backend::cpu::matmul::CpuMatrix;
+
+const INT_FORMATS: [Dtype; 4] = [Dtype::Q4K, Dtype::Q6K, Dtype::Q8_0, Dtype::Q4_0];
+
+fn random(n: usize, seed: &mut u64) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 3.0
+        })
+        .collect()
+}
+
+/// Activation rows that reach every branch of the quantizers: random values, a zero row, a
+/// constant row, a row whose largest magnitude is positive and one with a single huge value.
+fn activations(t: usize, k: usize, seed: &mut u64) -> Vec<f32> {
+    let mut x = random(t * k, seed);
+    let shapes = t.min(4);
+    for (i, row) in x.chunks_mut(k).take(shapes).enumerate() {
+        match i {
+            0 => row.fill(0.0),
+            1 => row.fill(-0.75),
+            2 => row[k / 3] = 1e4,
+            _ => row.iter_mut().for_each(|v| *v = v.abs() * 1e-3),
+        }
+    }
+    x
+}
+
+fn int8_matmul(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatrix) -> Vec<f32> {
+    let mut y = vec![0.0f32; t * w.rows];
+    matmul_into(pool, isa, x, t, w, &mut y, Store::Set);
+    y
+}
+
+fn assert_bits(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.to_bits(), w.to_bits(), "{what}: element {i}: {g} against {w}");
+    }
+}
+
+/// Every integer format: the AVX2 kernels (tiles of one to four tokens) give the scalar
+/// definition's bits, on 1 to 3 threads, and a token's row is the same alone as in the batch.
+#[test]
+fn every_kernel_thread_count_and_batch_gives_the_scalar_bits() {
+    let mut seed = 42u64;
+    let pools = [ThreadPool::new(1), ThreadPool::new(2), ThreadPool::new(3)];
+    for dtype in INT_FORMATS {
+        // 45 rows: a split over threads with a remainder; 768 columns: three K-quant blocks.
+        let (out, k) = (45, 768);
+        let w = CpuMatrix::from(random_matrix(dtype, out, k, &mut seed));
+        for t in [1, 2, 3, 4, 5, 7, 11] {
+            let x = activations(t, k, &mut seed);
+            let want = int8_matmul(&pools[0], Isa::Scalar, &x, t, &w);
+            assert!(want.iter().all(|v| v.is_finite()), "{dtype}: non-finite results");
+            for pool in &pools {
+                for isa in [Isa::Scalar, Isa::detect()] {
+                    let what = format!("{dtype}, {t} tokens, {} threads, {isa:?}", pool.threads());
+                    assert_bits(&int8_matmul(pool, isa, &x, t, &w), &want, &what);
+                    for i in [0, t - 1] {
+                        let alone = int8_matmul(pool, isa, &x[i * k..(i + 1) * k], 1, &w);
+                        assert_bits(&alone, &want[i * out..(i + 1) * out], &format!("{what}, token {i} alone"));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The activation blocks of a row as f64 values.
+fn dequantized_acts(dtype: Dtype, x: &[f32]) -> Vec<f64> {
+    if act_format(dtype) == Some(ActFormat::Q8K) {
+        let mut b = vec![BlockQ8K::default(); x.len() / QK_K];
+        quantize_q8_k(x, &mut b);
+        b.iter().flat_map(|b| b.qs.map(|q| f64::from(b.d) * f64::from(q))).collect()
+    } else {
+        let mut b = vec![BlockQ80::default(); x.len() / QK8_0];
+        quantize_q8_0(x, &mut b);
+        b.iter().flat_map(|b| b.qs.map(|q| f64::from(b.d) * f64::from(q))).collect()
+    }
+}
+
+/// Each result is the dot product of the weights (as the exact path converts them) with the
+/// quantized activations, up to f32 rounding of the block sums: against an f64 reference of
+/// the same values, within a few f32 ulps of the sum of magnitudes. And it is the exact path's
+/// result up to the activations' quantization error, whose bound is half a step per value.
+#[test]
+fn integer_dots_are_the_dots_of_the_quantized_activations() {
+    let mut seed = 3u64;
+    let pool = ThreadPool::new(2);
+    for dtype in INT_FORMATS {
+        let (out, k) = (19, 1024);
+        let m = random_matrix(dtype, out, k, &mut seed);
+        let mut wf = vec![0.0f32; out * k];
+        kestrel_quant::dequantize_into(dtype, m.bytes(), &mut wf).unwrap();
+        let w = CpuMatrix::from(m);
+        let t = 6;
+        let x = activations(t, k, &mut seed);
+        let y = int8_matmul(&pool, Isa::detect(), &x, t, &w);
+        let exact = crate::backend::cpu::matmul::matmul(&pool, Isa::detect(), &x, t, &w);
+        for i in 0..t {
+            let xi = &x[i * k..(i + 1) * k];
+            let xq = dequantized_acts(dtype, xi);
+            let block = if act_format(dtype) == Some(ActFormat::Q8K) { QK_K } else { QK8_0 };
+            for r in 0..out {
+                let wr = &wf[r * k..(r + 1) * k];
+                let reference: f64 = wr.iter().zip(&xq).map(|(&a, &b)| f64::from(a) * b).sum();
+                let magnitude: f64 = wr.iter().zip(&xq).map(|(&a, &b)| (f64::from(a) * b).abs()).sum();
+                let got = f64::from(y[i * out + r]);
+                assert!((got - reference).abs() <= 1e-5 * magnitude + 1e-30, "{dtype} token {i} row {r}: {got} against {reference} (magnitude {magnitude})");
+                // Quantization error: at most half a step (amax / 127) per activation.
+                let step: f64 = xi.chunks(block).zip(wr.chunks(block)).map(|(xb, wb)| {
+                    let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                    f64::from(amax) / 127.0 * 0.5 * wb.iter().map(|v| f64::from(v.abs())).sum::<f64>()
+                }).sum();
+                let e = f64::from(exact[i * out + r]);
+                assert!((got - e).abs() <= step * 1.01 + 1e-5 * magnitude + 1e-6, "{dtype} token {i} row {r}: int8 {got}, exact {e}, bound {step}");
+            }
+        }
+    }
+}
+
+/// A stack of an integer-kernel part between float and other block parts: each part's columns
+/// are what that part gives alone, the others' the exact path's bits.
+#[test]
+fn stacked_parts_mix_integer_and_exact_kernels() {
+    let mut seed = 11u64;
+    let pool = ThreadPool::new(2);
+    let k = 512;
+    let parts = [random_matrix(Dtype::BF16, 9, k, &mut seed), random_matrix(Dtype::Q4K, 13, k, &mut seed), random_matrix(Dtype::Q5K, 5, k, &mut seed), random_matrix(Dtype::Q8_0, 8, k, &mut seed)];
+    let stacked = CpuMatrix::stacked(&parts).unwrap();
+    let t = 3;
+    let x = random(t * k, &mut seed);
+    let y = int8_matmul(&pool, Isa::detect(), &x, t, &stacked);
+    let mut col = 0;
+    for part in &parts {
+        let alone = CpuMatrix::from(part.clone());
+        let want = if has_kernel(part.dtype) { int8_matmul(&pool, Isa::Scalar, &x, t, &alone) } else { matmul::matmul(&pool, Isa::Scalar, &x, t, &alone) };
+        for i in 0..t {
+            assert_bits(&y[i * stacked.rows + col..][..part.rows], &want[i * part.rows..][..part.rows], &format!("{} part, token {i}", part.dtype));
+        }
+        col += part.rows;
+    }
+    // Adding into the output adds the same values.
+    let mut acc = vec![1.5f32; t * stacked.rows];
+    matmul_into(&pool, Isa::detect(), &x, t, &stacked, &mut acc, Store::Add);
+    let added: Vec<f32> = y.iter().map(|v| 1.5 + v).collect();
+    assert_bits(&acc, &added, "added");
+}
+
+#[test]
+fn modes_parse_by_name_and_refuse_others() {
+    assert_eq!("int8".parse::<MatmulMode>(), Ok(MatmulMode::Int8));
+    assert_eq!("exact".parse::<MatmulMode>(), Ok(MatmulMode::Exact));
+    assert_eq!(MatmulMode::default(), MatmulMode::Exact);
+    for name in MatmulMode::NAMES {
+        assert_eq!(name.parse::<MatmulMode>().unwrap().to_string(), name);
+    }
+    let err = "fast".parse::<MatmulMode>().unwrap_err();
+    assert_eq!(err, "unknown CPU matmul mode `fast`; expected one of: exact, int8");
+}
