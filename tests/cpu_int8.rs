@@ -3,6 +3,9 @@
 //! within a small measured bound of the exact path, and its logits stay independent of the
 //! thread count, the kernels and the other rows of the batch.
 
+mod common;
+
+use common::pieced_logit_bits;
 use indicatif::ProgressBar;
 use kestrel::backend::cpu::{CpuBackend, Isa, MatmulMode};
 use kestrel::backend::{Backend, BatchLayout, KvDtype, RowKind, RowLayout};
@@ -76,22 +79,6 @@ fn requantized(dtype: Dtype, dir: &Path) -> PathBuf {
     path
 }
 
-/// Logits of every token of a 150-token prefill in three pieces, then a 3-token generate step.
-fn logits_on(model: &Qwen35<CpuBackend>, b: &CpuBackend, vocab: usize) -> Vec<u32> {
-    let ids: Vec<u32> = (0..153u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
-    let mut cache = b.alloc_cache(&model.cache_spec(16, 16, 1, 3)).expect("cache");
-    b.reset_states(&mut cache, &[0]);
-    let table: Vec<u32> = (0..16).collect();
-    let (mut bits, mut start) = (Vec::new(), 0);
-    for (kind, n) in [(RowKind::Prefill, 64), (RowKind::Prefill, 64), (RowKind::Prefill, 22), (RowKind::Generate, 3)] {
-        let layout = BatchLayout { rows: vec![RowLayout { kind, token_start: 0, num_tokens: n, start_position: start, block_table: table.clone(), state_slot: 0, snapshot_base: 0 }] };
-        let rows: Vec<u32> = (0..n as u32).collect();
-        let out = model.forward(b, &ids[start..start + n], &layout, &rows, &mut cache);
-        bits.extend(b.to_host(&out.logits).iter().map(|v| v.to_bits()));
-        start += n;
-    }
-    bits
-}
 
 #[test]
 fn int8_logits_do_not_depend_on_threads_or_kernels_and_differ_from_exact() {
@@ -99,15 +86,15 @@ fn int8_logits_do_not_depend_on_threads_or_kernels_and_differ_from_exact() {
     for path in [q4_k_m(), requantized(Dtype::Q8_0, dir.path())] {
         let (files, model) = load(&path);
         let vocab = files.config.vocab_size;
-        let reference = logits_on(&model, &int8(1, Isa::Scalar), vocab);
+        let reference = pieced_logit_bits(&model, &int8(1, Isa::Scalar), vocab);
         assert!(reference.iter().all(|&b| f32::from_bits(b).is_finite()), "{}: non-finite logits", path.display());
         for (threads, isa) in [(1, Isa::detect()), (2, Isa::detect()), (3, Isa::detect()), (2, Isa::Scalar)] {
-            let got = logits_on(&model, &int8(threads, isa), vocab);
+            let got = pieced_logit_bits(&model, &int8(threads, isa), vocab);
             let differ = got.iter().zip(&reference).filter(|(a, b)| a != b).count();
             assert_eq!(differ, 0, "{}: {differ} int8 logits differ on {threads} threads with {isa:?}", path.display());
         }
         // The mode is in effect: the exact path gives other bits.
-        let exact = logits_on(&model, &CpuBackend::with_threads(2), vocab);
+        let exact = pieced_logit_bits(&model, &CpuBackend::with_threads(2), vocab);
         assert!(exact.iter().zip(&reference).filter(|(a, b)| a != b).count() > reference.len() / 2, "{}: int8 gave the exact path's logits", path.display());
     }
 }

@@ -1,6 +1,7 @@
 //! The batch engine: requests, scheduling, speculation, sampling and metrics.
 
 pub mod cache;
+pub mod config;
 #[allow(clippy::module_inception)]
 pub mod engine;
 pub mod graphed;

@@ -188,3 +188,23 @@ pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     let max_err = got.iter().zip(want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
     max_err / max_ref
 }
+
+/// Logits of a 150-token prefill (pieces of 64: chunks of the delta rule, both attention paths)
+/// followed by a 3-token generate row, every token's row, on `b`.
+pub fn pieced_logit_bits(model: &Qwen35<CpuBackend>, b: &CpuBackend, vocab: usize) -> Vec<u32> {
+    let ids: Vec<u32> = (0..153u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
+    let spec = model.cache_spec(16, 16, 1, 3);
+    let mut cache = b.alloc_cache(&spec).expect("cache");
+    b.reset_states(&mut cache, &[0]);
+    let table: Vec<u32> = (0..16).collect();
+    let mut bits = Vec::new();
+    let mut start = 0;
+    for (kind, n) in [(RowKind::Prefill, 64), (RowKind::Prefill, 64), (RowKind::Prefill, 22), (RowKind::Generate, 3)] {
+        let layout = BatchLayout { rows: vec![RowLayout { kind, token_start: 0, num_tokens: n, start_position: start, block_table: table.clone(), state_slot: 0, snapshot_base: 0 }] };
+        let rows: Vec<u32> = (0..n as u32).collect();
+        let out = model.forward(b, &ids[start..start + n], &layout, &rows, &mut cache);
+        bits.extend(b.to_host(&out.logits).iter().map(|v| v.to_bits()));
+        start += n;
+    }
+    bits
+}
