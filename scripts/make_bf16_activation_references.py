@@ -27,7 +27,7 @@ os.environ["USE_HUB_KERNELS"] = "0"
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import transformers
 from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForCausalLM
@@ -101,18 +101,9 @@ def main():
             "torch": torch.__version__,
             "contract": "F.linear inputs rounded to bf16 (nearest even), f32 sums; all else f32",
             "max_abs_change_vs_f32_reference": f"{moved:.6g}",
-            **{k: str(v) for k, v in stats.items()},
+            **stats,
         }
-        save_file(
-            {
-                "prompt_ids": prompt_ids.to(torch.int64).contiguous(),
-                "logits": full.to(torch.float32).contiguous(),
-                "greedy_ids": greedy.to(torch.int64).contiguous(),
-                "greedy_logits": glogits.to(torch.float32).contiguous(),
-            },
-            os.path.join(folder, "reference-bf16-activations.safetensors"),
-            metadata=meta,
-        )
+        fixtures.save_reference(folder, prompt_ids, full, greedy, glogits, meta, name="reference-bf16-activations.safetensors")
 
 
 if __name__ == "__main__":

@@ -240,7 +240,7 @@ def router_margin(model, ids):
     return min(margins) if margins else None
 
 
-def save_reference(folder, prompt_ids, logits, greedy, glogits, meta):
+def save_reference(folder, prompt_ids, logits, greedy, glogits, meta, name="reference.safetensors"):
     meta = {k: str(v) for k, v in meta.items()}
     save_file(
         {
@@ -249,7 +249,7 @@ def save_reference(folder, prompt_ids, logits, greedy, glogits, meta):
             "greedy_ids": greedy.to(torch.int64).contiguous(),
             "greedy_logits": glogits.to(torch.float32).contiguous(),
         },
-        os.path.join(folder, "reference.safetensors"),
+        os.path.join(folder, name),
         metadata=meta,
     )
 
