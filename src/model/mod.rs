@@ -6,6 +6,7 @@ pub mod default_model;
 pub mod dummy;
 pub mod generation_config;
 pub mod perplexity;
+pub mod tensor_parallel;
 pub mod gguf;
 pub mod weights;
 

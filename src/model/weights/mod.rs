@@ -194,6 +194,12 @@ impl WeightStore {
     /// `online` quantization where it applies), bf16 as is, F32/F16 matrices as a bf16 value and
     /// remainder pair (4 bytes), quantized types without tiles as bf16, vectors as f32.
     pub fn device_bytes(&self, online: Option<(online::OnlineQuantization, usize)>) -> usize {
+        self.device_bytes_per_tensor(online).values().sum()
+    }
+
+    /// [`Self::device_bytes`] per tensor, by stored name; a GPTQ module's packed weights count
+    /// under `MODULE.weight`, the name of the matrix they stand for.
+    pub fn device_bytes_per_tensor(&self, online: Option<(online::OnlineQuantization, usize)>) -> HashMap<String, usize> {
         use crate::backend::cuda::quant_tiles::{RowOrder, TileFormat};
         let matrix = |dtype: Dtype, rows: usize, cols: usize| -> usize {
             match TileFormat::of(dtype).filter(|f| f.fits(cols)) {
@@ -202,12 +208,12 @@ impl WeightStore {
                 None => 2 * rows * cols,
             }
         };
-        let mut total = 0;
+        let mut total = HashMap::new();
         for (name, e) in &self.tensors {
             let elems = e.shape.iter().product::<usize>();
             let cols = e.shape.last().copied().unwrap_or(1).max(1);
             if e.shape.len() < 2 || name.ends_with("conv1d.weight") {
-                total += 4 * elems;
+                total.insert(name.clone(), 4 * elems);
                 continue;
             }
             if name.ends_with(".weight_scale_inv") {
@@ -220,7 +226,7 @@ impl WeightStore {
                 d if !d.is_quantized() => online.and_then(|(q, layers)| q.target(name, cols, layers)).unwrap_or(d),
                 d => d,
             };
-            total += matrix(dtype, elems / cols, cols);
+            total.insert(name.clone(), matrix(dtype, elems / cols, cols));
         }
         for (name, e) in &self.ints {
             let Some(module) = name.strip_suffix(".qweight") else { continue };
@@ -229,7 +235,7 @@ impl WeightStore {
             let groups = self.tensors.get(&format!("{module}.scales")).and_then(|s| s.shape.first().copied()).unwrap_or(1).max(1);
             let n = self.tensors.get(&format!("{module}.scales")).and_then(|s| s.shape.get(1).copied()).unwrap_or(1).max(1);
             let k = values / n;
-            total += matrix(Dtype::Int4 { group: (k / groups).max(2) as u32 }, n, k);
+            total.insert(format!("{module}.weight"), matrix(Dtype::Int4 { group: (k / groups).max(2) as u32 }, n, k));
         }
         total
     }
