@@ -34,7 +34,7 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(cli::flags::expand_short_aliases(std::env::args_os()));
     match cli.command {
         Command::Run(a) => cli::run::run(a),
         Command::Batch(a) => cli::batch::run(a),

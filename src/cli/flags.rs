@@ -11,6 +11,7 @@ use kestrel::engine::padding::CaptureSizes;
 use kestrel::engine::request::SpecMethod;
 use kestrel::model::generation_config::SamplingDefaults;
 use kestrel::model::weights::online::OnlineQuantization;
+use kestrel::model::tensor_parallel::SplitPlan;
 use kestrel::model::{default_model, dummy, ModelFiles};
 use std::path::PathBuf;
 
@@ -176,6 +177,10 @@ pub struct DeviceArgs {
     /// cache), above 0 and at most 1.
     #[arg(long, default_value_t = 0.9, allow_negative_numbers = true, value_name = "FRACTION")]
     pub gpu_memory_utilization: f32,
+    /// GPUs to split the model over (tensor parallelism, also -tp): 1, 2, 4 or 8. `kestrel info
+    /// --tensor-parallel-size N` shows the split and the memory per GPU.
+    #[arg(long, visible_alias = "tp", default_value_t = 1, value_name = "N")]
+    pub tensor_parallel_size: usize,
 }
 
 impl DeviceArgs {
@@ -214,10 +219,53 @@ impl DeviceArgs {
         }
     }
 
+    /// Checks `--tensor-parallel-size` against the model's split plan, and refuses a split run:
+    /// this build runs a model on one GPU only, and never falls back to one silently.
+    pub fn check_tensor_parallel(&self, files: &ModelFiles) -> Result<()> {
+        let n = self.tensor_parallel_size;
+        let plan = SplitPlan::new(&files.config, n).with_context(|| format!("cannot split {} over {n} GPUs", files.source))?;
+        if n == 1 {
+            return Ok(());
+        }
+        let online = files.config.online_quantization.map(|q| (q, files.config.num_layers()));
+        let per_gpu = plan.weight_bytes_per_rank(&files.store, online).into_iter().max().unwrap_or(0);
+        let backend = match self.device {
+            Device::Cpu => "the CPU backend, which runs on one device",
+            Device::Cuda | Device::Auto => "the CUDA backend yet",
+        };
+        bail!(
+            "--tensor-parallel-size {n}: {} splits over {n} GPUs ({:.2} GiB of weights on the fullest; `kestrel info --tensor-parallel-size {n}` shows the split), but running a split model is not available on {backend}; run with --tensor-parallel-size 1",
+            files.source,
+            per_gpu as f64 / (1u64 << 30) as f64
+        )
+    }
+
     /// Threads the CPU backend (and host work that follows it) runs on.
     pub fn cpu_threads(&self) -> usize {
         self.threads.unwrap_or_else(kestrel::backend::cpu::default_threads)
     }
+}
+
+/// The command line with vLLM's `-tp` spelled `--tensor-parallel-size` (clap's short flags are
+/// one letter); arguments after `--` are left as they are.
+pub fn expand_short_aliases(args: impl IntoIterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let mut literal = false;
+    args.into_iter()
+        .map(|arg| {
+            if literal {
+                return arg;
+            }
+            match arg.to_str() {
+                Some("--") => {
+                    literal = true;
+                    arg
+                }
+                Some("-tp") => "--tensor-parallel-size".into(),
+                Some(s) if s.starts_with("-tp=") => format!("--tensor-parallel-size={}", &s[4..]).into(),
+                _ => arg,
+            }
+        })
+        .collect()
 }
 
 fn parse_cpu_matmul(s: &str) -> Result<MatmulMode, String> {

@@ -1,12 +1,13 @@
 //! `kestrel info`: what a model is, without running it.
 
 use super::flags::ModelArgs;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use kestrel::backend::{CacheSpec, KvDtype};
 use kestrel::model::arch::qwen35::cache_spec;
 use kestrel::model::config::LayerKind;
-use kestrel::model::mtp_tensor_names;
+use kestrel::model::tensor_parallel::{SplitPlan, TensorSplit};
+use kestrel::model::{mtp_tensor_names, ModelFiles};
 
 #[derive(Debug, Args)]
 pub struct InfoArgs {
@@ -15,11 +16,19 @@ pub struct InfoArgs {
     pub json: bool,
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Show the model's split over N GPUs (tensor parallelism, also -tp): the part of each
+    /// tensor a GPU holds and the memory per GPU.
+    #[arg(long, visible_alias = "tp", value_name = "N")]
+    pub tensor_parallel_size: Option<usize>,
 }
 
 pub fn run(args: InfoArgs) -> Result<()> {
     let files = args.model.open()?;
     let c = &files.config;
+    let split = match args.tensor_parallel_size {
+        Some(n) => Some(SplitPlan::new(c, n).with_context(|| format!("cannot split {} over {n} GPUs", files.source))?),
+        None => None,
+    };
     let mtp = mtp_tensor_names(&files.store);
     let layers: String = c.layer_kinds.iter().map(|k| if *k == LayerKind::FullAttention { 'F' } else { 'L' }).collect();
     // What the GPU keeps: quantized weights in their own bits (with --quantization, after it).
@@ -56,6 +65,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
             "eos_token_ids": c.eos_token_ids,
             "sampling_defaults": sampling.to_json(),
             "kv_bytes_per_token": kv_per_token.iter().map(|(d, b)| (d.name().to_string(), serde_json::json!(b))).collect::<serde_json::Map<_, _>>(),
+            "tensor_parallel": split.as_ref().map(|plan| split_json(plan, &files, &geometry)),
         });
         println!("{}", serde_json::to_string_pretty(&obj)?);
         return Ok(());
@@ -97,5 +107,66 @@ pub fn run(args: InfoArgs) -> Result<()> {
         let t = files.store.get(name)?;
         println!("  {name} {:?} {}", t.shape, t.dtype.name());
     }
+    if let Some(plan) = &split {
+        print_split(plan, &files, &geometry);
+    }
     Ok(())
+}
+
+/// Per GPU of `plan`: weight bytes, KV bytes per token (bf16) and recurrent-state bytes per sequence.
+fn per_gpu(plan: &SplitPlan, files: &ModelFiles, geometry: &CacheSpec) -> Vec<(usize, usize, usize)> {
+    let c = &files.config;
+    let weights = plan.weight_bytes_per_rank(&files.store, c.online_quantization.map(|q| (q, c.num_layers())));
+    let cache = plan.rank_cache(&CacheSpec { kv_dtype: KvDtype::Bf16, ..geometry.clone() });
+    weights.into_iter().map(|w| (w, cache.kv_bytes_per_token(), cache.bytes_per_state())).collect()
+}
+
+/// Each kind of tensor once (the first layer that has it): its name without the layer number.
+fn tensor_kinds(plan: &SplitPlan) -> Vec<(String, &TensorSplit)> {
+    let mut seen = std::collections::HashSet::new();
+    plan.tensors
+        .iter()
+        .filter_map(|t| {
+            let kind = match t.name.strip_prefix("layers.") {
+                Some(rest) => rest.split_once('.').map_or(rest, |(_, name)| name).to_string(),
+                None => t.name.clone(),
+            };
+            seen.insert(kind.clone()).then_some((kind, t))
+        })
+        .collect()
+}
+
+fn dims(shape: &[usize]) -> String {
+    shape.iter().map(usize::to_string).collect::<Vec<_>>().join("x")
+}
+
+fn print_split(plan: &SplitPlan, files: &ModelFiles, geometry: &CacheSpec) {
+    let (c, h) = (&files.config, &plan.heads);
+    println!(
+        "split       over {} GPUs: each holds {} of {} attention heads, {} of {} kv heads, {} of {} delta-rule key heads and {} of {} value heads",
+        plan.size, h.attention, c.num_heads, h.kv, c.num_kv_heads, h.linear_key, c.linear.num_key_heads, h.linear_value, c.linear.num_value_heads
+    );
+    for (rank, (weights, kv, state)) in per_gpu(plan, files, geometry).into_iter().enumerate() {
+        println!(
+            "  GPU {rank}     {:.2} GiB of weights, KV cache {:.1} KiB per token (bf16), recurrent state {:.2} MiB per sequence",
+            weights as f64 / (1u64 << 30) as f64,
+            kv as f64 / 1024.0,
+            state as f64 / (1u64 << 20) as f64
+        );
+    }
+    println!("  {:<40} {:<11} {:<16} per GPU", "tensor", "split", "shape");
+    for (kind, t) in tensor_kinds(plan) {
+        println!("  {kind:<40} {:<11} {:<16} {}", t.layout.name(), dims(&t.shape), dims(&t.shard_shape(0)));
+    }
+    println!("  (row: each GPU sums whole K slices; the partial sums are added in the one-GPU slice order)");
+}
+
+fn split_json(plan: &SplitPlan, files: &ModelFiles, geometry: &CacheSpec) -> serde_json::Value {
+    let h = &plan.heads;
+    serde_json::json!({
+        "size": plan.size,
+        "heads_per_gpu": {"attention": h.attention, "kv": h.kv, "linear_key": h.linear_key, "linear_value": h.linear_value},
+        "gpus": per_gpu(plan, files, geometry).into_iter().map(|(w, kv, state)| serde_json::json!({"weight_bytes": w, "kv_bytes_per_token_bf16": kv, "state_bytes_per_sequence": state})).collect::<Vec<_>>(),
+        "tensors": tensor_kinds(plan).into_iter().map(|(kind, t)| serde_json::json!({"tensor": kind, "split": t.layout.name(), "shape": t.shape, "shard_shape": t.shard_shape(0), "copies": t.copies})).collect::<Vec<_>>(),
+    })
 }

@@ -131,6 +131,7 @@ impl EngineArgs {
     pub fn open_model(&self) -> Result<ModelFiles> {
         self.check()?;
         let files = self.model.open()?;
+        self.device.check_tensor_parallel(&files)?;
         self.context.max_model_len(&files)?;
         self.context.kv_cache.check(&files)?;
         Ok(files)

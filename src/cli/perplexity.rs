@@ -52,6 +52,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.file).with_context(|| format!("cannot read {}", args.file.display()))?;
     args.device.check()?;
     let files = args.model.open()?;
+    args.device.check_tensor_parallel(&files)?;
     args.long_context.check("--context", args.context, &files)?;
     args.kv_cache.check(&files)?;
     let kv_dtype = args.kv_cache.dtype();
