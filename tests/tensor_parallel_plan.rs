@@ -3,6 +3,7 @@
 //! the shards tile each tensor exactly, heads that work together stay on one GPU, row-parallel
 //! inputs are whole K slices, and sizes that cannot split a model are refused with a message.
 
+use kestrel::backend::tensor_parallel::add_slices_in_order;
 use kestrel::backend::KvDtype;
 use kestrel::model::arch::qwen35::cache_spec;
 use kestrel::model::config::{LayerKind, ModelConfig};
@@ -313,4 +314,22 @@ fn sizes_that_cannot_split_a_model_are_refused_with_the_reason() {
     tiled.linear.out_heads_tiled = true;
     assert_eq!(SplitPlan::new(&tiled, 2).unwrap_err(), SplitError::TiledOutputHeads);
     assert!(SplitPlan::new(&tiled, 1).is_ok());
+}
+
+/// The reduction rule row-parallel layers follow (backend/tensor_parallel.rs): slice partials add
+/// from zero in slice order, and adding pre-summed groups of them gives other bits.
+#[test]
+fn slices_add_from_zero_in_order_and_grouping_them_changes_the_bits() {
+    // 1 + 2^-24 rounds back to 1 at each step in order; grouped, the small terms survive.
+    let big = [1.0f32];
+    let small = [2f32.powi(-24)];
+    let parts: Vec<&[f32]> = vec![&big, &small, &small, &small, &small, &small, &small, &small];
+    let ordered = add_slices_in_order(&parts);
+    assert_eq!(ordered, [1.0]);
+    let halves = add_slices_in_order(&parts[..4])[0] + add_slices_in_order(&parts[4..])[0];
+    assert_ne!(halves.to_bits(), ordered[0].to_bits(), "two pre-summed halves differ from the slice order");
+    // The sum starts at +0, as the kernels' does: a lone -0.0 partial gives +0.0.
+    let negative_zero = [-0.0f32];
+    assert_eq!(add_slices_in_order(&[&negative_zero])[0].to_bits(), 0.0f32.to_bits());
+    assert!(add_slices_in_order(&[]).is_empty());
 }

@@ -17,6 +17,7 @@ pub mod cuda;
 pub mod graph_step;
 pub mod sampling;
 pub mod shapes;
+pub mod tensor_parallel;
 pub mod weight_bytes;
 
 use crate::backend::sampling::{sample_allowed, AllowedTokens, SamplingParams};

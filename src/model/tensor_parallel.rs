@@ -18,6 +18,7 @@
 //! (N divides 8, and K is 8 equal slices of 32-wide blocks) for the slice partials to be added
 //! in the one-GPU order afterwards (backend/tensor_parallel.rs).
 
+pub use crate::backend::tensor_parallel::K_SLICES;
 use crate::backend::CacheSpec;
 use crate::model::config::{LayerKind, ModelConfig, ModelFamily};
 use crate::model::weights::online::OnlineQuantization;
@@ -27,8 +28,6 @@ use std::ops::Range;
 
 /// The GPU counts a model can be split over.
 pub const SUPPORTED_SIZES: [usize; 4] = [1, 2, 4, 8];
-/// Fixed slices the matmul kernels cut K into (cuda/matmul_common.cuh `KSLICES`).
-pub const K_SLICES: usize = 8;
 /// Width of the K blocks the slices are made of.
 const K_BLOCK: usize = 32;
 /// Vocabulary rows per GPU are a multiple of this (vLLM's `DEFAULT_VOCAB_PADDING_SIZE`).

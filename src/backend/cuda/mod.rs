@@ -11,6 +11,7 @@
 
 mod attention;
 mod cache;
+pub mod collectives;
 mod gdn;
 mod graphs;
 pub mod kernels;
