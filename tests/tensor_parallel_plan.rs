@@ -300,8 +300,8 @@ fn sizes_that_cannot_split_a_model_are_refused_with_the_reason() {
     assert!(message(&mlp, 16).contains("not supported"));
     assert!(message(&mlp, 8).contains("does not divide the model's MLP intermediate size (1004)"), "{}", message(&mlp, 8));
     let err = SplitPlan::new(&mlp, 2).unwrap_err();
-    assert_eq!(err, SplitError::SliceMisaligned { tensor: "layers.0.mlp.down_proj.weight".into(), k: 1004, size: 2 });
-    assert!(err.to_string().contains("input width 1004 is not 8 equal slices"), "{err}");
+    assert_eq!(err, SplitError::SliceMisaligned { tensor: "layers.0.mlp.down_proj.weight".into(), k: 1004, unit: 32, size: 2 });
+    assert!(err.to_string().contains("input width 1004 is not 8 equal slices of 32-wide units"), "{err}");
     assert!(SplitPlan::new(&mlp, 1).is_ok(), "one GPU has nothing to align");
 
     let mut moe = preset_config("qwen3-next-80b-a3b").unwrap();
@@ -332,4 +332,44 @@ fn slices_add_from_zero_in_order_and_grouping_them_changes_the_bits() {
     let negative_zero = [-0.0f32];
     assert_eq!(add_slices_in_order(&[&negative_zero])[0].to_bits(), 0.0f32.to_bits());
     assert!(add_slices_in_order(&[]).is_empty());
+}
+
+/// Quantized weights are reduced in units of their format (128 for Q4_K and Q6_K): the 0.8b's
+/// MLP (3584 wide: 8 slices of 448) splits in bf16 but not in q4_k; the 9b splits either way.
+#[test]
+fn quantized_formats_split_in_whole_units_of_their_format() {
+    use kestrel::model::weights::online::OnlineQuantization;
+    for (preset, q4k_splits) in [("qwen3.5-0.8b", false), ("qwen3.5-9b", true), ("qwen3.5-27b", true)] {
+        let mut config = preset_config(preset).unwrap();
+        let store = dummy_store(&config, 1).unwrap();
+        assert!(SplitPlan::for_store(&config, 2, &store).is_ok(), "{preset} in bf16");
+        config.online_quantization = Some(OnlineQuantization::Q4K);
+        let store = dummy_store(&config, 1).unwrap();
+        match SplitPlan::for_store(&config, 2, &store) {
+            Ok(_) => assert!(q4k_splits, "{preset} in q4_k should be refused"),
+            Err(e) => {
+                assert!(!q4k_splits, "{preset} in q4_k: {e}");
+                assert!(e.to_string().contains("input width 3584 is not 8 equal slices of 128-wide units"), "{e}");
+            }
+        }
+    }
+}
+
+/// The NCCL probe tells a machine without NCCL from one with only the versioned library, which
+/// cudarc does not load, and passes where cudarc can load it.
+#[test]
+fn the_nccl_probe_names_what_is_missing() {
+    use kestrel::backend::cuda::collectives::{probe_nccl, NcclError};
+    let loads = |name: &str| unsafe { libloading::Library::new(name) }.is_ok();
+    match probe_nccl() {
+        Ok(()) => assert!(loads("libnccl.so") || loads("libnccl.so.12") || loads("libnccl.so.13"), "the probe passed but no NCCL name cudarc looks for loads"),
+        Err(e @ NcclError::OnlyVersioned { .. }) => {
+            assert!(loads("libnccl.so.2") && !loads("libnccl.so"));
+            assert!(e.to_string().contains("found libnccl.so.2") && e.to_string().contains("install libnccl-dev"), "{e}");
+        }
+        Err(e @ NcclError::Missing) => {
+            assert!(!loads("libnccl.so.2") && !loads("libnccl.so"));
+            assert!(e.to_string().contains("NCCL is not installed") && e.to_string().contains("LD_LIBRARY_PATH"), "{e}");
+        }
+    }
 }

@@ -223,7 +223,7 @@ impl DeviceArgs {
     /// this build runs a model on one GPU only, and never falls back to one silently.
     pub fn check_tensor_parallel(&self, files: &ModelFiles) -> Result<()> {
         let n = self.tensor_parallel_size;
-        let plan = SplitPlan::new(&files.config, n).with_context(|| format!("cannot split {} over {n} GPUs", files.source))?;
+        let plan = SplitPlan::for_store(&files.config, n, &files.store).with_context(|| format!("cannot split {} over {n} GPUs", files.source))?;
         if n == 1 {
             return Ok(());
         }

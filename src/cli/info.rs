@@ -26,7 +26,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
     let files = args.model.open()?;
     let c = &files.config;
     let split = match args.tensor_parallel_size {
-        Some(n) => Some(SplitPlan::new(c, n).with_context(|| format!("cannot split {} over {n} GPUs", files.source))?),
+        Some(n) => Some(SplitPlan::for_store(c, n, &files.store).with_context(|| format!("cannot split {} over {n} GPUs", files.source))?),
         None => None,
     };
     let mtp = mtp_tensor_names(&files.store);

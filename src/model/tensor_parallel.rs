@@ -19,6 +19,7 @@
 //! in the one-GPU order afterwards (backend/tensor_parallel.rs).
 
 pub use crate::backend::tensor_parallel::K_SLICES;
+use crate::backend::cuda::quant_tiles::TileFormat;
 use crate::backend::CacheSpec;
 use crate::model::config::{LayerKind, ModelConfig, ModelFamily};
 use crate::model::weights::online::OnlineQuantization;
@@ -28,7 +29,7 @@ use std::ops::Range;
 
 /// The GPU counts a model can be split over.
 pub const SUPPORTED_SIZES: [usize; 4] = [1, 2, 4, 8];
-/// Width of the K blocks the slices are made of.
+/// Width of the K units the slices of bf16 weights are made of (quantized formats: their own).
 const K_BLOCK: usize = 32;
 /// Vocabulary rows per GPU are a multiple of this (vLLM's `DEFAULT_VOCAB_PADDING_SIZE`).
 const VOCAB_PADDING: usize = 64;
@@ -41,8 +42,8 @@ pub enum SplitError {
     Indivisible { size: usize, what: &'static str, count: usize },
     #[error("--tensor-parallel-size {size} and the model's {kv_heads} KV heads: one must divide the other (KV heads are split, or replicated when there are fewer than GPUs)")]
     KvHeads { size: usize, kv_heads: usize },
-    #[error("{tensor}: its input width {k} is not {K_SLICES} equal slices of {K_BLOCK}-wide blocks, so {size} GPUs cannot reproduce the one-GPU reduction")]
-    SliceMisaligned { tensor: String, k: usize, size: usize },
+    #[error("{tensor}: its input width {k} is not {K_SLICES} equal slices of {unit}-wide units, so {size} GPUs cannot reproduce the one-GPU reduction")]
+    SliceMisaligned { tensor: String, k: usize, unit: usize, size: usize },
     #[error("this checkpoint stores the Gated DeltaNet output heads in llama.cpp's tiled order, whose columns cannot be split by key head; tensor parallelism needs a Hugging Face checkpoint of this model")]
     TiledOutputHeads,
 }
@@ -147,6 +148,8 @@ fn merged(blocks: &[usize], n: usize) -> Vec<Vec<Range<usize>>> {
 struct Builder<'a> {
     n: usize,
     config: &'a ModelConfig,
+    /// The K unit of a tensor's format on the GPU, by plan name.
+    k_unit: &'a dyn Fn(&str) -> usize,
     tensors: Vec<TensorSplit>,
 }
 
@@ -167,8 +170,9 @@ impl Builder<'_> {
     fn row(&mut self, name: String, shape: &[usize]) -> Result<(), SplitError> {
         let dim = shape.len() - 1;
         let k = shape[dim];
-        if self.n > 1 && !k.is_multiple_of(K_SLICES * K_BLOCK) {
-            return Err(SplitError::SliceMisaligned { tensor: name, k, size: self.n });
+        let unit = (self.k_unit)(&name);
+        if self.n > 1 && !k.is_multiple_of(K_SLICES * unit) {
+            return Err(SplitError::SliceMisaligned { tensor: name, k, unit, size: self.n });
         }
         let ranks = merged(&[k], self.n);
         self.push(name, shape, Layout::Row, dim, 1, ranks);
@@ -203,8 +207,28 @@ fn check_divides(n: usize, what: &'static str, count: usize) -> Result<(), Split
 }
 
 impl SplitPlan {
-    /// The split of `config` over `size` GPUs, or why it cannot be split so.
+    /// The split of `config` over `size` GPUs with bf16 weights (or formats of 32-wide units),
+    /// or why it cannot be split so.
     pub fn new(config: &ModelConfig, size: usize) -> Result<Self, SplitError> {
+        Self::with_k_units(config, size, &|_| K_BLOCK)
+    }
+
+    /// The split of the model in `store` over `size` GPUs: each row-parallel weight's slices in
+    /// whole units of the format the GPU keeps it in (after `--quantization`; 128 for the
+    /// k-quants, IQ4_XS and 128-wide int4 and FP8 blocks). Packed int4 modules count as 128.
+    pub fn for_store(config: &ModelConfig, size: usize, store: &WeightStore) -> Result<Self, SplitError> {
+        let online = config.online_quantization;
+        let unit = |name: &str| {
+            let full = stored_name(store, name);
+            let Ok(view) = store.get(&full) else { return 128 };
+            let cols = view.shape.last().copied().unwrap_or(1);
+            let dtype = online.filter(|_| !view.dtype.is_quantized()).and_then(|q| q.target(&full, cols, config.num_layers())).unwrap_or(view.dtype);
+            TileFormat::of(dtype).map_or(K_BLOCK, |f| f.unit()).max(K_BLOCK)
+        };
+        Self::with_k_units(config, size, &unit)
+    }
+
+    fn with_k_units(config: &ModelConfig, size: usize, k_unit: &dyn Fn(&str) -> usize) -> Result<Self, SplitError> {
         if !SUPPORTED_SIZES.contains(&size) {
             return Err(SplitError::UnsupportedSize { size });
         }
@@ -235,7 +259,7 @@ impl SplitPlan {
                 check_divides(n, "shared expert intermediate size", moe.shared_intermediate)?;
             }
         }
-        let mut b = Builder { n, config, tensors: Vec::new() };
+        let mut b = Builder { n, config, k_unit, tensors: Vec::new() };
         let h = config.hidden_size;
         b.vocab("embed_tokens.weight".into(), &[config.vocab_size, h]);
         if !config.tie_word_embeddings {
