@@ -94,6 +94,10 @@ fn sizes_that_cannot_split_the_model_are_refused() {
     // The default model's MLP is 448 wide: not 8 slices of 32-wide blocks.
     fails_with(&["info", "-tp", "2"], &["over 2 GPUs", "layers.0.mlp.down_proj.weight: its input width 448 is not 8 equal slices"]);
     fails_with(&["run", "hi", "--device", "cpu", "-tp", "2"], &["layers.0.mlp.down_proj.weight: its input width 448"]);
+    // A Qwen3.5 GGUF stores the delta rule's output columns in llama.cpp's tiled head order.
+    let gguf = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gguf/qwen35-dense.gguf");
+    fails_with(&["info", "--model", gguf, "-tp", "2"], &["cannot split", "llama.cpp's tiled order", "needs a Hugging Face checkpoint"]);
+    assert!(ok_stdout(&["info", "--model", gguf, "-tp", "1"]).contains("split       over 1 GPU: each holds 4 of 4 attention heads"));
     // In Q4_K the reduction runs in 128-wide units: the 0.8b's 3584-wide MLP no longer splits.
     assert!(ok_stdout(&["info", "--load-format", "dummy", "--model", "qwen3.5-0.8b", "-tp", "2"]).contains("over 2 GPUs"));
     fails_with(&["info", "--load-format", "dummy", "--model", "qwen3.5-0.8b", "--quantization", "q4_k", "-tp", "2"], &["input width 3584 is not 8 equal slices of 128-wide units"]);

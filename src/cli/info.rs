@@ -143,8 +143,10 @@ fn dims(shape: &[usize]) -> String {
 fn print_split(plan: &SplitPlan, files: &ModelFiles, geometry: &CacheSpec) {
     let (c, h) = (&files.config, &plan.heads);
     println!(
-        "split       over {} GPUs: each holds {} of {} attention heads, {} of {} kv heads, {} of {} delta-rule key heads and {} of {} value heads",
-        plan.size, h.attention, c.num_heads, h.kv, c.num_kv_heads, h.linear_key, c.linear.num_key_heads, h.linear_value, c.linear.num_value_heads
+        "split       over {} GPU{}: each holds {} of {} attention heads, {} of {} kv heads, {} of {} delta-rule key heads and {} of {} value heads",
+        plan.size,
+        if plan.size == 1 { "" } else { "s" },
+        h.attention, c.num_heads, h.kv, c.num_kv_heads, h.linear_key, c.linear.num_key_heads, h.linear_value, c.linear.num_value_heads
     );
     for (rank, (weights, kv, state)) in per_gpu(plan, files, geometry).into_iter().enumerate() {
         println!(
