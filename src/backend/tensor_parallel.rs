@@ -26,6 +26,14 @@
 //! - a chain: GPU 0 adds its slices from zero and sends the running sum to GPU 1, which adds its
 //!   slices in order and passes it on; the last GPU broadcasts the total (the bytes of an
 //!   all-reduce, N - 1 + 1 sequential steps).
+//!
+//! What the runtime's kernels must still do (tests/cuda_tensor_parallel.rs computes each slice
+//! sum with the full weight and the other columns of the activations zeroed, which gives the
+//! same bits): a GPU holding K/N columns cannot run the ordinary kernel on them, which would cut
+//! K/N into 8 slices of its own. Its launch must take the slice width of the full K and compute
+//! only its 8/N slices, storing each slice's sums (the quantized split launch already stores
+//! slice sums to memory) for the gather, or adding them from zero (GPU 0) or from the running
+//! sum it received (the chain).
 
 /// Fixed slices the matmul kernels cut K into (cuda/matmul_common.cuh `KSLICES`).
 pub const K_SLICES: usize = 8;
