@@ -49,6 +49,16 @@ fn every_kernel_source_compiles_with_nvrtc() {
             }
         }
     }
+    // The wgmma matmul, for the Hopper-specific target it needs, plain and traced.
+    let (module, body) = kernels::WGMMA_SOURCE;
+    for trace in [false, true] {
+        match kernels::compile_cubin(module, body, kernels::WGMMA_ARCH, trace) {
+            Ok(cubin) => assert!(!cubin.is_empty(), "{module}.cu for {} (trace {trace}): empty CUBIN", kernels::WGMMA_ARCH),
+            Err(e) => failures.push(e.to_string()),
+        }
+    }
+    // For any other target its source refuses to compile rather than build an empty kernel.
+    assert!(kernels::compile_cubin(module, body, "sm_90", false).is_err(), "{module}.cu compiled for plain sm_90");
     assert!(failures.is_empty(), "{} kernel compilations failed:\n{}", failures.len(), failures.join("\n\n"));
 }
 

@@ -45,6 +45,43 @@ fn matmul_matches_cpu_and_rows_are_independent() {
     }
 }
 
+/// Past 128 rows a bf16 matmul takes the wgmma kernel on sm_90 (the large-tile kernel
+/// elsewhere): close to the CPU, and bitwise what the streaming (1 and 7 rows), k-sliced (63
+/// rows) and large-tile kernels give the same rows. K of 17 and 131 blocks of 32 (k slices of
+/// unequal length), odd output widths, and 4095 rows: none a multiple of a tile.
+#[test]
+fn many_row_matmul_gives_each_row_the_bits_of_the_few_row_kernels() {
+    let Some(gpu) = gpu() else { return };
+    if sm_version(&gpu) == 90 && std::env::var("KESTREL_CUDA_WGMMA").map_or(true, |v| v != "0") {
+        assert!(gpu.wgmma_matmul(), "an sm_90 GPU without the wgmma matmul");
+    }
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(seed());
+    let rows = 4095;
+    for (inputs, outputs) in [(544, 1001), (4192, 389)] {
+        let w = random_matrix(&mut rng, outputs, inputs, Dtype::BF16);
+        let (gw, cw) = (gpu.upload_matrix(&w).unwrap(), cpu.upload_matrix(&w).unwrap());
+        let x = rng.vec(rows * inputs, 1.0);
+        let gx = gpu.from_host(&x, rows, inputs);
+        let full = gpu.to_host(&gpu.matmul(&gx, &gw));
+        let what = format!("{rows}x{inputs} @ {outputs}");
+        let cpu_rows = 300;
+        let want = cpu.to_host(&cpu.matmul(&cpu.from_host(&x[..cpu_rows * inputs], cpu_rows, inputs), &cw));
+        let err = relative_error(&full[..cpu_rows * outputs], &want);
+        assert!(err < 1e-4, "{what}: relative error {err} against the CPU");
+        for (start, count) in [(0, 1), (2000, 1), (7, 7), (100, 63), (0, 300), (3000, 1095)] {
+            let xs = &x[start * inputs..(start + count) * inputs];
+            let got = gpu.to_host(&gpu.matmul(&gpu.from_host(xs, count, inputs), &gw));
+            assert!(bitwise_equal(&got, &full[start * outputs..(start + count) * outputs]), "{what}: rows {start}..{} alone differ from the same rows among {rows}", start + count);
+        }
+        // The large-tile kernel on all rows: the same bits.
+        gpu.set_wgmma_matmul(false);
+        let large = gpu.to_host(&gpu.matmul(&gx, &gw));
+        gpu.set_wgmma_matmul(true);
+        assert!(bitwise_equal(&large, &full), "{what}: the wgmma and large-tile kernels differ");
+    }
+}
+
 /// Kernels launch before the previous kernel ends (programmatic dependent launch) and wait for
 /// their inputs themselves. In a long chain each launch reads what the one before wrote and
 /// writes what it read, over several waves of blocks: any kernel that ran ahead would break

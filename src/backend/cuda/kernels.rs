@@ -24,6 +24,13 @@ pub const SOURCES: [(&str, &str); 9] = [
     ("sample", include_str!("../../../cuda/sample.cu")),
 ];
 
+/// The many-row bf16 matmul on Hopper's warpgroup instructions (cuda/matmul_wgmma.cu): its own
+/// module, compiled for [`WGMMA_ARCH`] only.
+pub const WGMMA_SOURCE: (&str, &str) = ("matmul_wgmma", concat!(include_str!("../../../cuda/matmul_common.cuh"), include_str!("../../../cuda/matmul_wgmma.cu")));
+
+/// The architecture-specific Hopper target wgmma needs (a plain sm_90 build rejects it).
+pub const WGMMA_ARCH: &str = "sm_90a";
+
 /// The quantized matmul kernels (cuda/qformats.cuh, qmatmul.cu, qtiles.cu), one module per tile
 /// format.
 pub const QUANT_SOURCE: &str = concat!(

@@ -300,7 +300,7 @@ const SLICED_MAX_ROWS: usize = 128;
 
 /// Rows past which a bf16 launch takes the large-tile kernel: a 128 x 256 tile over fewer rows
 /// leaves too few blocks for the GPU (the 128 x 128 pipelined kernel runs them).
-const LARGE_MIN_ROWS: usize = 128;
+pub(super) const LARGE_MIN_ROWS: usize = 128;
 
 /// `out[rows, n] = x[x_rows, k] @ W^T`. Plain launches read rows `0..rows` of `x`; grouped
 /// launches read the rows listed per group (at most `rows` per group).
@@ -370,6 +370,10 @@ pub(super) fn launch_matmul(be: &CudaBackend, out: u64, x: u64, x_rows: usize, w
         let col_blocks = n.div_ceil(8 * v.nt).min(wave);
         be.launch((v.kernel)(&be.k), (col_blocks as u32, rows.div_ceil(16 * v.mt) as u32, groups as u32), SMALL_THREADS, 0, &args);
     } else if bf16_blocks {
+        // Past one m tile of a plain launch on sm_90: the wgmma kernel (the same bits).
+        if grouped.is_none() && rows > LARGE_MIN_ROWS && super::wgmma::try_launch(be, out, x, rows, whi, n, k, epi) {
+            return;
+        }
         // Round the activations to bf16 once, then stream bf16 tiles with cp.async.
         let rounded = round_activations(be, x, x_rows * k);
         let mut args = vec![Arg::Ptr(out), Arg::Ptr(be.ptr(&rounded)), Arg::Ptr(whi)];

@@ -26,6 +26,7 @@ pub mod quant_tiles;
 mod sample;
 mod step_inputs;
 mod tensor;
+mod wgmma;
 
 pub use cache::CudaCache;
 pub use profile::{HostTiming, TracedKernel};
@@ -175,6 +176,8 @@ pub struct CudaBackend {
     pub(super) max_dynamic_smem: usize,
     /// Whether `matmul_large` fits this GPU's shared memory ([`matmul::LARGE_SMEM`]).
     pub(super) large_matmul: bool,
+    /// The wgmma matmul for many rows (sm_90; see [`wgmma`]).
+    wgmma: Option<wgmma::WgmmaMatmul>,
     /// Whether `matmul_sliced` runs launches of 17 to 128 rows ([`matmul::SLICED_SMEM`]; Hopper;
     /// `KESTREL_CUDA_SLICED=0` turns it off for A/B runs, as `KESTREL_CUDA_LARGE=0` does the
     /// large-tile kernel).
@@ -289,8 +292,12 @@ impl CudaBackend {
         }
         let arch = kernels::arch_name(major, minor);
         let trace = std::env::var("KESTREL_CUDA_TRACE").is_ok_and(|v| v == "1");
-        let (k, modules) = Kernels::load(&ctx, &arch, trace)?;
+        let (k, mut modules) = Kernels::load(&ctx, &arch, trace)?;
         let optin = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)?;
+        let wgmma = wgmma::WgmmaMatmul::load(&ctx, &arch, trace, optin)?.map(|(w, module)| {
+            modules.push(module);
+            w
+        });
         use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
         // Kernels with large dynamic shared memory may use all of it beside their static part;
         // returns the kernel's static shared memory (bytes).
@@ -382,7 +389,7 @@ impl CudaBackend {
         };
         let stream = ctx.new_stream().map_err(driver)?;
         let router_done = stream.alloc_zeros::<u32>(1).map_err(driver)?;
-        let tracer = if trace { Some(profile::Tracer::new(&stream, &modules, k.names()).map_err(driver)?) } else { None };
+        let tracer = if trace { Some(profile::Tracer::new(&stream, &modules, k.names().into_iter().chain(wgmma.iter().flat_map(|w| w.names())).collect()).map_err(driver)?) } else { None };
         Ok(CudaBackend {
             ctx,
             stream,
@@ -400,6 +407,7 @@ impl CudaBackend {
             sampling_scratch: Mutex::new(None),
             max_dynamic_smem: max_dynamic_smem.max(0) as usize,
             large_matmul,
+            wgmma,
             sliced_matmul,
             profiler: profile::Profiler::from_env(),
             host_timer: profile::HostTimer::from_env(),
