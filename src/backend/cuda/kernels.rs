@@ -18,7 +18,7 @@ pub const SOURCES: [(&str, &str); 9] = [
     ("attention_f32", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), "ATTN_KERNELS(f32, KvF32)\n")),
     ("attention_bf16", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), include_str!("../../../cuda/attention_flash.cu"), "ATTN_KERNELS(bf16, KvBf16)\nFLASH_KERNELS(bf16, KvBf16)\n")),
     ("attention_fp8", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), include_str!("../../../cuda/attention_flash.cu"), "ATTN_KERNELS(fp8, KvFp8)\nFLASH_KERNELS(fp8, KvFp8)\n")),
-    ("attention_tq3", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), "ATTN_KERNELS(tq3, KvTq3)\n")),
+    ("attention_tq3", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), include_str!("../../../cuda/attention_flash.cu"), "ATTN_KERNELS(tq3, KvTq3)\nFLASH_KERNELS(tq3, KvTq3)\n")),
     ("gdn", concat!(include_str!("../../../cuda/gdn.cu"), include_str!("../../../cuda/gdn_chunk.cu"))),
     ("moe", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/moe.cu"))),
     ("sample", include_str!("../../../cuda/sample.cu")),
