@@ -1,4 +1,5 @@
-// Attention on tensor cores for the bf16 and fp8 KV formats (attn_flash): a block takes the
+// Attention on tensor cores for the bf16, fp8 and tq3 KV formats (attn_flash; the tiles each
+// format loads are in attention_flash_tiles.cuh, which comes before this file): a block takes the
 // query heads of one kv head for up to 64 / group consecutive tokens of one sequence (a query
 // tile of at most 64 rows, a row being a (token, query head) pair) and walks the key tiles of 64
 // keys aligned to absolute positions, reading each tile once for all its rows. QK^T and PV run
@@ -8,8 +9,16 @@
 // outputs 2e-3 off the f32 reference, where the GPU-against-CPU checks allow 1e-3 on logits).
 // fp8 keys and values are turned into bf16 tiles in shared memory
 // (e4m3 values are bf16 values) with their per-vector scales applied in f32 to the scores and to
-// the weights. An MMA output element depends only on its own row of A and column of B, and every
-// other step is per row, so a query's bits depend on its own context only:
+// the weights. tq3 (TurboQuant) tiles are its codebook levels looked up from the 3-bit codes,
+// with the corrected norms applied as fp8's scales are. The levels are rounded to fp16 (11
+// significant bits: within 2^-11 of the f32 levels, where bf16's 8 bits leave up to 2^-8,
+// more than the checks against the f32 reference allow), so tq3's tiles, query parts and
+// weight parts are fp16 and its MMAs f16 ones (the old per-(token, head) kernels multiplied
+// f32 levels in f32). Attention runs in the rotated space: the queries are rotated once
+// (attn_prep, or the decode launch's preparation) and each output is rotated back once, by
+// the block that finishes the row or by attn_flash_combine. An MMA output element depends only
+// on its own row of A and column of B, and every other step is per row, so a query's bits
+// depend on its own context only:
 //
 // - A query with ctx keys cuts its tiles into at most FLASH_SPLITS ranges of flash_span(ctx)
 //   tiles: each range an online softmax over its tiles, the ranges merged in order with
@@ -49,10 +58,17 @@ __device__ __forceinline__ int flash_ranges(int ctx) {
     return (tiles + span - 1) / span;
 }
 
+// One m16n8k16 MMA with f32 accumulation; F16: fp16 operands (tq3's tiles), else bf16.
+template <bool F16>
 __device__ __forceinline__ void flash_mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    if (F16)
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 // Two floats as bf16 pairs: their nearest bf16 values and the bf16 of what those leave out
 // (a + b in bf16 pairs carries 16 significant bits of each float; K and V tiles are bf16 already,
@@ -63,91 +79,33 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, u32* hi, u32* l
     *hi = h;
     *lo = pack_bf16x2(r0, r1);
 }
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// The same in fp16 pairs (22 significant bits of each float). fp16 holds magnitudes up to 65504:
+// tq3's queries and weights times value norms stay far below it.
+__device__ __forceinline__ void split_f16x2(float x0, float x1, u32* hi, u32* lo) {
+    u32 h = pack_f16x2(x0, x1);
+    float h0, h1;
+    asm("{.reg .f16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;}" : "=f"(h0), "=f"(h1) : "r"(h));
+    *hi = h;
+    *lo = pack_f16x2(__fsub_rn(x0, h0), __fsub_rn(x1, h1));
+}
+template <bool F16>
+__device__ __forceinline__ void flash_split(float x0, float x1, u32* hi, u32* lo) {
+    if (F16)
+        split_f16x2(x0, x1, hi, lo);
+    else
+        split_bf16x2(x0, x1, hi, lo);
+}
 __device__ __forceinline__ void ldsm_x4(u32 r[4], const bf16_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
 }
 __device__ __forceinline__ void ldsm_x4_trans(u32 r[4], const bf16_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
 }
-
-// The cache slots of the current tile's keys (-1 past the block's last context) and, for a
-// scaled format, their key and value scales (0 past it).
-__shared__ long long flash_slots[KEY_TILE];
-__shared__ float flash_kscale[KEY_TILE];
-__shared__ float flash_vscale[KEY_TILE];
-
-// Key tile loads into shared memory as bf16 rows of `stride` elements.
-template <class KV>
-struct FlashTile;
-
-template <>
-struct FlashTile<KvBf16> {
-    __device__ static void load(bf16_t* ks, bf16_t* vs, KvCache kv, int nkv, int kvh, int hd, int stride) {
-        int chunks = hd / 8;  // 16 bytes each
-        for (int c = threadIdx.x; c < KEY_TILE * chunks; c += blockDim.x) {
-            int i = c / chunks, j = 8 * (c % chunks);
-            long long slot = flash_slots[i];
-            bool live = slot >= 0;
-            long long off = live ? kv_vector(slot, nkv, kvh) * 2 * hd + 2 * j : 0;
-            cp_async16(ks + i * stride + j, kv.k + off, live);
-            cp_async16(vs + i * stride + j, kv.v + off, live);
-        }
-        asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
-    }
-};
-
-// e4m3 byte pairs as bf16 pairs (exact: every e4m3 value is a bf16 value).
-__device__ __forceinline__ u32 e4m3x2_to_bf16x2(u32 lo, u32 hi) {
-    return (__float_as_uint(e4m3_to_f32(lo)) >> 16) | (__float_as_uint(e4m3_to_f32(hi)) & 0xffff0000u);
-}
-__device__ __forceinline__ void e4m3x16_to_bf16(bf16_t* dst, uint4 b) {
-    u32 w[4] = {b.x, b.y, b.z, b.w}, o[8];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        o[2 * i] = e4m3x2_to_bf16x2(w[i] & 0xff, (w[i] >> 8) & 0xff);
-        o[2 * i + 1] = e4m3x2_to_bf16x2((w[i] >> 16) & 0xff, w[i] >> 24);
-    }
-    ((uint4*)dst)[0] = make_uint4(o[0], o[1], o[2], o[3]);
-    ((uint4*)dst)[1] = make_uint4(o[4], o[5], o[6], o[7]);
-}
-
-template <>
-struct FlashTile<KvFp8> {
-    __device__ static void load(bf16_t* ks, bf16_t* vs, KvCache kv, int nkv, int kvh, int hd, int stride) {
-        if (threadIdx.x < KEY_TILE) {
-            long long slot = flash_slots[threadIdx.x];
-            long long vec = slot >= 0 ? kv_vector(slot, nkv, kvh) : 0;
-            flash_kscale[threadIdx.x] = slot >= 0 ? KvFp8::scale(kv.kp + vec) : 0.0f;
-            flash_vscale[threadIdx.x] = slot >= 0 ? KvFp8::scale(kv.vp + vec) : 0.0f;
-        }
-        int chunks = hd / 16;  // 16 bytes each
-        // Four chunks of keys and four of values in flight per thread before any conversion.
-        for (int c0 = threadIdx.x; c0 < KEY_TILE * chunks; c0 += 4 * blockDim.x) {
-            uint4 kb[4], vb[4];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                int c = c0 + u * blockDim.x;
-                kb[u] = vb[u] = make_uint4(0, 0, 0, 0);
-                if (c < KEY_TILE * chunks) {
-                    long long slot = flash_slots[c / chunks];
-                    if (slot >= 0) {
-                        long long off = kv_vector(slot, nkv, kvh) * hd + 16 * (c % chunks);
-                        kb[u] = *(const uint4*)(kv.k + off);
-                        vb[u] = *(const uint4*)(kv.v + off);
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                int c = c0 + u * blockDim.x;
-                if (c >= KEY_TILE * chunks) break;
-                int i = c / chunks, j = 16 * (c % chunks);
-                e4m3x16_to_bf16(ks + i * stride + j, kb[u]);
-                e4m3x16_to_bf16(vs + i * stride + j, vb[u]);
-            }
-        }
-    }
-};
 
 // What attn_flash_decode's blocks prepare from: the q/gate projection, the step's keys and
 // values, the q and k norm weights and the rotation's frequencies (attn_prep's inputs).
@@ -158,8 +116,9 @@ struct FlashPrep {
 };
 
 // attn_flash_decode's preparation of token t (position pos) for kv head kvh: the group's query
-// heads into the bf16 parts and remainders of query rows 0..group (zero rows after them), as
-// attn_prep writes them and attn_flash's query load splits them; with `own`, the token's key
+// heads (rotated for a rotated format) into the 16-bit parts and remainders of query rows
+// 0..group (zero rows after them), as attn_prep writes them and attn_flash's query load splits
+// them; with `own`, the token's key
 // and value stored in `slot`, as attn_prep stores them. One warp per head row, rows of
 // `scratch` (2 * hd floats per warp: the norm's scratch, then the prepared row).
 template <class KV>
@@ -178,8 +137,9 @@ __device__ __forceinline__ void flash_prepare_decode(const FlashPrep& p, KvCache
     for (int j = warp; j < jobs; j += nwarps) {
         if (j < group) {
             norm_rope_head(row, normed, p.qg + ((long long)t * nq + kvh * group + j) * 2 * hd, p.q_norm, p.inv_freq, hd, p.rot, pos, p.eps);
+            if (KV::ROTATED) rotate_warp(row, hd, kv.tables);
             __syncwarp();
-            for (int d = 2 * lane; d < hd; d += 64) split_bf16x2(row[d], row[d + 1], (u32*)(qs + j * stride + d), (u32*)(qr + j * stride + d));
+            for (int d = 2 * lane; d < hd; d += 64) flash_split<FlashTile<KV>::F16>(row[d], row[d + 1], (u32*)(qs + j * stride + d), (u32*)(qr + j * stride + d));
         } else {
             long long vec = kv_vector(slot, nkv, kvh), src = ((long long)t * nkv + kvh) * hd;
             if (j == group) {
@@ -235,6 +195,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
         const RowInfo* rows, const int* block_tables, int num_tokens, int nq, int nkv, int hd, int block_size, int tokens_per_block, float scale, float* partial,
         const FlashPrep& prep) {
     extern __shared__ __align__(16) unsigned char flash_smem[];
+    constexpr bool F16 = FlashTile<KV>::F16;
     const int stride = hd + 8, nrt = FLASH_ROW_TILES;
     bf16_t* qs = (bf16_t*)flash_smem;              // q's bf16 parts
     bf16_t* qr = qs + nrt * 16 * stride;           // and its remainders
@@ -246,6 +207,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
     int half = hd / 2, nt = half / 8, ksteps = hd / 16;
     bool split = gridDim.z > 1;
     int tb = blockIdx.x * tokens_per_block, te = min(num_tokens, tb + tokens_per_block);
+    FlashTile<KV>::setup(kv);  // read after the first tile's barriers
     // The block's tokens as runs of one sequence each (a step's rows are contiguous).
     for (int t0 = tb; t0 < te;) {
         int seq = tok_row[t0], t1 = t0 + 1;
@@ -268,13 +230,13 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
             bool own = j0 <= pos / KEY_TILE && pos / KEY_TILE < j1;
             if (j0 < j1) flash_prepare_decode<KV>(prep, kv, qs, qr, (float*)ks, t0, pos, table_slot(table, pos, block_size), own, nq, nkv, kvh, hd, stride);
         } else {
-            // The run's query rows as bf16 (zero rows for the tile's unused rows).
+            // The run's query rows as 16-bit pairs (zero rows for the tile's unused rows).
             for (int e = tid; e < nrt * 16 * half; e += blockDim.x) {
                 int r = e / half, d = 2 * (e % half), t = t0 + r / group;
                 u32 hi = 0, lo = 0;
                 if (r < nrows && t < t1) {
                     const float* src = q + ((long long)t * nq + kvh * group + r % group) * hd + d;
-                    split_bf16x2(src[0], src[1], &hi, &lo);
+                    flash_split<F16>(src[0], src[1], &hi, &lo);
                 }
                 *(u32*)(qs + r * stride + d) = hi;
                 *(u32*)(qr + r * stride + d) = lo;
@@ -329,10 +291,10 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                 for (int np = 0; np < 4; ++np) {
                     u32 b[4];
                     ldsm_x4(b, ks + (np * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * stride + kk * 16 + ((lane >> 3) & 1) * 8);
-                    flash_mma(s[2 * np], a, b[0], b[1]);
-                    flash_mma(s[2 * np], ar, b[0], b[1]);
-                    flash_mma(s[2 * np + 1], a, b[2], b[3]);
-                    flash_mma(s[2 * np + 1], ar, b[2], b[3]);
+                    flash_mma<F16>(s[2 * np], a, b[0], b[1]);
+                    flash_mma<F16>(s[2 * np], ar, b[0], b[1]);
+                    flash_mma<F16>(s[2 * np + 1], a, b[2], b[3]);
+                    flash_mma<F16>(s[2 * np + 1], ar, b[2], b[3]);
                 }
             }
             // Online softmax per row: the row's 64 scores sit in the four lanes of a quad,
@@ -373,8 +335,8 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                     pv[c] = KV::SCALED ? __fmul_rn(p, flash_vscale[n * 8 + 2 * tig + (c & 1)]) : p;
                 }
                 // The weights as the A fragment of key step n / 2 (keys 16 (n / 2) ...).
-                split_bf16x2(pv[0], pv[1], &pa[n >> 1][(n & 1) * 2], &pr[n >> 1][(n & 1) * 2]);
-                split_bf16x2(pv[2], pv[3], &pa[n >> 1][(n & 1) * 2 + 1], &pr[n >> 1][(n & 1) * 2 + 1]);
+                flash_split<F16>(pv[0], pv[1], &pa[n >> 1][(n & 1) * 2], &pr[n >> 1][(n & 1) * 2]);
+                flash_split<F16>(pv[2], pv[3], &pa[n >> 1][(n & 1) * 2 + 1], &pr[n >> 1][(n & 1) * 2 + 1]);
             }
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
@@ -394,17 +356,20 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                     if (2 * np >= nt) break;
                     u32 b[4];
                     ldsm_x4_trans(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + dh * half + np * 16 + ((lane >> 4) & 1) * 8);
-                    flash_mma(acc[2 * np], pa[kk], b[0], b[1]);
-                    flash_mma(acc[2 * np], pr[kk], b[0], b[1]);
+                    flash_mma<F16>(acc[2 * np], pa[kk], b[0], b[1]);
+                    flash_mma<F16>(acc[2 * np], pr[kk], b[0], b[1]);
                     if (2 * np + 1 < nt) {
-                        flash_mma(acc[2 * np + 1], pa[kk], b[2], b[3]);
-                        flash_mma(acc[2 * np + 1], pr[kk], b[2], b[3]);
+                        flash_mma<F16>(acc[2 * np + 1], pa[kk], b[2], b[3]);
+                        flash_mma<F16>(acc[2 * np + 1], pr[kk], b[2], b[3]);
                     }
                 }
             }
         }
         // Results: this thread's elements of rows g4 and g4 + 8, columns 2 tig, 2 tig + 1 of
-        // each n-tile of its half.
+        // each n-tile of its half. A rotated format's finished rows go through shared memory
+        // (the key and value tiles' place, f32 rows of hd) to be rotated back one warp a row.
+        float* rotated = (float*)ks;
+        if (KV::ROTATED && !split) __syncthreads();  // the last tile's reads are done
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             int r = rt * 16 + g4 + 8 * i;
@@ -427,6 +392,16 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                 continue;
             }
             flash_merge_row(row[i], i, acc, tot, nt);
+            if (KV::ROTATED) {
+                // To shared memory, rotated back below.
+#pragma unroll
+                for (int n = 0; n < FLASH_MAX_NT; ++n)
+                    if (n < nt) {
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) rotated[r * hd + dh * half + n * 8 + 2 * tig + c] = tot[n][2 * i + c] / row[i].lt;
+                    }
+                continue;
+            }
             long long o = ((long long)t * nq + h) * hd, og = ((long long)t * nq + h) * gate_stride;
 #pragma unroll
             for (int n = 0; n < FLASH_MAX_NT; ++n)
@@ -439,6 +414,16 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                     }
                 }
         }
+        if (KV::ROTATED && !split) {
+            __syncthreads();
+            int used = (t1 - t0) * group;
+            for (int r = warp; r < used; r += blockDim.x >> 5) unrotate_warp(rotated + r * hd, hd, kv.tables);
+            __syncthreads();
+            for (int e = tid; e < used * hd; e += blockDim.x) {
+                int r = e / hd, d = e % hd, t = t0 + r / group, h = kvh * group + r % group;
+                out[((long long)t * nq + h) * hd + d] = rotated[e] * sigmoidf_(gate[((long long)t * nq + h) * gate_stride + d]);
+            }
+        }
         t0 = t1;
         __syncthreads();  // the run's queries are read before the next run's are stored
     }
@@ -446,8 +431,10 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
 }
 
 // grid (T, nq), hd threads (rounded up to a warp): merges the ranges attn_flash's split blocks
-// wrote, in range order, exactly as a block walking them merges them.
-__device__ __forceinline__ void attn_flash_combine_body(int ctx, float* out, const float* gate, int gate_stride, const float* partial, int nq, int hd) {
+// wrote, in range order, exactly as a block walking them merges them; ROTATED rotates the
+// merged row back through hd floats of dynamic shared memory, one warp, as attn_flash does.
+template <bool ROTATED>
+__device__ __forceinline__ void attn_flash_combine_body(int ctx, float* out, const float* gate, int gate_stride, const float* partial, int nq, int hd, const KvTables* tables) {
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x, nr = flash_ranges(ctx);
     float M = NEG_INF, L = 0.0f, ACC = 0.0f;
     float pm0[FLASH_SPLITS], pm1[FLASH_SPLITS], pa[FLASH_SPLITS];
@@ -467,15 +454,22 @@ __device__ __forceinline__ void attn_flash_combine_body(int ctx, float* out, con
         L = merge_sum(L, pm1[r], c_old, c_new);
         ACC = merge_sum(ACC, pa[r], c_old, c_new);
     }
-    if (d < hd) {
-        float v = ACC / L;
-        out[((long long)t * nq + h) * hd + d] = v * sigmoidf_(gate[((long long)t * nq + h) * gate_stride + d]);
+    float v = ACC / L;
+    if (ROTATED) {
+        extern __shared__ float merged_row[];
+        if (d < hd) merged_row[d] = v;
+        __syncthreads();
+        if (threadIdx.x < 32) unrotate_warp(merged_row, hd, tables);
+        __syncthreads();
+        if (d < hd) v = merged_row[d];
     }
+    if (d < hd) out[((long long)t * nq + h) * hd + d] = v * sigmoidf_(gate[((long long)t * nq + h) * gate_stride + d]);
     if (d == 0) TRACE_MARK(TRACE_BLOCK_END);
 }
 
 // attn_flash_NAME, attn_flash_decode_NAME and attn_flash_combine_NAME for a format with a
-// FlashTile loader. attn_flash_decode: grid (T, nkv, 1 or FLASH_SPLITS), a step whose every row
+// FlashTile loader (attn_flash_combine: dynamic shared memory hd floats for a rotated format).
+// attn_flash_decode: grid (T, nkv, 1 or FLASH_SPLITS), a step whose every row
 // is one token, straight from the projections (its arguments after the first two are
 // attn_prep's, then the scale); its gates are the q/gate projection's second halves.
 #define FLASH_KERNELS(NAME, KV)                                                                                                                        \
@@ -496,8 +490,8 @@ __device__ __forceinline__ void attn_flash_combine_body(int ctx, float* out, con
                 partial, prep);                                                                                                                        \
     }                                                                                                                                                  \
     extern "C" __global__ void attn_flash_combine_##NAME(float* out, const float* gate, const float* partial, const int* positions, int nq, int hd,    \
-            int gate_stride) {                                                                                                                         \
+            int gate_stride, const KvTables* tables) {                                                                                                 \
         int ctx = positions[blockIdx.x] + 1;                                                                                                           \
         wait_for_inputs();                                                                                                                             \
-        attn_flash_combine_body(ctx, out, gate, gate_stride, partial, nq, hd);                                                                         \
+        attn_flash_combine_body<KV::ROTATED>(ctx, out, gate, gate_stride, partial, nq, hd, tables);                                                    \
     }

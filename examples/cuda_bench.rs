@@ -3,7 +3,7 @@
 //! over the bandwidth measured in the same run, both by a copy kernel and by a read-only kernel),
 //! and prefill tokens/s.
 //!
-//! `cargo run --release --example cuda_bench -- [--presets a,b] [--prompt N] [--decode N] [--prefill N,M] [--kv-cache-dtype bf16|fp8|tq3|f32] [--no-matmul-kernels]`
+//! `cargo run --release --example cuda_bench -- [--presets a,b] [--prompt N] [--decode N] [--prefill N,M] [--kv-cache-dtype bf16|fp8|tq3|f32] [--no-matmul-kernels] [--decode-rows R [--all-rows-at-prompt]]`
 //! Prints one JSON object per preset, then a table.
 
 use kestrel::backend::cuda::CudaBackend;
@@ -21,6 +21,10 @@ struct Options {
     decode: usize,
     /// Generate rows per decode step (row 0 follows the prompt; the others start empty).
     decode_rows: usize,
+    /// `--all-rows-at-prompt`: the rows after the first decode at the prompt's position too,
+    /// over their own blocks as the cache holds them (zeros: attention reads the same bytes as
+    /// over a real prompt, for the price of one prompt's prefill).
+    all_rows_at_prompt: bool,
     prefill: Vec<usize>,
     /// `--profile-step N`: bracket decode step N with cuProfilerStart/Stop, so that
     /// `ncu --profile-from-start off` or `nsys -c cudaProfilerApi` records that step only.
@@ -32,7 +36,7 @@ struct Options {
 }
 
 fn parse_args() -> Result<Options, String> {
-    let mut o = Options { matmul_only: None, presets: vec!["qwen3.5-9b".into(), "qwen3.5-35b-a3b".into()], prompt: 512, decode: 64, decode_rows: 1, prefill: vec![512, 4096], profile_step: None, matmul_kernels: true, kv_dtype: KvDtype::default() };
+    let mut o = Options { matmul_only: None, presets: vec!["qwen3.5-9b".into(), "qwen3.5-35b-a3b".into()], prompt: 512, decode: 64, decode_rows: 1, all_rows_at_prompt: false, prefill: vec![512, 4096], profile_step: None, matmul_kernels: true, kv_dtype: KvDtype::default() };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or(format!("{a} needs a value"));
@@ -50,6 +54,7 @@ fn parse_args() -> Result<Options, String> {
             "--decode-rows" => o.decode_rows = value()?.parse::<usize>().map_err(|e| format!("--decode-rows: {e}"))?.max(1),
             "--prefill" => o.prefill = value()?.split(',').map(|s| s.parse().map_err(|e| format!("--prefill: {e}"))).collect::<Result<_, _>>()?,
             "--no-matmul-kernels" => o.matmul_kernels = false,
+            "--all-rows-at-prompt" => o.all_rows_at_prompt = true,
             "--kv-cache-dtype" => {
                 let name = value()?;
                 o.kv_dtype = KvDtype::ALL.into_iter().find(|d| d.name() == name).ok_or(format!("--kv-cache-dtype: unknown format {name}"))?;
@@ -307,7 +312,7 @@ fn run_preset(gpu: &CudaBackend, preset: &str, o: &Options, bandwidth: &Bandwidt
                 kind: RowKind::Generate,
                 token_start: r,
                 num_tokens: 1,
-                start_position: if r == 0 { o.prompt + i } else { i },
+                start_position: if r == 0 || o.all_rows_at_prompt { o.prompt + i } else { i },
                 block_table: (r * blocks..(r + 1) * blocks).map(|b| b as u32).collect(),
                 state_slot: r,
                 snapshot_base: r,

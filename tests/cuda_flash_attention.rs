@@ -1,4 +1,4 @@
-//! Attention on tensor cores (attn_flash, bf16 and fp8 caches) against the CPU reference on
+//! Attention on tensor cores (attn_flash, bf16, fp8 and tq3 caches) against the CPU reference on
 //! random inputs: prefill pieces starting at unaligned positions, odd head counts and group
 //! sizes, verify and decode rows, and a context long enough to cut into several ranges; and the
 //! bitwise cases: a prompt prefilled in one piece or in 64- and 128-token pieces, a decode row
@@ -16,11 +16,12 @@ use kestrel::backend::cuda::{CudaBackend, CudaCache};
 use kestrel::backend::{AttentionDims, Backend, BatchLayout, KvDtype, RowKind};
 
 /// The formats whose attention runs on tensor cores.
-const FLASH_DTYPES: [KvDtype; 2] = [KvDtype::Bf16, KvDtype::Fp8];
+const FLASH_DTYPES: [KvDtype; 3] = [KvDtype::Bf16, KvDtype::Fp8, KvDtype::Tq3];
 
-/// q and the softmax weights enter the MMAs as two bf16 parts each and the MMAs accumulate in
+/// q and the softmax weights enter the MMAs as two 16-bit parts each and the MMAs accumulate in
 /// f32 in their own order: close to f32 products, with a margin (one bf16 rounding of q and
-/// the weights, as FlashAttention does, left 2e-3).
+/// the weights, as FlashAttention does, left 2e-3). tq3's codebook levels enter as fp16 (within
+/// 2^-12 of the f32 levels the reference reads; as bf16 they left 2e-3 too).
 const TOLERANCE: f32 = 1e-3;
 
 fn seed() -> u64 {
@@ -75,6 +76,21 @@ impl Inputs {
     fn concat(parts: &[&Inputs]) -> Inputs {
         Inputs { qg: parts.iter().flat_map(|p| p.qg.clone()).collect(), k: parts.iter().flat_map(|p| p.k.clone()).collect(), v: parts.iter().flat_map(|p| p.v.clone()).collect() }
     }
+}
+
+/// Each of these formats runs on the tensor-core kernels (`KESTREL_CUDA_FLASH_ATTN=0` keeps the
+/// per-(token, head) kernels), and f32, the exact reference, does not.
+#[test]
+fn flash_attention_serves_bf16_fp8_and_tq3() {
+    let Some(gpu) = gpu() else { return };
+    let on = std::env::var("KESTREL_CUDA_FLASH_ATTN").map_or(true, |v| v != "0");
+    for dtype in FLASH_DTYPES {
+        for (hd, group) in [(256, 4), (16, 3), (128, 1)] {
+            assert_eq!(gpu.attention_on_tensor_cores(dtype, hd, group), on, "{dtype} {hd}x{group}");
+        }
+    }
+    assert!(!gpu.attention_on_tensor_cores(KvDtype::F32, 256, 4));
+    assert!(!gpu.attention_on_tensor_cores(KvDtype::Tq3UniformValues, 256, 4));
 }
 
 /// The device's tensor-core attention reads its own cache as the CPU reference reads that same

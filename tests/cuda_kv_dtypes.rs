@@ -2,7 +2,8 @@
 //! CPU reference on random inputs, bitwise row invariance of the kernels and of whole-model
 //! logits, speculation (ngram and MTP, k in {1, 3, 8}, batches up to 16, greedy and seeded, with
 //! preemption) bitwise equal to `--spec none`, CUDA graphs equal to eager steps, and vLLM's bug
-//! 40880 scenario as a named test. Runs where a GPU is present:
+//! 40880 scenario as a named test; perplexity on held-out text per format. Runs where a GPU is
+//! present:
 //!
 //!     cargo test --release --test cuda_kv_dtypes
 //!
@@ -25,6 +26,7 @@ use kestrel::engine::request::SpecMethod;
 use kestrel::engine::{Engine, EngineConfig};
 use kestrel::model::arch::qwen35::Qwen35;
 use kestrel::model::config::ModelConfig;
+use kestrel::model::perplexity::{window_nll, Scoring};
 use kestrel::model::{dummy, ModelFiles};
 use std::path::Path;
 
@@ -63,12 +65,12 @@ fn compare_stored(what: &str, gpu: &CpuCache, cpu: &CpuCache) {
     }
 }
 
-/// How close the device's attention comes to the f32 CPU reference over the same cache: bf16
-/// and fp8 run on tensor cores (q and the softmax weights as two bf16 parts each, f32
-/// accumulation in the MMA's own order), with a margin over f32 products; f32 and tq3 keep
-/// f32 products.
+/// How close the device's attention comes to the f32 CPU reference over the same cache: bf16,
+/// fp8 and tq3 run on tensor cores (q and the softmax weights as two 16-bit parts each, tq3's
+/// codebook levels as fp16, f32 accumulation in the MMA's own order), with a margin over f32
+/// products; f32 keeps f32 products.
 fn tolerance(dtype: KvDtype) -> f32 {
-    if matches!(dtype, KvDtype::Bf16 | KvDtype::Fp8) {
+    if matches!(dtype, KvDtype::Bf16 | KvDtype::Fp8 | KvDtype::Tq3) {
         1e-3
     } else {
         1e-4
@@ -112,8 +114,9 @@ fn attention_matches_the_cpu_for_each_kv_dtype() {
 /// A decode step with few rows gives each context range of a query its own block and merges
 /// them in a second launch (rotating the output back for tq3); a step with many rows walks the
 /// ranges in one block. A step whose rows are all one token prepares and stores its queries,
-/// keys and values in the attention launch itself (attn_decode; bf16 and fp8 run attn_prep and attn_flash on every step); other steps in a launch before
-/// (attn_prep). In every format, outputs and stored keys and values agree bitwise.
+/// keys and values in the attention launch itself (attn_flash_decode; f32's attn_decode);
+/// other steps in a launch before (attn_prep). In every format, outputs and stored keys and
+/// values agree bitwise.
 #[test]
 fn attention_rows_are_bitwise_invariant_for_each_kv_dtype() {
     let Some(gpu) = gpu() else { return };
@@ -177,6 +180,22 @@ fn formats_without_kernels_are_refused_on_the_gpu() {
     assert!(err.contains("turboquant_3bit_nc") && err.contains("not available on the CUDA backend"), "{err}");
     let err = gpu.alloc_cache(&attention_spec(KvDtype::Tq3, 2, 96, 4, 3)).err().expect("refused").to_string();
     assert!(err.contains("head dimension 96"), "{err}");
+}
+
+/// Perplexity of the default model on the first 4096 held-out tokens (windows of 256) with
+/// each cache format on the device: fp8 within 0.5% of bf16 and tq3 within 2% (the issue's
+/// bounds, which tests/kv_dtypes.rs checks on the CPU), tq3 with its tiles, queries and
+/// weights in fp16 on tensor cores.
+#[test]
+fn quantized_caches_keep_perplexity_close_to_bf16_on_the_gpu() {
+    let Some(rig) = Rig::new() else { return };
+    let (gpu, model) = rig.parts.as_ref().expect("loaded");
+    let ids = rig.files.tokenizer.encode(include_str!("../models/kestrel-coder/heldout.txt"), false).expect("tokenizes");
+    let ppl = |dtype| window_nll(model, gpu, dtype, &ids[..4096], 256, Scoring::EveryToken, 1, &indicatif::ProgressBar::hidden()).expect("scores").0.exp();
+    let (bf16, fp8, tq3) = (ppl(KvDtype::Bf16), ppl(KvDtype::Fp8), ppl(KvDtype::Tq3));
+    eprintln!("perplexity on 4096 held-out tokens (GPU): bf16 {bf16:.4}, fp8 {fp8:.4}, tq3 {tq3:.4}");
+    assert!(fp8 / bf16 - 1.0 < 0.005, "fp8 {fp8} vs bf16 {bf16}");
+    assert!(tq3 / bf16 - 1.0 < 0.02, "tq3 {tq3} vs bf16 {bf16}");
 }
 
 fn tiny_config() -> ModelConfig {

@@ -32,7 +32,7 @@ struct AttnKernels<'a> {
     decode: &'a CudaFunction,
     /// The merge of a split step's ranges (rotating the output back for a rotated format).
     combine: &'a CudaFunction,
-    /// Tensor-core attention (bf16 and fp8 caches).
+    /// Tensor-core attention (bf16, fp8 and tq3 caches).
     flash: Option<FlashKernels<'a>>,
     rotated: bool,
 }
@@ -49,14 +49,30 @@ struct FlashKernels<'a> {
 fn kernels(be: &CudaBackend, dtype: KvDtype) -> AttnKernels<'_> {
     let k = &be.k;
     let (prep, core, decode, combine, flash) = match dtype {
-        // f32 stays the exact reference; tq3's codebook rows keep the per-(token, head) kernels.
+        // f32 stays the exact reference on the per-(token, head) kernels; tq3 keeps them for
+        // `KESTREL_CUDA_FLASH_ATTN=0` A/B runs, and its attn_prep prepares the flash launches'
+        // rotated queries.
         KvDtype::F32 => (&k.attn_prep_f32, &k.attn_core_f32, &k.attn_decode_f32, &k.attn_combine_f32, None),
         KvDtype::Bf16 => (&k.attn_prep_bf16, &k.attn_core_bf16, &k.attn_decode_bf16, &k.attn_combine_bf16, Some(FlashKernels { flash: &k.attn_flash_bf16, decode: &k.attn_flash_decode_bf16, combine: &k.attn_flash_combine_bf16 })),
         KvDtype::Fp8 => (&k.attn_prep_fp8, &k.attn_core_fp8, &k.attn_decode_fp8, &k.attn_combine_fp8, Some(FlashKernels { flash: &k.attn_flash_fp8, decode: &k.attn_flash_decode_fp8, combine: &k.attn_flash_combine_fp8 })),
-        KvDtype::Tq3 => (&k.attn_prep_tq3, &k.attn_core_tq3, &k.attn_decode_tq3, &k.attn_combine_tq3, None),
+        KvDtype::Tq3 => (&k.attn_prep_tq3, &k.attn_core_tq3, &k.attn_decode_tq3, &k.attn_combine_tq3, Some(FlashKernels { flash: &k.attn_flash_tq3, decode: &k.attn_flash_decode_tq3, combine: &k.attn_flash_combine_tq3 })),
         KvDtype::Tq3UniformValues => unreachable!("refused when the cache was allocated (kv_tables)"),
     };
     AttnKernels { prep, core, decode, combine, flash: flash.filter(|_| be.flash_attention), rotated: dtype.value_format().rotated() }
+}
+
+/// Whether attn_flash takes heads of `head_dim` in kv groups of `group` query heads (16-element
+/// MMA steps, at most 64 rows a block).
+fn flash_shape(head_dim: usize, group: usize) -> bool {
+    head_dim % 16 == 0 && group <= FLASH_ROWS
+}
+
+impl CudaBackend {
+    /// Whether attention over a `dtype` cache with heads of `head_dim` and kv groups of `group`
+    /// query heads runs on tensor cores (attn_flash) rather than the per-(token, head) kernels.
+    pub fn attention_on_tensor_cores(&self, dtype: KvDtype, head_dim: usize, group: usize) -> bool {
+        DEVICE_KV_DTYPES.contains(&dtype) && kernels(self, dtype).flash.is_some() && flash_shape(head_dim, group)
+    }
 }
 
 /// `struct KvCache` of cuda/kv_formats.cuh: one attention layer's planes and the format's
@@ -144,7 +160,7 @@ pub(super) fn gated_attention(
         (q, gate)
     };
     // Tensor cores: every step, decode included, so that a row's bits are the same on every path.
-    if let Some(fk) = kernels.flash.filter(|_| hd % 16 == 0 && group <= FLASH_ROWS) {
+    if let Some(fk) = kernels.flash.filter(|_| flash_shape(hd, group)) {
         // A block takes 64 / group tokens of one sequence; a decode step's tokens are each a
         // sequence of their own, so one each.
         let single = layout.rows.iter().all(|r| r.num_tokens == 1);
@@ -154,9 +170,9 @@ pub(super) fn gated_attention(
         if split {
             tokens_per_block = 1;
         }
-        // Query rows (bf16 parts and remainders), then the key and value tiles, bf16 rows of
-        // hd + 8 (cuda/attention_flash.cu); attn_flash_decode's preparation scratch (16 rows of
-        // hd floats) fits in the tiles.
+        // Query rows (16-bit parts and remainders), then the key and value tiles, 16-bit rows
+        // of hd + 8 (cuda/attention_flash.cu); attn_flash_decode's preparation scratch (16 rows
+        // of hd floats) and a rotated format's finished rows (64 rows of hd floats) fit in the tiles.
         let smem = (2 * FLASH_ROWS + 2 * KEY_TILE) * (hd + 8) * 2;
         assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
         let partial = split.then(|| be.alloc_f32(t * nq * FLASH_SPLITS * (hd + 2)));
@@ -197,8 +213,9 @@ pub(super) fn gated_attention(
             (be.ptr(&q_gate.data) + 4 * hd as u64, 2 * hd)
         };
         if let Some(partial) = &partial {
-            let args = [Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(gate), Arg::Ptr(be.ptr(partial)), Arg::Ptr(at(dl.pos_off)), Arg::I32(nq as i32), Arg::I32(hd as i32), Arg::I32(gate_stride as i32)];
-            be.launch(fk.combine, (t as u32, nq as u32, 1), hd.div_ceil(32) as u32 * 32, 0, &args);
+            // A rotated format's merged row is rotated back through hd floats of shared memory.
+            let args = [Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(gate), Arg::Ptr(be.ptr(partial)), Arg::Ptr(at(dl.pos_off)), Arg::I32(nq as i32), Arg::I32(hd as i32), Arg::I32(gate_stride as i32), Arg::Ptr(tables)];
+            be.launch(fk.combine, (t as u32, nq as u32, 1), hd.div_ceil(32) as u32 * 32, if kernels.rotated { hd * 4 } else { 0 }, &args);
         }
         return out;
     }

@@ -11,14 +11,16 @@ pub const COMMON_SOURCE: &str = include_str!("../../../cuda/common.cuh");
 /// Every kernel source: (module name, text). The MoE routing (cuda/routing.cuh) goes in front
 /// of both modules that route: moe.cu, and matmul.cu, whose router matmul routes in its last
 /// block. Attention is one module per KV cache format: the formats (cuda/kv_formats.cuh), the
-/// kernels' code (cuda/attention.cu), and their instantiation for the format.
+/// kernels' code (cuda/attention.cu; the tensor-core kernels' tile loads and body in
+/// cuda/attention_flash_tiles.cuh and cuda/attention_flash.cu), and their instantiation for the
+/// format.
 pub const SOURCES: [(&str, &str); 9] = [
     ("elementwise", include_str!("../../../cuda/elementwise.cu")),
     ("matmul", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/matmul_common.cuh"), include_str!("../../../cuda/matmul.cu"), include_str!("../../../cuda/matmul_stream.cu"), include_str!("../../../cuda/moe_stream.cu"), include_str!("../../../cuda/matmul_tiles.cu"))),
     ("attention_f32", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), "ATTN_KERNELS(f32, KvF32)\n")),
-    ("attention_bf16", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), include_str!("../../../cuda/attention_flash.cu"), "ATTN_KERNELS(bf16, KvBf16)\nFLASH_KERNELS(bf16, KvBf16)\n")),
-    ("attention_fp8", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), include_str!("../../../cuda/attention_flash.cu"), "ATTN_KERNELS(fp8, KvFp8)\nFLASH_KERNELS(fp8, KvFp8)\n")),
-    ("attention_tq3", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), "ATTN_KERNELS(tq3, KvTq3)\n")),
+    ("attention_bf16", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), include_str!("../../../cuda/attention_flash_tiles.cuh"), include_str!("../../../cuda/attention_flash.cu"), "ATTN_KERNELS(bf16, KvBf16)\nFLASH_KERNELS(bf16, KvBf16)\n")),
+    ("attention_fp8", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), include_str!("../../../cuda/attention_flash_tiles.cuh"), include_str!("../../../cuda/attention_flash.cu"), "ATTN_KERNELS(fp8, KvFp8)\nFLASH_KERNELS(fp8, KvFp8)\n")),
+    ("attention_tq3", concat!(include_str!("../../../cuda/kv_formats.cuh"), include_str!("../../../cuda/attention.cu"), include_str!("../../../cuda/attention_flash_tiles.cuh"), include_str!("../../../cuda/attention_flash.cu"), "ATTN_KERNELS(tq3, KvTq3)\nFLASH_KERNELS(tq3, KvTq3)\n")),
     ("gdn", concat!(include_str!("../../../cuda/gdn.cu"), include_str!("../../../cuda/gdn_chunk.cu"))),
     ("moe", concat!(include_str!("../../../cuda/routing.cuh"), include_str!("../../../cuda/moe.cu"))),
     ("sample", include_str!("../../../cuda/sample.cu")),

@@ -143,7 +143,7 @@ kernel_table! {
     "attention_f32" => [attn_prep_f32, attn_core_f32, attn_decode_f32, attn_combine_f32],
     "attention_bf16" => [attn_prep_bf16, attn_core_bf16, attn_decode_bf16, attn_combine_bf16, attn_flash_bf16, attn_flash_decode_bf16, attn_flash_combine_bf16],
     "attention_fp8" => [attn_prep_fp8, attn_core_fp8, attn_decode_fp8, attn_combine_fp8, attn_flash_fp8, attn_flash_decode_fp8, attn_flash_combine_fp8],
-    "attention_tq3" => [attn_prep_tq3, attn_core_tq3, attn_decode_tq3, attn_combine_tq3],
+    "attention_tq3" => [attn_prep_tq3, attn_core_tq3, attn_decode_tq3, attn_combine_tq3, attn_flash_tq3, attn_flash_decode_tq3, attn_flash_combine_tq3],
     "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunk_prep, gdn_chunk_state_32, gdn_chunk_state_16, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
     "sample" => [sample_rows],
@@ -215,7 +215,7 @@ pub struct CudaBackend {
     /// (`attn_decode`, or `attn_flash_decode` on tensor cores; `KESTREL_CUDA_ATTN_DECODE=0` keeps
     /// attn_prep and the attention launch apart for A/B runs).
     pub(super) attn_decode: bool,
-    /// Whether bf16 and fp8 caches run attention on tensor cores (`attn_flash`;
+    /// Whether bf16, fp8 and tq3 caches run attention on tensor cores (`attn_flash`;
     /// `KESTREL_CUDA_FLASH_ATTN=0` keeps the per-(token, head) kernels for A/B runs).
     pub(super) flash_attention: bool,
     /// Shared memory a block may opt in to (bytes).
@@ -308,7 +308,7 @@ impl CudaBackend {
             Ok(fixed)
         };
         let mut max_dynamic_smem = optin;
-        let attention_kernels = [&k.attn_core_f32, &k.attn_core_bf16, &k.attn_core_fp8, &k.attn_core_tq3, &k.attn_decode_f32, &k.attn_decode_bf16, &k.attn_decode_fp8, &k.attn_decode_tq3, &k.attn_flash_bf16, &k.attn_flash_fp8, &k.attn_flash_decode_bf16, &k.attn_flash_decode_fp8];
+        let attention_kernels = [&k.attn_core_f32, &k.attn_core_bf16, &k.attn_core_fp8, &k.attn_core_tq3, &k.attn_decode_f32, &k.attn_decode_bf16, &k.attn_decode_fp8, &k.attn_decode_tq3, &k.attn_flash_bf16, &k.attn_flash_fp8, &k.attn_flash_tq3, &k.attn_flash_decode_bf16, &k.attn_flash_decode_fp8, &k.attn_flash_decode_tq3];
         for f in [&k.gdn_chunk_prep, &k.gdn_chunk_state_32, &k.gdn_chunk_state_16, &k.moe_group_few, &k.matmul_pipelined].into_iter().chain(attention_kernels) {
             max_dynamic_smem = max_dynamic_smem.min(optin - open_dynamic_smem(f)?);
         }
