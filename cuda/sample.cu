@@ -142,3 +142,17 @@ extern "C" __global__ void sample_rows(int* out, const float* logits, const int*
         done[r] = 0u;
     }
 }
+
+// ids[r] = drafts[rows[r]], or 0 where that draft is -1 (no finite logit): the next chained
+// drafter forward's token ids, written on the device from the argmax of the forward before it,
+// so that a chain of drafter forwards needs no read-back between them. A row clamped to 0
+// drafts nothing further (the host cuts its drafts at the -1); the id only keeps the
+// embedding's read inside the table.
+extern "C" __global__ void draft_ids(int* ids, const int* drafts, const int* rows, int n) {
+    wait_for_inputs();
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < n) {
+        int id = drafts[rows[r]];
+        ids[r] = id < 0 ? 0 : id;
+    }
+}

@@ -205,7 +205,8 @@ fn cuda_graphs_change_speed_never_text() {
 }
 
 /// Decode and verify steps padded up to the capture sizes (captured at start-up) and replayed:
-/// 17 requests run as 24 rows, and 19, 29 and 45, with ngram and MTP at k 1, 3 and 8, every
+/// 17 requests run as 24 rows, and 19, 29 and 45, and a full batch of 16 (`max_num_seqs` 16,
+/// whose verify steps pad into the 17th row), with ngram and MTP at k 1, 3 and 8, every
 /// request bitwise equal to itself alone, eager, without speculation. The first engine starts on
 /// a fresh GPU backend, so its start-up captures are the backend's first forwards (anything a
 /// forward makes on first use must not be made inside a capture); the references run last.
@@ -214,11 +215,11 @@ fn padded_graph_steps_are_bitwise_equal_to_each_request_alone() {
     let Some(mut rig) = Rig::new() else { return };
     let prompts = code_prompts(&rig.files, 45);
     let mut runs = Vec::new();
-    for n in [17, 19, 29, 45] {
+    for (n, max_num_seqs) in [(17, 64), (19, 64), (29, 64), (45, 64), (16, 16)] {
         for method in [SpecMethod::Ngram, SpecMethod::Mtp] {
             for k in [1, 3, 8] {
                 let (gpu, model) = rig.parts.take().expect("parts are returned after every run");
-                let config = EngineConfig { max_num_seqs: 64, max_num_batched_tokens: 1024, spec: method, spec_tokens: k, ..EngineConfig::default() };
+                let config = EngineConfig { max_num_seqs, max_num_batched_tokens: 1024, spec: method, spec_tokens: k, ..EngineConfig::default() };
                 let mut engine = Engine::new(gpu, model, config).expect("engine starts");
                 let report = engine.graph_capture.clone().expect("the GPU captures graphs at start-up");
                 assert!(report.graphs > 0, "no graph captured at start-up");

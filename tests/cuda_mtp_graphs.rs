@@ -53,17 +53,19 @@ fn draft_round(gpu: &CudaBackend, model: &Qwen35<CudaBackend>, cache: &mut <Cuda
     propose_mtp(model, gpu, cache, &out.hidden, &items, graphs)
 }
 
-/// Drafts of 1, 3 and 17 sequences, whose catch-ups commit 1..k+1 tokens per row (every row
-/// count and token mix pads to a capture size), each round against the eager drafter on a
-/// cache of its own: equal, token for token. A padded row that wrote a live block (or skipped
-/// the cut back to the real rows) would change the later drafts of the sequence it hit.
+/// Drafts of 1, 3 and 17 sequences at k = 1, 3 and 8, whose catch-ups commit 1..k+1 tokens
+/// per row (every row count and token mix pads to a capture size), each round against the
+/// eager drafter on a cache of its own: equal, token for token. The graphed drafter chains its
+/// forwards on the device (each forward's ids the argmax of the one before, one read-back per
+/// proposal), the eager one reads every draft back before the next forward. A padded row that
+/// wrote a live block (or skipped the cut back to the real rows), or a chained forward that
+/// read the wrong ids or hidden rows, would change the drafts.
 #[test]
 fn graphed_mtp_drafts_equal_the_eager_drafters() {
     let Some(gpu) = gpu() else { return };
     let files = ModelFiles::open(None).expect("embedded model opens");
     let model = Qwen35::load(&gpu, files.config.clone(), &files.store, &indicatif::ProgressBar::hidden()).expect("weights load");
     let text = humaneval_tokens(&files.tokenizer);
-    let k = 3;
     let max_seqs = 17;
     let num_blocks = max_seqs * BLOCKS_EACH;
     let scratch = Scratch::after(num_blocks, max_seqs);
@@ -72,33 +74,37 @@ fn graphed_mtp_drafts_equal_the_eager_drafters() {
     let mut graphed_cache = gpu.alloc_cache(&spec).expect("cache");
     let limits = StepLimits { max_tokens: 1024, max_rows: 64, max_blocks_per_row: BLOCKS_EACH };
     gpu.reserve_step_inputs(limits).expect("step inputs");
-    let padding = GraphPadding { sizes: CaptureSizes::default_up_to(32), scratch, limits: PadLimits { max_tokens: 1024, max_blocks_per_row: BLOCKS_EACH, block_size: BLOCK_SIZE }, k };
-    // The drafter's graphs of every capture shape, as at an engine's start-up.
-    let captured = capture_mtp_at_startup(&model, &gpu, &mut graphed_cache, &padding, &startup_shapes(&padding, true), &indicatif::ProgressBar::hidden());
-    assert!(captured > 0 && gpu.captured_graphs() == captured, "{captured} drafter graphs captured, {} in the backend", gpu.captured_graphs());
     let mut rng = Rng::new(37);
     let mut drafted = 0;
-    for n in [1, 3, 17] {
-        let slots: Vec<usize> = (0..n).collect();
-        gpu.reset_states(&mut eager_cache, &slots);
-        gpu.reset_states(&mut graphed_cache, &slots);
-        let mut seqs: Vec<Seq> = (0..n).map(|i| Seq { text: text[i * 173..i * 173 + 150].to_vec(), len: 0, table: (0..BLOCKS_EACH as u32).map(|b| (i * BLOCKS_EACH) as u32 + b).collect(), slot: i }).collect();
-        for round in 0..12 {
-            // The prompt first (a long catch-up, eager both ways), then 1..k+1 tokens a row.
-            let pieces: Vec<(usize, usize)> = (0..n).map(|s| (s, if round == 0 { 20 + 3 * s } else { 1 + rng.below(k + 1) })).collect();
-            let eager = draft_round(&gpu, &model, &mut eager_cache, &seqs, &pieces, k, None);
-            let graphed = draft_round(&gpu, &model, &mut graphed_cache, &seqs, &pieces, k, Some(&padding));
-            assert_eq!(graphed, eager, "{n} sequences, round {round} ({pieces:?}): graphed drafts differ from the eager drafter's");
-            drafted += eager.iter().map(Vec::len).sum::<usize>();
-            for (s, count) in pieces {
-                seqs[s].len += count;
+    for k in [1, 3, 8] {
+        let padding = GraphPadding { sizes: CaptureSizes::default_up_to(32), scratch, limits: PadLimits { max_tokens: 1024, max_blocks_per_row: BLOCKS_EACH, block_size: BLOCK_SIZE }, k };
+        // The drafter's graphs of every capture shape, as at an engine's start-up.
+        let captured = capture_mtp_at_startup(&model, &gpu, &mut graphed_cache, &padding, &startup_shapes(&padding, true), &indicatif::ProgressBar::hidden());
+        let graphs = gpu.captured_graphs();
+        assert!(captured > 0 && graphs >= captured, "k={k}: {captured} drafter graphs captured, {graphs} in the backend");
+        for n in [1, 3, 17] {
+            let slots: Vec<usize> = (0..n).collect();
+            gpu.reset_states(&mut eager_cache, &slots);
+            gpu.reset_states(&mut graphed_cache, &slots);
+            let mut seqs: Vec<Seq> = (0..n).map(|i| Seq { text: text[i * 173..i * 173 + 200].to_vec(), len: 0, table: (0..BLOCKS_EACH as u32).map(|b| (i * BLOCKS_EACH) as u32 + b).collect(), slot: i }).collect();
+            for round in 0..12 {
+                // The prompt first (a long catch-up, eager both ways), then 1..k+1 tokens a row.
+                let pieces: Vec<(usize, usize)> = (0..n).map(|s| (s, if round == 0 { 20 + 3 * s } else { 1 + rng.below(k + 1) })).collect();
+                let eager = draft_round(&gpu, &model, &mut eager_cache, &seqs, &pieces, k, None);
+                let graphed = draft_round(&gpu, &model, &mut graphed_cache, &seqs, &pieces, k, Some(&padding));
+                assert_eq!(graphed, eager, "k={k}, {n} sequences, round {round} ({pieces:?}): graphed drafts differ from the eager drafter's");
+                assert!(eager.iter().all(|d| d.len() == k), "k={k}, {n} sequences, round {round}: a sequence drafted fewer than k ({eager:?})");
+                drafted += eager.iter().map(Vec::len).sum::<usize>();
+                for (s, count) in pieces {
+                    seqs[s].len += count;
+                }
             }
         }
+        // Every shape was captured ahead: no forward added a graph.
+        assert_eq!(gpu.captured_graphs(), graphs, "k={k}: a drafter forward was captured at a shape outside the start-up ones");
     }
     assert!(drafted > 0, "nothing drafted");
-    // Every shape was captured ahead: no forward added a graph.
-    assert_eq!(gpu.captured_graphs(), captured, "a drafter forward was captured at a shape outside the start-up ones");
-    eprintln!("{drafted} drafts equal over {captured} drafter graphs");
+    eprintln!("{drafted} drafts equal, {} drafter graphs", gpu.captured_graphs());
 }
 
 /// The engine with MTP at k 1, 3 and 8, batches of 1, 3 and 17 sequences (padded to 1, 4 and

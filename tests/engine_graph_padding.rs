@@ -111,6 +111,35 @@ fn padded_mtp_drafter_forwards_draft_what_the_unpadded_drafter_drafts() {
     }
 }
 
+/// A full batch (every sequence slot in use) verifying drafts: its padded tokens ride on one
+/// padded row past the batch (capture size max_num_seqs + 1), so every generate step after the
+/// one prefill step runs at a capture size, and the text is each request's alone.
+#[test]
+fn a_full_batch_of_verify_rows_runs_at_a_capture_size() {
+    let prompts = code_prompts(8);
+    let refs = references(&prompts);
+    for method in [SpecMethod::Ngram, SpecMethod::Mtp] {
+        let (_, model) = default_model();
+        let config = EngineConfig {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 1024,
+            spec: method,
+            spec_tokens: 3,
+            cuda_graph_sizes: Some(CaptureSizes::default_up_to(8)),
+            spec_backoff: false,
+            ..EngineConfig::default()
+        };
+        let mut e = engine(model, config);
+        assert_eq!(e.capture_sizes().sizes(), &[1, 2, 4, 8, 9]);
+        let requests = prompts.iter().enumerate().map(|(i, p)| request(p, max_tokens(i), sampling(i), None)).collect();
+        let got = run_staggered(&mut e, requests, &[0; 8]);
+        assert_eq!(got, refs, "{method:?}");
+        assert!(e.stats.spec.accepted > 0, "{method:?}: no draft accepted");
+        // The first step prefills every prompt; each later one is padded to a capture size.
+        assert_eq!(e.stats.padding.steps, e.stats.steps - 1, "{method:?}: {:?}", e.stats.padding);
+    }
+}
+
 #[test]
 fn seventeen_decodes_run_as_twenty_four_rows() {
     let prompts = code_prompts(17);

@@ -143,3 +143,12 @@ impl GraphInputs<'_> {
         }
     }
 }
+
+/// One forward of a drafter chain ([`crate::backend::Backend::run_graphed_chain`]): its
+/// padded inputs, whose real rows' ids are placeholders (they are the previous forward's
+/// argmax, known only on the device), and for each real row the row of the previous forward's
+/// outputs it continues (whose argmax is its id, and whose hidden state its input).
+pub struct ChainLink<'a> {
+    pub inputs: GraphInputs<'a>,
+    pub prev_rows: Vec<u32>,
+}

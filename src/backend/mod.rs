@@ -24,7 +24,7 @@ use crate::backend::sampling::{sample_allowed, AllowedTokens, SamplingParams};
 use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
 pub use kestrel_quant::kv::KvDtype;
-pub use graph_step::{CaptureWhen, GraphInputs, GraphKey, GraphedForward, Padded, PaddedShape, Real, RealShape};
+pub use graph_step::{CaptureWhen, ChainLink, GraphInputs, GraphKey, GraphedForward, Padded, PaddedShape, Real, RealShape};
 
 /// Tokens per chunk of the chunked delta rule. Chunks are aligned to absolute positions, and the
 /// scheduler cuts prompt pieces at multiples of this size, so any split of a prompt computes
@@ -400,6 +400,40 @@ pub trait Backend: Send + Sync {
         all.resize(inputs.padded.tokens.0, 0);
         let hidden = self.gather_rows(x, &all);
         self.run_graphed(inputs, &mut || forward(&hidden))
+    }
+
+    /// Drafts by a chain of drafter forwards: the argmax of `logits` (the forward before the
+    /// chain, `[N, vocab]`) gives the first drafts; then each link runs as
+    /// [`Backend::run_graphed_on_rows`] runs a forward, on rows `link.prev_rows` of the previous
+    /// forward's hidden output (`hidden` for the first link), its real rows' ids being the
+    /// argmax of the previous forward's logits at those rows, 0 where there was no finite
+    /// logit (such a row's later drafts are the caller's to drop). `forward` returns a link's
+    /// [hidden states, logits]. Returns the argmax of each forward's logits rows (`logits`'
+    /// rows, then each link's real rows), [`sampling::NO_FINITE_LOGIT`] where none is finite.
+    /// A device backend keeps the ids on the device and reads every draft back once, at the
+    /// end; this default reads each forward's back before the next.
+    fn run_graphed_chain(&self, logits: &Self::Tensor, hidden: &Self::Tensor, links: &[ChainLink<'_>], forward: &mut dyn FnMut(&GraphInputs<'_>, &Self::Tensor) -> Vec<Self::Tensor>) -> Vec<Vec<u32>> {
+        let greedy = |t: &Self::Tensor| {
+            let spec = RowSampling { params: SamplingParams::greedy(), position: 0, allowed: None };
+            self.sample_rows(t, &vec![spec; self.shape(t).0])
+        };
+        let mut drafts = vec![greedy(logits)];
+        let mut last_hidden: Option<Self::Tensor> = None;
+        for link in links {
+            let previous = drafts.last().expect("the first forward's drafts");
+            let mut ids = link.inputs.ids.to_vec();
+            for (id, &row) in ids.iter_mut().zip(&link.prev_rows) {
+                let draft = previous[row as usize];
+                *id = if draft == sampling::NO_FINITE_LOGIT { 0 } else { draft };
+            }
+            let inputs = GraphInputs { ids: &ids, ..link.inputs };
+            let x = last_hidden.as_ref().unwrap_or(hidden);
+            let mut outputs = self.run_graphed_on_rows(&inputs, x, &link.prev_rows, &mut |h| forward(&inputs, h));
+            let step_logits = outputs.pop().expect("a drafter forward returns hidden states and logits");
+            last_hidden = Some(outputs.pop().expect("a drafter forward returns hidden states and logits"));
+            drafts.push(greedy(&step_logits));
+        }
+        drafts
     }
 
     /// [`Backend::prepare_graph`] of a forward with a hidden-state input `cols` wide (see

@@ -176,7 +176,7 @@ impl EngineArgs {
         let wanted = self.context.kv_blocks.unwrap_or(max_num_seqs * per_request);
         let utilization = self.device.gpu_memory_utilization;
         // The engine keeps one state slot and one KV block more, for padded rows.
-        let state = model.cache_spec(0, BLOCK_SIZE, max_num_seqs + Scratch::STATE_SLOTS, config.snapshot_slots());
+        let state = model.cache_spec(0, BLOCK_SIZE, max_num_seqs + Scratch::STATE_SLOTS, config.snapshot_slots(backend.replays_graphs()));
         let budget = backend.cache_memory_budget(utilization, self.activation_workspace(files, max_num_seqs)).transpose().context("no GPU memory is left for the KV cache")?;
         let checkpoints = self.prefix_cache_checkpoints(state.bytes_per_state(), budget)?;
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;

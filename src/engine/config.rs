@@ -57,15 +57,32 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// Whether steps may carry one padded row past the sequences: with speculation and
+    /// capture sizes (the default on a backend that `replays_graphs`), a verify step of a full
+    /// batch pads its tokens up to a capture shape of rows x m tokens, and padded tokens ride
+    /// on padded rows; without that row such a step would run at its exact shape, eagerly.
+    pub fn verify_padding_row(&self, replays_graphs: bool) -> bool {
+        let sizes = match &self.cuda_graph_sizes {
+            Some(sizes) => !sizes.is_empty(),
+            None => replays_graphs,
+        };
+        self.spec != SpecMethod::None && self.cuda_graphs && sizes
+    }
+
+    /// Rows a step may have: a row per sequence, and the padded verify row where there is one.
+    pub fn max_step_rows(&self, replays_graphs: bool) -> usize {
+        self.max_num_seqs + usize::from(self.verify_padding_row(replays_graphs))
+    }
+
     /// Recurrent-state snapshot slots: every generate-row token takes one. With speculation on
-    /// there is room for a full verify row per sequence. With `none` (a real model's snapshot
-    /// takes tens of MiB) there is one per sequence plus one verify row's drafts, which requests
-    /// that ask for speculation themselves share. Recomputed replays that need more are fed over
-    /// several steps.
-    pub fn snapshot_slots(&self) -> usize {
+    /// there is room for a full verify row per step row (padded ones included). With `none` (a
+    /// real model's snapshot takes tens of MiB) there is one per sequence plus one verify row's
+    /// drafts, which requests that ask for speculation themselves share. Recomputed replays
+    /// that need more are fed over several steps.
+    pub fn snapshot_slots(&self, replays_graphs: bool) -> usize {
         let slots = match self.spec {
             SpecMethod::None => self.max_num_seqs + self.spec_tokens,
-            _ => self.max_num_seqs * (self.spec_tokens + 1),
+            _ => self.max_step_rows(replays_graphs) * (self.spec_tokens + 1),
         };
         slots.min(self.max_num_batched_tokens)
     }

@@ -75,7 +75,7 @@ impl<B: Backend> Engine<B> {
         if config.max_cuda_graph_size == Some(0) {
             return Err(EngineError::Config("max_cuda_graph_size must be at least 1".into()));
         }
-        let snapshot_slots = config.snapshot_slots();
+        let snapshot_slots = config.snapshot_slots(backend.replays_graphs());
         // One KV block and one state slot past those the allocators hand out: padded rows write there.
         let scratch = Scratch::after(config.num_blocks, config.max_num_seqs);
         let spec = CacheSpec {
@@ -87,7 +87,7 @@ impl<B: Backend> Engine<B> {
         // A step has at most one row per sequence, and every row's table covers at most the context.
         let limits = StepLimits {
             max_tokens: config.max_num_batched_tokens,
-            max_rows: config.max_num_seqs,
+            max_rows: config.max_step_rows(backend.replays_graphs()),
             max_blocks_per_row: (config.max_model_len + config.spec_tokens).div_ceil(config.block_size) + 1,
         };
         backend.reserve_step_inputs(limits).map_err(|e| EngineError::Config(e.to_string()))?;
@@ -100,6 +100,8 @@ impl<B: Backend> Engine<B> {
                 None if backend.replays_graphs() => CaptureSizes::default_up_to(max),
                 None => CaptureSizes::default_up_to(0),
             };
+            // A full batch's verify steps need a padded row to pad into (see verify_padding_row).
+            let sizes = if config.verify_padding_row(backend.replays_graphs()) { sizes.with_verify_row(config.max_num_seqs) } else { sizes };
             // A padded step's tokens each take a snapshot slot, past the real rows' ones.
             let pad_limits = PadLimits { max_tokens: snapshot_slots.min(limits.max_tokens), max_blocks_per_row: limits.max_blocks_per_row, block_size: config.block_size };
             GraphPadding { sizes, scratch, limits: pad_limits, k: config.spec_tokens }
@@ -224,6 +226,8 @@ impl<B: Backend> Engine<B> {
     /// Runs one step and returns what it produced.
     pub fn step(&mut self) -> Vec<RequestEvent> {
         let mut events = Vec::new();
+        // The back-off weighs what a whole step costs (everything up to its commits).
+        let started = Instant::now();
         self.lap(None);
         let scheduled = self.scheduler.schedule(&mut self.seqs);
         self.backend.reset_states(&mut self.cache, &scheduled.fresh_slots);
@@ -236,7 +240,6 @@ impl<B: Backend> Engine<B> {
             assert!(self.seqs.is_empty(), "scheduler produced no rows with {} requests queued", self.seqs.len());
             return events;
         }
-        let started = Instant::now();
         let (out, mut masks) = self.forward_with_masks(&plan);
         // Invariant 2: a padded step comes back cut to the plan's real rows.
         assert_eq!(self.backend.shape(&out.logits).0, plan.logit_rows.len(), "the forward returned logits of rows the plan does not have");
@@ -247,9 +250,6 @@ impl<B: Backend> Engine<B> {
         self.lap(Some(Phase::DeviceDraw));
         let mut host_draws = self.draw_on_host(&plan, &host_rows, &host_logits, masks);
         self.lap(Some(Phase::HostDraw));
-        if let Some(backoff) = self.backoff.as_mut().filter(|_| plan.rows.iter().all(|r| r.kind == RowKind::Generate)) {
-            backoff.record_forward(plan.num_tokens(), started.elapsed().as_secs_f64());
-        }
         self.stats.steps += 1;
         self.stats.forward_tokens += plan.num_tokens() as u64;
 
@@ -373,6 +373,9 @@ impl<B: Backend> Engine<B> {
             }
         }
         self.lap(Some(Phase::Commit));
+        if let Some(backoff) = self.backoff.as_mut().filter(|_| plan.rows.iter().all(|r| r.kind == RowKind::Generate)) {
+            backoff.record_step(plan.num_tokens(), started.elapsed().as_secs_f64());
+        }
         self.propose(&out.hidden, mtp_items);
         self.lap(Some(Phase::Propose));
         events
@@ -558,7 +561,7 @@ impl<B: Backend> Engine<B> {
         let started = Instant::now();
         let drafts = propose_mtp(&self.model, &self.backend, &mut self.cache, step_hidden, &items, self.graphs.as_ref());
         if let Some(backoff) = self.backoff.as_mut() {
-            backoff.record_mtp_drafting(k, started.elapsed().as_secs_f64());
+            backoff.record_mtp_drafting(items.len(), k, started.elapsed().as_secs_f64());
         }
         for ((id, _), d) in mtp_items.iter().zip(drafts) {
             if let Some(seq) = self.seqs.iter_mut().find(|s| s.id == *id) {

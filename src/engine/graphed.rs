@@ -99,8 +99,8 @@ pub fn generate_only(plan: &StepPlan) -> bool {
 
 /// The step's forward. A generate-only step is padded up to the smallest capture size that
 /// holds it (or keeps its exact shape where none does) and handed to the backend, which may
-/// replay it as a graph and returns the real tokens' rows only. Returns the shapes of a
-/// graphed step.
+/// replay it as a graph and returns the real tokens' rows only. Returns the shapes of a step
+/// run at a capture size.
 pub fn forward<B: Backend>(model: &Qwen35<B>, backend: &B, cache: &mut B::Cache, graphs: Option<&GraphPadding>, plan: &StepPlan, block_size: usize) -> (ForwardOutput<B>, Option<(RealShape, PaddedShape)>) {
     let Some(padding) = graphs.filter(|_| generate_only(plan)) else {
         return (model.forward(backend, &plan.ids.0, &plan.layout, &plan.logit_rows, cache), None);
@@ -110,6 +110,7 @@ pub fn forward<B: Backend>(model: &Qwen35<B>, backend: &B, cache: &mut B::Cache,
         Some(shape) => (pad_step(plan, shape, padding.scratch, block_size), CaptureWhen::Now),
         None => (PaddedStep { ids: plan.ids.0.clone(), layout: plan.layout.clone(), logit_rows: plan.logit_rows.clone(), real, shape: PaddedShape::exact(real) }, CaptureWhen::AfterRepeats),
     };
+    let at_capture_size = capture == CaptureWhen::Now;
     let inputs = graph_inputs(&step, block_size, capture);
     let mut outputs = backend.run_graphed(&inputs, &mut || {
         let out = model.forward(backend, inputs.ids, inputs.layout, inputs.logit_rows, cache);
@@ -117,5 +118,5 @@ pub fn forward<B: Backend>(model: &Qwen35<B>, backend: &B, cache: &mut B::Cache,
     });
     let logits = outputs.pop().expect("a graphed forward returns hidden and logits");
     let hidden = outputs.pop().expect("a graphed forward returns hidden and logits");
-    (ForwardOutput { hidden, logits }, Some((real, step.shape)))
+    (ForwardOutput { hidden, logits }, at_capture_size.then_some((real, step.shape)))
 }

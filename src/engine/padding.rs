@@ -55,6 +55,16 @@ impl CaptureSizes {
         CaptureSizes(sizes)
     }
 
+    /// With the size `batch + 1` where `batch`, the largest batch, is a size: the shape a verify
+    /// step of a full batch pads to (its padded tokens need a padded row). Decodes, one token
+    /// per row, still fit `batch` exactly.
+    pub fn with_verify_row(&self, batch: usize) -> CaptureSizes {
+        if self.0.last() == Some(&batch) {
+            return CaptureSizes::from_sizes(self.0.iter().copied().chain([batch + 1]).collect());
+        }
+        self.clone()
+    }
+
     /// The sizes up to `max`.
     pub fn capped(&self, max: usize) -> CaptureSizes {
         CaptureSizes(self.0.iter().copied().filter(|&s| s <= max).collect())
@@ -265,6 +275,21 @@ mod tests {
     use crate::backend::Real;
 
     const LIMITS: PadLimits = PadLimits { max_tokens: 4096, max_blocks_per_row: 64, block_size: 16 };
+
+    #[test]
+    fn a_full_batch_of_verify_rows_pads_into_the_verify_row() {
+        let sizes = CaptureSizes::default_up_to(32);
+        let real = RealShape { rows: Real(32), tokens: Real(143) };
+        // Without a padded row, 32 rows can only hold exactly 32 x m tokens.
+        assert_eq!(padded_shape(&sizes, real, 4, LIMITS), None);
+        let with_row = sizes.with_verify_row(32);
+        assert_eq!(with_row.sizes(), &[1, 2, 4, 8, 16, 24, 32, 33]);
+        assert_eq!(padded_shape(&with_row, real, 4, LIMITS), Some(PaddedShape { rows: Padded(33), tokens: Padded(165) }));
+        // Decodes still fit the batch exactly; a batch that is not a size gets no extra one.
+        let decodes = RealShape { rows: Real(32), tokens: Real(32) };
+        assert_eq!(padded_shape(&with_row, decodes, 4, LIMITS), Some(PaddedShape { rows: Padded(32), tokens: Padded(32) }));
+        assert_eq!(CaptureSizes::default_up_to(8).with_verify_row(20).sizes(), &[1, 2, 4, 8]);
+    }
 
     fn real(rows: usize, tokens: usize) -> RealShape {
         RealShape { rows: Real(rows), tokens: Real(tokens) }

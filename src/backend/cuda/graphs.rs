@@ -25,7 +25,7 @@
 
 use super::{ck, CudaBackend, CudaTensor};
 use cudarc::driver::CudaSlice;
-use crate::backend::{Backend, BackendError, CaptureWhen, GraphInputs, GraphKey, Real};
+use crate::backend::{Backend, BackendError, CaptureWhen, ChainLink, GraphInputs, GraphKey, Real};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
 use std::collections::HashMap;
@@ -107,23 +107,72 @@ impl CudaBackend {
     }
 
     pub(super) fn run_graphed_forward(&self, inputs: &GraphInputs<'_>, forward: &mut dyn FnMut() -> Vec<CudaTensor>) -> Vec<CudaTensor> {
-        self.run_graphed_with(inputs, None, &mut |_| forward())
+        self.run_graphed_with(inputs, None, None, &mut |_| forward())
     }
 
     /// [`Backend::run_graphed_on_rows`]: rows `rows` of `x` gathered into the fixed hidden
     /// input of the padded token count, which `forward` reads.
     pub(super) fn run_graphed_forward_on_rows(&self, inputs: &GraphInputs<'_>, x: &CudaTensor, rows: &[u32], forward: &mut dyn FnMut(&CudaTensor) -> Vec<CudaTensor>) -> Vec<CudaTensor> {
         assert_eq!(rows.len(), inputs.real.tokens.0, "a hidden-state row per real token");
-        self.run_graphed_with(inputs, Some((x, rows)), &mut |h| forward(h.expect("a hidden-state input")))
+        self.run_graphed_with(inputs, Some((x, rows)), None, &mut |h| forward(h.expect("a hidden-state input")))
     }
 
-    fn run_graphed_with(&self, inputs: &GraphInputs<'_>, hidden: Option<(&CudaTensor, &[u32])>, forward: &mut dyn FnMut(Option<&CudaTensor>) -> Vec<CudaTensor>) -> Vec<CudaTensor> {
+    /// [`Backend::run_graphed_chain`]: every argmax written to one device buffer, the next
+    /// link's ids copied from it on the device, the buffer read back once at the end.
+    pub(super) fn run_graphed_chain_on_device(&self, logits: &CudaTensor, hidden: &CudaTensor, links: &[ChainLink<'_>], forward: &mut dyn FnMut(&GraphInputs<'_>, &CudaTensor) -> Vec<CudaTensor>) -> Vec<Vec<u32>> {
+        let counts: Vec<usize> = std::iter::once(logits.rows).chain(links.iter().map(|l| l.inputs.real.rows.0)).collect();
+        let drafts = self.alloc_i32(counts.iter().sum());
+        let at = |offset: usize| self.ptr(&drafts) + (offset * std::mem::size_of::<i32>()) as u64;
+        super::sample::greedy_rows_into(self, logits, at(0));
+        let (mut previous, mut offset) = (0, logits.rows);
+        let mut last_hidden: Option<CudaTensor> = None;
+        for (link, &count) in links.iter().zip(&counts[1..]) {
+            assert_eq!(link.prev_rows.len(), count, "a previous row per real row of a chained forward");
+            let x = last_hidden.as_ref().unwrap_or(hidden);
+            let mut outputs = self.run_graphed_with(&link.inputs, Some((x, &link.prev_rows)), Some((at(previous), &link.prev_rows)), &mut |h| forward(&link.inputs, h.expect("a hidden-state input")));
+            let step_logits = outputs.pop().expect("a drafter forward returns hidden states and logits");
+            last_hidden = Some(outputs.pop().expect("a drafter forward returns hidden states and logits"));
+            super::sample::greedy_rows_into(self, &step_logits, at(offset));
+            previous = offset;
+            offset += count;
+        }
+        let all = ck(self.stream.clone_dtoh(&drafts), "drafts copy");
+        let mut start = 0;
+        counts
+            .iter()
+            .map(|&n| {
+                // The kernel's -1 is NO_FINITE_LOGIT read as unsigned.
+                let step = all[start..start + n].iter().map(|&t| t as u32).collect();
+                start += n;
+                step
+            })
+            .collect()
+    }
+
+    /// Runs or replays `inputs`' forward; with `ids_from` (a device address of i32 drafts and
+    /// the rows of them that are the real rows' ids), the ids buffer gets those ids on the
+    /// device after the host's placeholder ids are written, and forgets what it held after.
+    fn run_graphed_with(&self, inputs: &GraphInputs<'_>, hidden: Option<(&CudaTensor, &[u32])>, ids_from: Option<(u64, &[u32])>, forward: &mut dyn FnMut(Option<&CudaTensor>) -> Vec<CudaTensor>) -> Vec<CudaTensor> {
+        let outputs = self.run_graphed_inner(inputs, hidden, ids_from, forward);
+        if ids_from.is_some() {
+            self.step_inputs().ids.forget();
+        }
+        outputs
+    }
+
+    fn run_graphed_inner(&self, inputs: &GraphInputs<'_>, hidden: Option<(&CudaTensor, &[u32])>, ids_from: Option<(u64, &[u32])>, forward: &mut dyn FnMut(Option<&CudaTensor>) -> Vec<CudaTensor>) -> Vec<CudaTensor> {
         let real = inputs.real_output_rows();
         let key = inputs.key();
         let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
         // Before the step's own inputs: the gather's row list goes through the gather buffer.
         let staged = hidden.map(|(x, rows)| self.stage_hidden_input(&mut graphs, x, rows, inputs.padded.tokens.0));
         self.write_graph_inputs(inputs);
+        if let Some((drafts, rows)) = ids_from {
+            // Over the placeholders just written, which the buffer still claims to hold: an eager
+            // forward's embedding finds its (placeholder) ids in place and copies nothing.
+            let ids = self.step_inputs().ids.write(self, &[]);
+            super::sample::write_draft_ids(self, ids, drafts, rows);
+        }
         // Per-op timing records events between launches; it measures the plain launches.
         if self.profiler.enabled {
             return self.eager_with(graphs, staged, real, forward);

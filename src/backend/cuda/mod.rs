@@ -146,7 +146,7 @@ kernel_table! {
     "attention_tq3" => [attn_prep_tq3, attn_core_tq3, attn_decode_tq3, attn_combine_tq3, attn_flash_tq3, attn_flash_decode_tq3, attn_flash_combine_tq3],
     "gdn" => [gdn_conv_gates, gdn_conv_state, gdn_recurrent, gdn_recurrent_128, gdn_chunk_prep, gdn_chunk_state_32, gdn_chunk_state_16, gdn_out_norm, commit_states, reset_states],
     "moe" => [moe_route, moe_group, moe_active, moe_group_few, moe_combine, moe_combine_norm],
-    "sample" => [sample_rows],
+    "sample" => [sample_rows, draft_ids],
 }
 
 /// RoPE inverse-frequency tables are keyed by (theta bits, rotary dim).

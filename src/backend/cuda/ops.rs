@@ -5,7 +5,7 @@ use super::cache::{self, CudaCache};
 use super::quant_tiles::RowOrder;
 use super::tensor::{StackedPart, WeightStorage};
 use super::{ck, Arg, CudaBackend, CudaMatrix, CudaTensor, CudaVector};
-use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StateCheckpoint, StateCommit, StepLimits, GraphInputs, Real};
+use crate::backend::{AttentionDims, Backend, BackendError, BatchLayout, CacheSpec, GdnParams, MoeWeights, RowSampling, StateCheckpoint, StateCommit, StepLimits, ChainLink, GraphInputs, Real};
 use crate::backend::shapes::{LinearAttnShape, MoeShape};
 use crate::backend::weight_bytes::MatrixBytes;
 use kestrel_quant::Dtype;
@@ -453,6 +453,10 @@ impl Backend for CudaBackend {
 
     fn run_graphed_on_rows(&self, inputs: &GraphInputs<'_>, x: &CudaTensor, rows: &[u32], forward: &mut dyn FnMut(&CudaTensor) -> Vec<CudaTensor>) -> Vec<CudaTensor> {
         self.run_graphed_forward_on_rows(inputs, x, rows, forward)
+    }
+
+    fn run_graphed_chain(&self, logits: &CudaTensor, hidden: &CudaTensor, links: &[ChainLink<'_>], forward: &mut dyn FnMut(&GraphInputs<'_>, &CudaTensor) -> Vec<CudaTensor>) -> Vec<Vec<u32>> {
+        self.run_graphed_chain_on_device(logits, hidden, links, forward)
     }
 
     fn prepare_graph_on_rows(&self, inputs: &GraphInputs<'_>, cols: usize, forward: &mut dyn FnMut(&CudaTensor) -> Vec<CudaTensor>) -> Result<bool, BackendError> {

@@ -135,3 +135,55 @@ pub(super) fn logits_rows_to_host(be: &CudaBackend, logits: &CudaTensor, rows: &
     }
     out
 }
+
+/// The greedy draw of every row of `logits` (the argmax; -1 for a row without a finite logit)
+/// written as i32 at device address `out`, nothing read back: the same kernel and rule as a
+/// greedy row of [`sample_rows`], so the same tokens.
+pub(super) fn greedy_rows_into(be: &CudaBackend, logits: &CudaTensor, out: u64) {
+    let n = logits.rows;
+    if n == 0 {
+        return;
+    }
+    let vocab = logits.cols;
+    let rows: Vec<i32> = (0..n as i32).collect();
+    let d_rows = ck(be.stream.clone_htod(&rows), "sampling rows copy");
+    let d_keys = ck(be.stream.clone_htod(&vec![0u64; n]), "sampling keys copy");
+    let d_inv = ck(be.stream.clone_htod(&vec![0.0f64; n]), "sampling temperatures copy");
+    let splits = if vocab <= ONE_BLOCK_VOCAB { 1 } else { vocab.div_ceil(TOKENS_PER_BLOCK) };
+    assert!(splits <= MAX_SPLITS, "a vocabulary of {vocab} tokens needs more sampling blocks than a row can count");
+    let mut scratch = be.sampling_scratch.lock().unwrap_or_else(|p| p.into_inner());
+    let scratch = scratch.get_or_insert_with(|| SamplingScratch::new(be, n * splits, n));
+    scratch.reserve(be, n * splits, n);
+    be.launch(
+        &be.k.sample_rows,
+        (splits as u32, n as u32, 1),
+        SAMPLE_THREADS,
+        0,
+        &[
+            Arg::Ptr(out),
+            Arg::Ptr(be.ptr(&logits.data)),
+            Arg::Ptr(be.ptr(&d_rows)),
+            Arg::Ptr(be.ptr(&d_keys)),
+            Arg::Ptr(be.ptr(&d_inv)),
+            Arg::I32(vocab as i32),
+            Arg::Ptr(be.ptr(&scratch.scores)),
+            Arg::Ptr(be.ptr(&scratch.tokens)),
+            Arg::Ptr(be.ptr(&scratch.done)),
+            Arg::Ptr(0),
+            Arg::Ptr(0),
+            Arg::I32(0),
+        ],
+    );
+}
+
+/// `ids[r] = drafts[rows[r]]` (0 where that is -1) on the device: a chained drafter forward's
+/// token ids from the argmax of the forward before it (cuda/sample.cu, draft_ids).
+pub(super) fn write_draft_ids(be: &CudaBackend, ids: u64, drafts: u64, rows: &[u32]) {
+    if rows.is_empty() {
+        return;
+    }
+    let rows: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+    let d_rows = ck(be.stream.clone_htod(&rows), "draft rows copy");
+    let threads = 128u32;
+    be.launch(&be.k.draft_ids, ((rows.len() as u32).div_ceil(threads), 1, 1), threads, 0, &[Arg::Ptr(ids), Arg::Ptr(drafts), Arg::Ptr(be.ptr(&d_rows)), Arg::I32(rows.len() as i32)]);
+}

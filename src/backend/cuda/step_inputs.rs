@@ -54,6 +54,14 @@ impl PersistentInts {
     }
 }
 
+impl PersistentInts {
+    /// Forgets what the buffer holds after a kernel wrote it (a drafter chain's ids): the next
+    /// write copies whatever it is given.
+    pub fn forget(&mut self) {
+        self.held.clear();
+    }
+}
+
 /// The persistent inputs of the steps run so far.
 #[derive(Default)]
 pub(super) struct StepInputs {

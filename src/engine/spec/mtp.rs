@@ -10,10 +10,13 @@
 //!
 //! With CUDA graphs on, each of these forwards is padded to a capture size as the step is
 //! (the catch-up's rows of 1..k+1 tokens to rows x m tokens, a chained step's one-token rows to
-//! a row size) and replayed as a graph captured at start-up: a proposal is k graph launches,
-//! each followed by the argmax on the device and its ids read back.
+//! a row size) and replayed as a graph captured at start-up. On a backend that replays graphs
+//! the chain never waits for the host: each forward's argmax is written on the device into the
+//! next forward's ids, and the k drafts of every row are read back once
+//! ([`Backend::run_graphed_chain`]); elsewhere (the CPU) each draft is read back before the
+//! next forward, as eagerly.
 
-use crate::backend::{Backend, BatchLayout, CaptureWhen, GraphInputs, GraphedForward, PaddedShape, Real, RealShape, RowKind, RowLayout, RowSampling};
+use crate::backend::{Backend, BatchLayout, CaptureWhen, ChainLink, GraphInputs, GraphedForward, PaddedShape, Real, RealShape, RowKind, RowLayout, RowSampling};
 use crate::backend::sampling::{SamplingParams, NO_FINITE_LOGIT};
 use crate::engine::graphed::GraphPadding;
 use crate::engine::padding::{last_tokens, pad_mtp_forward, padded_shape, PaddedStep};
@@ -38,7 +41,8 @@ pub struct MtpCatchUp {
 
 /// Runs catch-up and chained drafting for a batch of sequences; returns drafts per item.
 /// With `graphs`, each forward is padded to a capture size and replayed as a graph where one
-/// holds it (the same drafts as eagerly: padded rows are inert and cut off).
+/// holds it (the same drafts as eagerly: padded rows are inert and cut off), and on a backend
+/// that replays graphs the chain runs without a read-back between its forwards.
 pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, step_hidden: &B::Tensor, items: &[MtpCatchUp], graphs: Option<&GraphPadding>) -> Vec<Vec<u32>> {
     let mut drafts = vec![Vec::new(); items.len()];
     let Some(mtp) = model.mtp.as_ref() else { return drafts };
@@ -69,6 +73,9 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
     if wanting.is_empty() {
         // A catch-up only (prompts still prefilling, or the back-off offering no drafts).
         return drafts;
+    }
+    if let Some(padding) = graphs.filter(|_| b.replays_graphs()) {
+        return drafter.chain_on_device(cache, &out, items, &wanting, padding);
     }
     let first = argmax_rows(b, &out.logits, items.len());
     for &n in &wanting {
@@ -144,6 +151,73 @@ impl<B: Backend> Drafter<'_, B> {
         let logits = outputs.pop().expect("a drafter forward returns hidden states and logits");
         let hidden = outputs.pop().expect("a drafter forward returns hidden states and logits");
         MtpOutput { logits, hidden }
+    }
+}
+
+impl<B: Backend> Drafter<'_, B> {
+    /// The chained drafts after the catch-up `caught_up` (of `items`, of which `wanting` want
+    /// drafts), on a backend that replays graphs: every chained forward is planned ahead (its
+    /// rows are the sequences that want more drafts than its index, in item order, so nothing
+    /// depends on the drafts themselves) and handed to [`Backend::run_graphed_chain`], which
+    /// feeds each forward the argmax of the one before on the device and reads the drafts back
+    /// once. A sequence's drafts stop at its first row without a finite logit, as eagerly.
+    fn chain_on_device(&self, cache: &mut B::Cache, caught_up: &MtpOutput<B>, items: &[MtpCatchUp], wanting: &[usize], padding: &GraphPadding) -> Vec<Vec<u32>> {
+        let (model, mtp, b) = (self.model, self.mtp, self.b);
+        let block_size = padding.limits.block_size;
+        let longest = wanting.iter().map(|&n| items[n].drafts_wanted).max().unwrap_or(0);
+        // Per chained forward: its padded step, how it is captured, its rows' items and the
+        // rows of the forward before that they continue.
+        let mut forwards: Vec<(PaddedStep, CaptureWhen, Vec<usize>, Vec<u32>)> = Vec::new();
+        let mut previous: Vec<usize> = (0..items.len()).collect();
+        for step in 1..longest {
+            let rows: Vec<usize> = wanting.iter().copied().filter(|&n| items[n].drafts_wanted > step).collect();
+            let prev_rows: Vec<u32> = rows.iter().map(|n| previous.iter().position(|p| p == n).expect("a chained row continues a row of the forward before") as u32).collect();
+            let mut layout = BatchLayout::default();
+            for (r, &n) in rows.iter().enumerate() {
+                let it = &items[n];
+                layout.rows.push(RowLayout {
+                    kind: RowKind::Prefill,
+                    token_start: r,
+                    num_tokens: 1,
+                    start_position: it.start_position + it.count - 1 + step,
+                    block_table: it.block_table.clone(),
+                    state_slot: 0,
+                    snapshot_base: 0,
+                });
+            }
+            // Placeholders: the ids are the previous forward's argmax, written on the device.
+            let ids = vec![0u32; rows.len()];
+            let real = RealShape { rows: Real(rows.len()), tokens: Real(rows.len()) };
+            let (padded, capture) = match padded_shape(&padding.sizes, real, padding.k, padding.limits) {
+                Some(shape) => (pad_mtp_forward(&ids, &layout, shape, padding.scratch, block_size), CaptureWhen::Now),
+                None => (PaddedStep { logit_rows: last_tokens(&layout), ids, layout, real, shape: PaddedShape::exact(real) }, CaptureWhen::AfterRepeats),
+            };
+            previous = rows.clone();
+            forwards.push((padded, capture, rows, prev_rows));
+        }
+        let links: Vec<ChainLink<'_>> = forwards
+            .iter()
+            .map(|(step, capture, _, prev_rows)| {
+                let mut inputs = mtp_graph_inputs(step, block_size);
+                inputs.capture = *capture;
+                ChainLink { inputs, prev_rows: prev_rows.clone() }
+            })
+            .collect();
+        let argmax = b.run_graphed_chain(&caught_up.logits, &caught_up.hidden, &links, &mut |inputs, x| {
+            let out = mtp.forward(model, b, inputs.ids, x, inputs.layout, inputs.logit_rows, cache);
+            vec![out.hidden, out.logits]
+        });
+        let mut drafts = vec![Vec::new(); items.len()];
+        for &n in wanting {
+            let mut token = argmax[0][n];
+            let mut next = forwards.iter().zip(&argmax[1..]);
+            while token != NO_FINITE_LOGIT {
+                drafts[n].push(token);
+                let Some(row) = next.next().and_then(|((_, _, rows, _), ids)| rows.iter().position(|&m| m == n).map(|r| ids[r])) else { break };
+                token = row;
+            }
+        }
+        drafts
     }
 }
 
