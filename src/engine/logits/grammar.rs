@@ -9,7 +9,8 @@
 //! A grammar may wait for a token before it applies (`</think>` for a thinking model whose
 //! prompt opened its reasoning): what the model thinks is free, its answer is constrained.
 
-use std::sync::Arc;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
@@ -106,7 +107,15 @@ impl GrammarCompiler {
         if let Some(err) = matcher.get_error() {
             return Err(GrammarError::Invalid(err));
         }
-        Ok(Grammar { matcher, end_tokens: end_tokens.to_vec(), all_end_tokens: self.end_tokens.clone(), starts_after: None, active: true })
+        Ok(Grammar::ready(GrammarState {
+            matcher,
+            end_tokens: end_tokens.to_vec(),
+            all_end_tokens: self.end_tokens.clone(),
+            starts_after: None,
+            active: true,
+            ahead: None,
+            work: Duration::ZERO,
+        }))
     }
 
     /// The id of a token the vocabulary spells as `text` on its own (e.g. `</think>`).
@@ -118,7 +127,23 @@ impl GrammarCompiler {
 }
 
 /// A compiled grammar and where a generation stands in it.
+///
+/// Committing tokens hands the matcher to the global thread pool, which advances it and computes
+/// the mask of the next position right away: the next step's first mask is ready (or on its way)
+/// before that step's forward starts, and the engine thread only sends the tokens off. Whatever
+/// reads the matcher next waits for that work first, so the masks are those of stepping in place.
 pub struct Grammar {
+    slot: Mutex<Slot>,
+}
+
+enum Slot {
+    Ready(Box<GrammarState>),
+    /// Committed tokens being consumed on the pool; the state comes back on the channel.
+    Advancing(mpsc::Receiver<Box<GrammarState>>),
+}
+
+/// The matcher and the rules around it.
+struct GrammarState {
     matcher: Matcher,
     /// The request's end tokens: allowed where the grammar may end.
     end_tokens: Vec<u32>,
@@ -127,6 +152,10 @@ pub struct Grammar {
     /// The grammar applies from the token after this one on.
     starts_after: Option<u32>,
     active: bool,
+    /// The mask at the current position, computed ahead after the last commit.
+    ahead: Option<TokenMask>,
+    /// Time spent advancing the matcher and computing masks, not yet reported.
+    work: Duration,
 }
 
 /// A clone owns its lexer state. llguidance's plain clone shares it behind one lock, so the
@@ -134,41 +163,121 @@ pub struct Grammar {
 /// be computed one at a time however many threads compute them.
 impl Clone for Grammar {
     fn clone(&self) -> Self {
-        Grammar {
-            matcher: self.matcher.deep_clone(),
-            end_tokens: self.end_tokens.clone(),
-            all_end_tokens: self.all_end_tokens.clone(),
-            starts_after: self.starts_after,
-            active: self.active,
-        }
+        let mut slot = self.slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let state = slot.ready();
+        let copy = GrammarState {
+            matcher: state.matcher.deep_clone(),
+            end_tokens: state.end_tokens.clone(),
+            all_end_tokens: state.all_end_tokens.clone(),
+            starts_after: state.starts_after,
+            active: state.active,
+            ahead: state.ahead.clone(),
+            work: Duration::ZERO,
+        };
+        Grammar::ready(copy)
     }
 }
 
 impl std::fmt::Debug for Grammar {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Grammar").field("starts_after", &self.starts_after).field("active", &self.active).finish_non_exhaustive()
+        f.debug_struct("Grammar").finish_non_exhaustive()
     }
 }
 
 /// The tokens allowed at one position; `None` where the grammar does not apply yet.
 pub type TokenMask = Option<SimpleVob>;
 
+impl Slot {
+    /// The state, once the pool's work on it is done.
+    fn ready(&mut self) -> &mut GrammarState {
+        if let Slot::Advancing(receiver) = self {
+            *self = Slot::Ready(advanced(receiver));
+        }
+        match self {
+            Slot::Ready(state) => state,
+            Slot::Advancing(_) => unreachable!("the slot was just made ready"),
+        }
+    }
+}
+
+/// The state that the pool's work sends back.
+fn advanced(receiver: &mpsc::Receiver<Box<GrammarState>>) -> Box<GrammarState> {
+    // The sender is dropped without a send only if the work panicked (llguidance turns its own
+    // panics into an error state): carry the panic to the engine thread, as the masks' thread does.
+    receiver.recv().unwrap_or_else(|_| panic!("advancing a grammar panicked on the thread pool"))
+}
+
 impl Grammar {
+    fn ready(state: GrammarState) -> Self {
+        Grammar { slot: Mutex::new(Slot::Ready(Box::new(state))) }
+    }
+
+    fn state(&mut self) -> &mut GrammarState {
+        self.slot.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).ready()
+    }
+
     /// The grammar applies only after `token` was generated.
     pub fn starting_after(mut self, token: u32) -> Self {
-        self.starts_after = Some(token);
-        self.active = false;
+        let state = self.state();
+        state.starts_after = Some(token);
+        state.active = false;
+        state.ahead = None;
         self
     }
 
     /// The masks of a verify row's positions: position `i` as if `drafts[..i]` were generated.
     /// Where a draft breaks the grammar the row's later positions cannot be reached (that draft
-    /// is rejected), and their masks are left out.
+    /// is rejected), and their masks are left out. The first is the one computed ahead, if any.
     pub fn masks(&mut self, drafts: &[u32]) -> Vec<TokenMask> {
+        let state = self.state();
+        let started = Instant::now();
+        let masks = state.masks(drafts);
+        state.work += started.elapsed();
+        masks
+    }
+
+    /// How many of `drafts` the grammar allows in a row (drafts past that are not worth
+    /// verifying). An end token stops the count: nothing follows it.
+    pub fn valid_drafts(&mut self, drafts: &[u32]) -> usize {
+        self.state().valid_drafts(drafts)
+    }
+
+    /// Advances over tokens a step committed (a final end token is not consumed: it ends the
+    /// generation), on the global thread pool, which then computes the next position's mask.
+    pub fn commit(&mut self, tokens: &[u32]) {
+        let (sender, receiver) = mpsc::channel();
+        let slot = self.slot.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut state = match std::mem::replace(slot, Slot::Advancing(receiver)) {
+            Slot::Ready(state) => state,
+            Slot::Advancing(previous) => advanced(&previous),
+        };
+        let tokens = tokens.to_vec();
+        rayon::spawn(move || {
+            let started = Instant::now();
+            state.commit(&tokens);
+            state.ahead = Some(state.mask_here(state.active));
+            state.work += started.elapsed();
+            // The request may have ended meanwhile; then nobody waits for the state.
+            let _ = sender.send(state);
+        });
+    }
+
+    /// The time spent on this grammar (on any thread) since the last call.
+    pub fn take_work(&mut self) -> Duration {
+        std::mem::take(&mut self.state().work)
+    }
+}
+
+impl GrammarState {
+    fn masks(&mut self, drafts: &[u32]) -> Vec<TokenMask> {
         let mut masks = Vec::with_capacity(drafts.len() + 1);
         let mut active = self.active;
         let mut consumed = 0;
-        masks.push(self.mask_here(active));
+        let first = match self.ahead.take() {
+            Some(mask) => mask,
+            None => self.mask_here(active),
+        };
+        masks.push(first);
         for &draft in drafts {
             if active {
                 // A token the grammar refuses is checked first: consuming it would break the matcher.
@@ -187,9 +296,7 @@ impl Grammar {
         masks
     }
 
-    /// How many of `drafts` the grammar allows in a row (drafts past that are not worth
-    /// verifying). An end token stops the count: nothing follows it.
-    pub fn valid_drafts(&mut self, drafts: &[u32]) -> usize {
+    fn valid_drafts(&mut self, drafts: &[u32]) -> usize {
         let start = if self.active {
             0
         } else {
@@ -205,9 +312,8 @@ impl Grammar {
         start + valid + usize::from(valid == until_end && until_end < tail.len())
     }
 
-    /// Advances over tokens a step committed (a final end token is not consumed: it ends the
-    /// generation).
-    pub fn commit(&mut self, tokens: &[u32]) {
+    fn commit(&mut self, tokens: &[u32]) {
+        self.ahead = None;
         for &token in tokens {
             if !self.active {
                 self.active = Some(token) == self.starts_after;
@@ -364,6 +470,43 @@ mod tests {
         assert_eq!(stepped, expected);
         let mut original = original;
         assert_eq!(original.masks(&[]).remove(0).expect("a mask").to_list(), expected[0][0], "the original still stands at the start");
+    }
+
+    /// A commit advances the matcher on the pool and computes the next mask there: that mask
+    /// equals the one computed in place (with nothing ahead) and the one computed for the same
+    /// position as a draft, and whatever reads the grammar while the commit is in flight (a
+    /// clone, a draft check) sees the committed tokens.
+    #[test]
+    fn masks_computed_ahead_equal_masks_computed_in_step() {
+        let (tokenizer, compiler, end) = setup();
+        let spec = GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema"));
+        let tokens = tokenizer.encode(r#"{"a": 305, "b": "y"}"#, false).expect("encodes");
+        let mut drafted = compiler.compile(&spec, &[end]).expect("compiles");
+        let as_drafts: Vec<Vec<u32>> = drafted.masks(&tokens).into_iter().map(|m| m.expect("a mask").to_list()).collect();
+        assert_eq!(as_drafts.len(), tokens.len() + 1, "every token is allowed");
+        let mut stepped = compiler.compile(&spec, &[end]).expect("compiles");
+        let (mut at, sizes) = (0, [1usize, 2, 1, 3]);
+        for k in 0.. {
+            if at == tokens.len() {
+                break;
+            }
+            let chunk = sizes[k % sizes.len()].min(tokens.len() - at);
+            stepped.commit(&tokens[at..at + chunk]);
+            at += chunk;
+            if at % 2 == 0 {
+                // Read while the commit may still be in flight.
+                let mut clone = stepped.clone();
+                assert_eq!(clone.masks(&[]).remove(0).expect("a mask").to_list(), as_drafts[at], "the clone at {at}");
+                assert_eq!(stepped.valid_drafts(&tokens[at..]), tokens.len() - at);
+            }
+            assert!(stepped.state().ahead.is_some(), "the commit computed the next mask");
+            let ahead = stepped.masks(&[]).remove(0).expect("a mask").to_list();
+            assert!(stepped.state().ahead.is_none(), "the mask ahead is used once");
+            let in_place = stepped.masks(&[]).remove(0).expect("a mask").to_list();
+            assert_eq!(ahead, in_place, "at {at}");
+            assert_eq!(ahead, as_drafts[at], "at {at}");
+        }
+        assert!(stepped.take_work() > Duration::ZERO && stepped.take_work() == Duration::ZERO, "work is reported once");
     }
 
     #[test]
