@@ -9,6 +9,7 @@
 //! A grammar may wait for a token before it applies (`</think>` for a thinking model whose
 //! prompt opened its reasoning): what the model thinks is free, its answer is constrained.
 
+use std::collections::VecDeque;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -62,7 +63,14 @@ pub struct GrammarCompiler {
     factory: ParserFactory,
     /// The tokens that end a generation, which the grammar allows where the output may end.
     end_tokens: Vec<u32>,
+    /// The latest grammars compiled, by what they were compiled from, oldest first: clients send
+    /// the same schema with request after request, and the clones of one compiled grammar share
+    /// the lexer states they build (see [`Grammar`]).
+    compiled: Mutex<VecDeque<(String, Grammar)>>,
 }
+
+/// How many compiled grammars [`GrammarCompiler`] keeps.
+const COMPILED_KEPT: usize = 16;
 
 impl std::fmt::Debug for GrammarCompiler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -91,12 +99,27 @@ impl GrammarCompiler {
         let env: TokEnv = Arc::new(VocabEnv { trie, tokenizer: tokenizer.clone() });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::Tokenizer(e.to_string()))?;
         factory.quiet();
-        Ok(GrammarCompiler { factory, end_tokens: end_tokens.to_vec() })
+        Ok(GrammarCompiler { factory, end_tokens: end_tokens.to_vec(), compiled: Mutex::new(VecDeque::new()) })
     }
 
     /// Compiles a grammar for a request that ends at `end_tokens`; a schema or grammar
     /// llguidance cannot use is an error that says why.
     pub fn compile(&self, spec: &GrammarSpec, end_tokens: &[u32]) -> Result<Grammar, GrammarError> {
+        let key = format!("{end_tokens:?} {spec:?}");
+        let lock = || self.compiled.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, grammar)) = lock().iter().find(|(k, _)| *k == key) {
+            return Ok(grammar.clone());
+        }
+        let grammar = self.compile_new(spec, end_tokens)?;
+        let mut compiled = lock();
+        if compiled.len() == COMPILED_KEPT {
+            compiled.pop_front();
+        }
+        compiled.push_back((key, grammar.clone()));
+        Ok(grammar)
+    }
+
+    fn compile_new(&self, spec: &GrammarSpec, end_tokens: &[u32]) -> Result<Grammar, GrammarError> {
         let grammar = match spec {
             GrammarSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(with_bounded_whitespace(schema.clone())),
             GrammarSpec::JsonObject => TopLevelGrammar::from_json_schema(with_bounded_whitespace(serde_json::json!({"type": "object"}))),
@@ -107,15 +130,21 @@ impl GrammarCompiler {
         if let Some(err) = matcher.get_error() {
             return Err(GrammarError::Invalid(err));
         }
-        Ok(Grammar::ready(GrammarState {
+        let mut state = GrammarState {
             matcher,
             end_tokens: end_tokens.to_vec(),
             all_end_tokens: self.end_tokens.clone(),
             starts_after: None,
             active: true,
             ahead: None,
+            consumed: 0,
             work: Duration::ZERO,
-        }))
+        };
+        // The first mask, computed now, is copied into every clone; computing it also builds
+        // the lexer states of the start, which the origin keeps.
+        state.ahead = Some(state.mask_here(true));
+        let origin = Arc::new(Mutex::new(Origin { matcher: state.matcher.deep_clone(), given_back: 0 }));
+        Ok(Grammar { slot: Mutex::new(Slot::Ready(Box::new(state))), origin })
     }
 
     /// The id of a token the vocabulary spells as `text` on its own (e.g. `</think>`).
@@ -132,8 +161,21 @@ impl GrammarCompiler {
 /// the mask of the next position right away: the next step's first mask is ready (or on its way)
 /// before that step's forward starts, and the engine thread only sends the tokens off. Whatever
 /// reads the matcher next waits for that work first, so the masks are those of stepping in place.
+///
+/// Most of a mask's cost is building lexer states the first time the output reaches them, and
+/// each clone (one per request) owns its lexer. So the clones of one compiled grammar share an
+/// origin: a matcher at the start that holds the lexer states built so far. A clone at the start
+/// begins from it, and a clone that ends gives its matcher, rolled back to the start, back to it:
+/// the next requests with that grammar find the states its predecessors reached.
 pub struct Grammar {
     slot: Mutex<Slot>,
+    origin: Arc<Mutex<Origin>>,
+}
+
+struct Origin {
+    matcher: Matcher,
+    /// How many ended clones gave their lexer states back.
+    given_back: usize,
 }
 
 enum Slot {
@@ -154,6 +196,8 @@ struct GrammarState {
     active: bool,
     /// The mask at the current position, computed ahead after the last commit.
     ahead: Option<TokenMask>,
+    /// Tokens the matcher has consumed (0: it stands at the start).
+    consumed: usize,
     /// Time spent advancing the matcher and computing masks, not yet reported.
     work: Duration,
 }
@@ -165,16 +209,46 @@ impl Clone for Grammar {
     fn clone(&self) -> Self {
         let mut slot = self.slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let state = slot.ready();
+        let matcher = match state.consumed {
+            0 => self.origin.lock().unwrap_or_else(std::sync::PoisonError::into_inner).matcher.deep_clone(),
+            _ => state.matcher.deep_clone(),
+        };
         let copy = GrammarState {
-            matcher: state.matcher.deep_clone(),
+            matcher,
             end_tokens: state.end_tokens.clone(),
             all_end_tokens: state.all_end_tokens.clone(),
             starts_after: state.starts_after,
             active: state.active,
             ahead: state.ahead.clone(),
+            consumed: state.consumed,
             work: Duration::ZERO,
         };
-        Grammar::ready(copy)
+        Grammar { slot: Mutex::new(Slot::Ready(Box::new(copy))), origin: self.origin.clone() }
+    }
+}
+
+/// An ended clone gives its lexer states back to the origin, on the pool (the rollback walks
+/// back over the generation).
+impl Drop for Grammar {
+    fn drop(&mut self) {
+        // What is left in the slot is never read: the grammar is going.
+        let slot = std::mem::replace(self.slot.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner), Slot::Advancing(mpsc::channel().1));
+        let origin = self.origin.clone();
+        rayon::spawn(move || {
+            let mut state = match slot {
+                Slot::Ready(state) => state,
+                // A panic in the pool's work has nothing to give back.
+                Slot::Advancing(receiver) => match receiver.recv() {
+                    Ok(state) => state,
+                    Err(_) => return,
+                },
+            };
+            if state.consumed > 0 && !state.matcher.is_error() && state.matcher.reset().is_ok() {
+                let mut origin = origin.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                origin.matcher = state.matcher;
+                origin.given_back += 1;
+            }
+        });
     }
 }
 
@@ -208,10 +282,6 @@ fn advanced(receiver: &mpsc::Receiver<Box<GrammarState>>) -> Box<GrammarState> {
 }
 
 impl Grammar {
-    fn ready(state: GrammarState) -> Self {
-        Grammar { slot: Mutex::new(Slot::Ready(Box::new(state))) }
-    }
-
     fn state(&mut self) -> &mut GrammarState {
         self.slot.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).ready()
     }
@@ -321,6 +391,7 @@ impl GrammarState {
                 // A token the mask allowed is always accepted. One it did not (the mask was
                 // skipped) puts the matcher in its error state, whose mask lets the output end.
                 let _ = self.matcher.consume_token(token);
+                self.consumed += 1;
             }
         }
     }
@@ -507,6 +578,64 @@ mod tests {
             assert_eq!(ahead, as_drafts[at], "at {at}");
         }
         assert!(stepped.take_work() > Duration::ZERO && stepped.take_work() == Duration::ZERO, "work is reported once");
+    }
+
+    /// The masks along `text`, one position at a time.
+    fn stepped_masks(grammar: &mut Grammar, tokenizer: &Tokenizer, text: &str) -> Vec<Vec<u32>> {
+        let tokens = tokenizer.encode(text, false).expect("encodes");
+        tokens.iter().map(|&t| (grammar.masks(&[]).remove(0).expect("a mask").to_list(), grammar.commit(&[t])).0).collect()
+    }
+
+    /// A clone that ends gives its lexer states back (rolled back to the start) to the grammar it
+    /// was cloned from; the next clone starts from them and computes the masks of a fresh grammar.
+    #[test]
+    fn ended_clones_give_their_lexer_states_to_the_next() {
+        let (tokenizer, compiler, end) = setup();
+        let spec = GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema"));
+        let template = compiler.compile(&spec, &[end]).expect("compiles");
+        let mut first = template.clone();
+        let first_masks = stepped_masks(&mut first, &tokenizer, r#"{"a": 12, "b": "y"}"#);
+        drop(first);
+        let waited = Instant::now();
+        while template.origin.lock().expect("not poisoned").given_back == 0 {
+            assert!(waited.elapsed() < Duration::from_secs(10), "the ended clone never gave its states back");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for text in [r#"{"a": 12, "b": "y"}"#, r#"{"a": -40, "b": "x"}"#] {
+            let mut fresh = compiler.compile_new(&spec, &[end]).expect("compiles");
+            let expected = stepped_masks(&mut fresh, &tokenizer, text);
+            assert_eq!(stepped_masks(&mut template.clone(), &tokenizer, text), expected, "{text}");
+            if text.contains("12") {
+                assert_eq!(expected, first_masks);
+            }
+        }
+        // A clone that consumed nothing has nothing to give.
+        drop(template.clone());
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(template.origin.lock().expect("not poisoned").given_back >= 1);
+    }
+
+    /// A grammar compiled again from the same spec and end tokens is a clone of the first (it
+    /// shares its lexer states); another spec or other end tokens compile anew, and only the
+    /// latest grammars are kept.
+    #[test]
+    fn grammars_compiled_again_share_the_first_ones_states() {
+        let (tokenizer, compiler, end) = setup();
+        let spec = GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema"));
+        let a = compiler.compile(&spec, &[end]).expect("compiles");
+        let b = compiler.compile(&spec, &[end]).expect("compiles");
+        assert!(Arc::ptr_eq(&a.origin, &b.origin));
+        let other_end = tokenizer.token_to_id("<|im_start|>").expect("token");
+        assert!(!Arc::ptr_eq(&a.origin, &compiler.compile(&spec, &[other_end]).expect("compiles").origin));
+        assert!(!Arc::ptr_eq(&a.origin, &compiler.compile(&GrammarSpec::JsonObject, &[end]).expect("compiles").origin));
+        let mut again = compiler.compile(&spec, &[end]).expect("compiles");
+        let mut fresh = compiler.compile_new(&spec, &[end]).expect("compiles");
+        let text = r#"{"a": 3, "b": "x"}"#;
+        assert_eq!(stepped_masks(&mut again, &tokenizer, text), stepped_masks(&mut fresh, &tokenizer, text));
+        for n in 0..COMPILED_KEPT {
+            compiler.compile(&GrammarSpec::Lark(format!("start: \"{n}\"")), &[end]).expect("compiles");
+        }
+        assert!(!Arc::ptr_eq(&a.origin, &compiler.compile(&spec, &[end]).expect("compiles").origin), "the oldest was let go");
     }
 
     #[test]
