@@ -1,7 +1,7 @@
 //! Where a generation stands in a compiled grammar: the matcher, advanced on the thread pool
 //! as tokens are committed, and the masks it gives.
 
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use llguidance::Matcher;
@@ -32,8 +32,82 @@ pub(super) struct Origin {
 
 enum Slot {
     Ready(Box<GrammarState>),
-    /// Committed tokens being consumed on the pool; the state comes back on the channel.
-    Advancing(mpsc::Receiver<Box<GrammarState>>),
+    /// Committed tokens handed to the pool.
+    Advancing(Arc<Advance>),
+}
+
+/// Committed tokens to consume, shared by a task on the pool and the grammar. The task does the
+/// work if it starts first; the grammar, wanting its state back before the task has started (a
+/// busy pool), does the work itself; otherwise it waits for the task.
+struct Advance {
+    stage: Mutex<Stage>,
+    done: Condvar,
+}
+
+enum Stage {
+    Queued(Box<GrammarState>, Vec<u32>),
+    Running,
+    Done(Box<GrammarState>),
+    /// The work panicked (llguidance turns its own panics into an error state).
+    Failed,
+    Taken,
+}
+
+impl Advance {
+    /// Nothing to do yet (or any more).
+    fn taken() -> Arc<Advance> {
+        Arc::new(Advance { stage: Mutex::new(Stage::Taken), done: Condvar::new() })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Stage> {
+        self.stage.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Consumes the tokens, then computes the mask of the position after them.
+    fn work(mut state: Box<GrammarState>, tokens: &[u32]) -> Box<GrammarState> {
+        let started = Instant::now();
+        state.commit(tokens);
+        state.ahead = Some(state.mask_here(state.active));
+        state.work += started.elapsed();
+        state
+    }
+
+    /// The pool's task: the work, unless the grammar took it.
+    fn run(&self) {
+        let (state, tokens) = {
+            let mut stage = self.lock();
+            match std::mem::replace(&mut *stage, Stage::Running) {
+                Stage::Queued(state, tokens) => (state, tokens),
+                other => {
+                    *stage = other;
+                    return;
+                }
+            }
+        };
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Advance::work(state, &tokens)));
+        *self.lock() = outcome.map_or(Stage::Failed, Stage::Done);
+        self.done.notify_all();
+    }
+
+    /// The state, advanced; with `run_queued` false, work not started is dropped and the state
+    /// comes back as it was. `None` if the work panicked.
+    fn finish(&self, run_queued: bool) -> Option<Box<GrammarState>> {
+        let mut stage = self.lock();
+        loop {
+            match std::mem::replace(&mut *stage, Stage::Taken) {
+                Stage::Queued(state, tokens) => {
+                    drop(stage);
+                    return Some(if run_queued { Advance::work(state, &tokens) } else { state });
+                }
+                Stage::Done(state) => return Some(state),
+                Stage::Running => {
+                    *stage = Stage::Running;
+                    stage = self.done.wait(stage).unwrap_or_else(std::sync::PoisonError::into_inner);
+                }
+                Stage::Failed | Stage::Taken => return None,
+            }
+        }
+    }
 }
 
 /// The matcher and the rules around it.
@@ -84,15 +158,15 @@ impl Clone for Grammar {
 impl Drop for Grammar {
     fn drop(&mut self) {
         // What is left in the slot is never read: the grammar is going.
-        let slot = std::mem::replace(self.slot.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner), Slot::Advancing(mpsc::channel().1));
+        let slot = std::mem::replace(self.slot.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner), Slot::Advancing(Advance::taken()));
         let origin = self.origin.clone();
         rayon::spawn(move || {
             let mut state = match slot {
                 Slot::Ready(state) => state,
                 // A panic in the pool's work has nothing to give back.
-                Slot::Advancing(receiver) => match receiver.recv() {
-                    Ok(state) => state,
-                    Err(_) => return,
+                Slot::Advancing(advance) => match advance.finish(false) {
+                    Some(state) => state,
+                    None => return,
                 },
             };
             if state.consumed > 0 && !state.matcher.is_error() && state.matcher.reset().is_ok() {
@@ -116,8 +190,8 @@ pub type TokenMask = Option<SimpleVob>;
 impl Slot {
     /// The state, once the pool's work on it is done.
     fn ready(&mut self) -> &mut GrammarState {
-        if let Slot::Advancing(receiver) = self {
-            *self = Slot::Ready(advanced(receiver));
+        if let Slot::Advancing(advance) = self {
+            *self = Slot::Ready(advanced(advance));
         }
         match self {
             Slot::Ready(state) => state,
@@ -126,11 +200,10 @@ impl Slot {
     }
 }
 
-/// The state that the pool's work sends back.
-fn advanced(receiver: &mpsc::Receiver<Box<GrammarState>>) -> Box<GrammarState> {
-    // The sender is dropped without a send only if the work panicked (llguidance turns its own
-    // panics into an error state): carry the panic to the engine thread, as the masks' thread does.
-    receiver.recv().unwrap_or_else(|_| panic!("advancing a grammar panicked on the thread pool"))
+/// The state with the committed tokens consumed; a panic in that work is carried to this
+/// thread, as the masks' thread carries its own.
+fn advanced(advance: &Advance) -> Box<GrammarState> {
+    advance.finish(true).unwrap_or_else(|| panic!("advancing a grammar panicked on the thread pool"))
 }
 
 impl Grammar {
@@ -177,21 +250,14 @@ impl Grammar {
     /// Advances over tokens a step committed (a final end token is not consumed: it ends the
     /// generation), on the global thread pool, which then computes the next position's mask.
     pub fn commit(&mut self, tokens: &[u32]) {
-        let (sender, receiver) = mpsc::channel();
+        let advance = Advance::taken();
         let slot = self.slot.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mut state = match std::mem::replace(slot, Slot::Advancing(receiver)) {
+        let state = match std::mem::replace(slot, Slot::Advancing(advance.clone())) {
             Slot::Ready(state) => state,
             Slot::Advancing(previous) => advanced(&previous),
         };
-        let tokens = tokens.to_vec();
-        rayon::spawn(move || {
-            let started = Instant::now();
-            state.commit(&tokens);
-            state.ahead = Some(state.mask_here(state.active));
-            state.work += started.elapsed();
-            // The request may have ended meanwhile; then nobody waits for the state.
-            let _ = sender.send(state);
-        });
+        *advance.lock() = Stage::Queued(state, tokens.to_vec());
+        rayon::spawn(move || advance.run());
     }
 
     /// The time spent on this grammar (on any thread) since the last call.
@@ -389,6 +455,34 @@ mod tests {
             assert_eq!(ahead, as_drafts[at], "at {at}");
         }
         assert!(stepped.take_work() > Duration::ZERO && stepped.take_work() == Duration::ZERO, "work is reported once");
+    }
+
+    /// With the pool busy, a grammar that wants its state back before the pool's task started
+    /// does the committed work itself; the task, finding it done, leaves it alone.
+    #[test]
+    fn a_busy_pool_leaves_the_work_to_the_grammar() {
+        let (tokenizer, compiler, end) = setup();
+        let spec = GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema"));
+        let text = r#"{"a": 8, "b": "x"}"#;
+        let expected = stepped_masks(&mut compiler.compile_new(&spec, &[end]).expect("compiles"), &tokenizer, text);
+        let mut grammar = compiler.compile(&spec, &[end]).expect("compiles");
+        // Work spawned from the only thread of this pool waits until the closure returns.
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a pool");
+        let got: Vec<Vec<u32>> = pool.install(|| {
+            let tokens = tokenizer.encode(text, false).expect("encodes");
+            tokens
+                .iter()
+                .map(|&t| {
+                    let mask = grammar.masks(&[]).remove(0).expect("a mask").to_list();
+                    grammar.commit(&[t]);
+                    let queued = matches!(&*grammar.slot.lock().expect("not poisoned"), Slot::Advancing(a) if matches!(&*a.lock(), Stage::Queued(..)));
+                    assert!(queued, "the pool's only thread is busy here");
+                    mask
+                })
+                .collect()
+        });
+        assert_eq!(got, expected);
+        assert_eq!(pool.install(|| rayon::join(|| 1, || 2)), (1, 2), "the pool's tasks returned");
     }
 
     /// A clone that ends gives its lexer states back (rolled back to the start) to the grammar it
