@@ -236,7 +236,9 @@ mod tests {
 
     #[test]
     fn schemas_and_grammars_that_cannot_compile_say_why() {
-        let (_, compiler, end) = setup();
+        let (tokenizer, compiler, end) = setup();
+        let no_end = GrammarCompiler::new(&tokenizer, tokenizer.vocab_size(), &[]).expect_err("refused");
+        assert!(no_end.to_string().contains("no end-of-sequence token"), "{no_end}");
         for spec in [
             GrammarSpec::JsonSchema(serde_json::json!({"type": "strng"})),
             GrammarSpec::JsonSchema(serde_json::json!({"$ref": "#/$defs/missing"})),
