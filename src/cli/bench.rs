@@ -351,7 +351,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Some(path) => {
             let text = std::fs::read_to_string(path).with_context(|| format!("--json-schema: cannot read {}", path.display()))?;
             let schema = serde_json::from_str(&text).with_context(|| format!("--json-schema: {} is not JSON", path.display()))?;
-            let ends = files.config.eos_token_ids.clone();
+            // Dummy weights have no stop tokens (their requests run to max_tokens); their grammar
+            // ends at those of the tokenizer they borrow, where the schema's value is complete.
+            let ends = if files.config.eos_token_ids.is_empty() { files.tokenizer.eos_token_ids() } else { files.config.eos_token_ids.clone() };
             let compiler = GrammarCompiler::new(&files.tokenizer, files.config.vocab_size, &ends).context("--json-schema needs the model's vocabulary")?;
             let grammar = compiler.compile(&GrammarSpec::JsonSchema(schema), &ends).context("--json-schema: cannot compile")?;
             RequestShape { params, logits: LogitsOptions { grammar: Some(grammar), ..LogitsOptions::default() }, stop_token_ids: ends, max_tokens: args.max_tokens }

@@ -391,8 +391,10 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// The step's forward, and meanwhile on another thread the grammar masks of the rows that
-    /// have a grammar (they depend only on committed tokens and drafts), by request.
+    /// The step's forward, and the grammar masks of the rows that have a grammar, by request.
+    /// A row's first mask was computed ahead on the thread pool when its last tokens were
+    /// committed; the masks of a row's drafts are computed on another thread while the forward
+    /// runs (they depend only on committed tokens and drafts).
     fn forward_with_masks(&mut self, plan: &StepPlan) -> (ForwardOutput<B>, HashMap<RequestId, Vec<TokenMask>>) {
         let constrained: HashMap<RequestId, Vec<u32>> = plan
             .rows
@@ -401,40 +403,41 @@ impl<B: Backend> Engine<B> {
             .filter(|r| self.seqs.iter().any(|s| s.id == r.seq && s.logits.options.grammar.is_some()))
             .map(|r| (r.seq, r.drafts.clone()))
             .collect();
-        if constrained.is_empty() {
-            let (out, shapes) = forward(&self.model, &self.backend, &mut self.cache, self.graphs.as_ref(), plan, self.config.block_size);
-            self.lap(Some(Phase::Forward));
-            self.record_padding(shapes);
-            return (out, HashMap::new());
-        }
+        let (unconstrained, first_masks_only) = (constrained.is_empty(), constrained.values().all(Vec::is_empty));
         let (model, backend, cache, graphs, seqs, trace) = (&self.model, &self.backend, &mut self.cache, self.graphs.as_ref(), &mut self.seqs, &mut self.trace);
         let block_size = self.config.block_size;
-        let (out, shapes, masks) = std::thread::scope(|scope| {
-            // Each sequence's grammar is its own matcher: their masks are computed in parallel
-            // (on the global pool), and all of them while the forward runs.
-            let masks = scope.spawn(move || {
-                seqs.par_iter_mut()
-                    .filter_map(|seq| {
-                        let drafts = constrained.get(&seq.id)?;
-                        let started = Instant::now();
-                        let masks = seq.logits.masks(drafts);
-                        Some((seq.id, (masks, started.elapsed())))
-                    })
-                    .collect::<HashMap<_, _>>()
-            });
+        // Each sequence's grammar is its own matcher: their masks are computed in parallel.
+        let row_masks = move |seqs: &mut Vec<Sequence>| {
+            seqs.par_iter_mut()
+                .filter_map(|seq| {
+                    let drafts = constrained.get(&seq.id)?;
+                    Some((seq.id, (seq.logits.masks(drafts), seq.logits.take_grammar_work())))
+                })
+                .collect::<HashMap<_, _>>()
+        };
+        let (out, shapes, masks) = if first_masks_only {
+            // Only first masks, computed ahead: nothing to overlap but the wait for them.
             let (out, shapes) = forward(model, backend, cache, graphs, plan, block_size);
             if let Some(trace) = trace.as_mut() {
                 trace.lap(Phase::Forward);
             }
-            let masks = masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            if let Some(trace) = trace.as_mut() {
-                trace.lap(Phase::MaskWait);
-                masks.values().for_each(|(_, took)| trace.add_mask_work(*took));
-            }
-            (out, shapes, masks.into_iter().map(|(id, (masks, _))| (id, masks)).collect())
-        });
+            (out, shapes, if unconstrained { HashMap::new() } else { row_masks(seqs) })
+        } else {
+            std::thread::scope(|scope| {
+                let masks = scope.spawn(move || row_masks(seqs));
+                let (out, shapes) = forward(model, backend, cache, graphs, plan, block_size);
+                if let Some(trace) = trace.as_mut() {
+                    trace.lap(Phase::Forward);
+                }
+                (out, shapes, masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+            })
+        };
+        if let Some(trace) = trace.as_mut() {
+            trace.lap(Phase::MaskWait);
+            masks.values().for_each(|(_, took)| trace.add_mask_work(*took));
+        }
         self.record_padding(shapes);
-        (out, masks)
+        (out, masks.into_iter().map(|(id, (masks, _))| (id, masks)).collect())
     }
 
     fn record_padding(&mut self, shapes: Option<(crate::backend::RealShape, crate::backend::PaddedShape)>) {

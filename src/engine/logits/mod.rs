@@ -85,6 +85,11 @@ impl LogitsState {
         }
     }
 
+    /// The time spent on the grammar (on any thread) since the last call.
+    pub fn take_grammar_work(&mut self) -> std::time::Duration {
+        self.options.grammar.as_mut().map_or(std::time::Duration::ZERO, Grammar::take_work)
+    }
+
     /// How many of `drafts` are worth verifying.
     pub fn valid_drafts(&mut self, drafts: &[u32]) -> usize {
         self.options.grammar.as_mut().map_or(drafts.len(), |grammar| grammar.valid_drafts(drafts))
