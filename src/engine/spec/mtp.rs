@@ -39,6 +39,22 @@ pub struct MtpCatchUp {
     pub drafts_wanted: usize,
 }
 
+impl MtpCatchUp {
+    /// Row `r` of chained forward `step` (1 for the draft after the catch-up's): one token at
+    /// the position after the previous draft.
+    fn chained_draft_row(&self, r: usize, step: usize) -> RowLayout {
+        RowLayout {
+            kind: RowKind::Prefill,
+            token_start: r,
+            num_tokens: 1,
+            start_position: self.start_position + self.count - 1 + step,
+            block_table: self.block_table.clone(),
+            state_slot: 0,
+            snapshot_base: 0,
+        }
+    }
+}
+
 /// Runs catch-up and chained drafting for a batch of sequences; returns drafts per item.
 /// With `graphs`, each forward is padded to a capture size and replayed as a graph where one
 /// holds it (the same drafts as eagerly: padded rows are inert and cut off), and on a backend
@@ -99,17 +115,8 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
         let mut layout = BatchLayout::default();
         let mut ids = Vec::with_capacity(active.len());
         for (r, &n) in active.iter().enumerate() {
-            let it = &items[n];
             ids.push(*drafts[n].last().expect("drafted at least once"));
-            layout.rows.push(RowLayout {
-                kind: RowKind::Prefill,
-                token_start: r,
-                num_tokens: 1,
-                start_position: it.start_position + it.count - 1 + step,
-                block_table: it.block_table.clone(),
-                state_slot: 0,
-                snapshot_base: 0,
-            });
+            layout.rows.push(items[n].chained_draft_row(r, step));
         }
         last_rows = (0..active.len() as u32).collect();
         out = drafter.forward(cache, &ids, &out.hidden, &prev_rows, &layout);
@@ -174,16 +181,7 @@ impl<B: Backend> Drafter<'_, B> {
             let prev_rows: Vec<u32> = rows.iter().map(|n| previous.iter().position(|p| p == n).expect("a chained row continues a row of the forward before") as u32).collect();
             let mut layout = BatchLayout::default();
             for (r, &n) in rows.iter().enumerate() {
-                let it = &items[n];
-                layout.rows.push(RowLayout {
-                    kind: RowKind::Prefill,
-                    token_start: r,
-                    num_tokens: 1,
-                    start_position: it.start_position + it.count - 1 + step,
-                    block_table: it.block_table.clone(),
-                    state_slot: 0,
-                    snapshot_base: 0,
-                });
+                layout.rows.push(items[n].chained_draft_row(r, step));
             }
             // Placeholders: the ids are the previous forward's argmax, written on the device.
             let ids = vec![0u32; rows.len()];
