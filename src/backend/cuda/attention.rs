@@ -159,6 +159,13 @@ pub(super) fn gated_attention(
         be.launch(kernels.prep, (t as u32, (nq + nkv) as u32, 1), 64, (4 * hd + d.rotary_dim / 2) * 4, &args);
         (q, gate)
     };
+    // The merge of a split step's ranges; a rotated format's merged row is rotated back through
+    // hd floats of shared memory.
+    let combine = |kernel: &CudaFunction, gate: u64, gate_stride: usize, partial: &CudaSlice<f32>| {
+        let args = [Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(gate), Arg::Ptr(be.ptr(partial)), Arg::Ptr(at(dl.pos_off)), Arg::I32(nq as i32), Arg::I32(hd as i32), Arg::I32(gate_stride as i32), Arg::Ptr(tables)];
+        let smem = if kernels.rotated { hd * 4 } else { 0 };
+        be.launch(kernel, (t as u32, nq as u32, 1), hd.div_ceil(32) as u32 * 32, smem, &args);
+    };
     // Tensor cores: every step, decode included, so that a row's bits are the same on every path.
     if let Some(fk) = kernels.flash.filter(|_| flash_shape(hd, group)) {
         // A block takes 64 / group tokens of one sequence; a decode step's tokens are each a
@@ -213,9 +220,7 @@ pub(super) fn gated_attention(
             (be.ptr(&q_gate.data) + 4 * hd as u64, 2 * hd)
         };
         if let Some(partial) = &partial {
-            // A rotated format's merged row is rotated back through hd floats of shared memory.
-            let args = [Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(gate), Arg::Ptr(be.ptr(partial)), Arg::Ptr(at(dl.pos_off)), Arg::I32(nq as i32), Arg::I32(hd as i32), Arg::I32(gate_stride as i32), Arg::Ptr(tables)];
-            be.launch(fk.combine, (t as u32, nq as u32, 1), hd.div_ceil(32) as u32 * 32, if kernels.rotated { hd * 4 } else { 0 }, &args);
+            combine(fk.combine, gate, gate_stride, partial);
         }
         return out;
     }
@@ -226,11 +231,6 @@ pub(super) fn gated_attention(
     let splits = if split { ATTN_SPLITS as u32 } else { 1 };
     let partial = split.then(|| be.alloc_f32(t * nq * ATTN_SPLITS * (hd + 2)));
     let partial_ptr = partial.as_ref().map_or(0, |p| be.ptr(p));
-    let combine = |gate: u64, gate_stride: usize, partial: &CudaSlice<f32>| {
-        let args = [Arg::Ptr(be.ptr(&out.data)), Arg::Ptr(gate), Arg::Ptr(be.ptr(partial)), Arg::Ptr(at(dl.pos_off)), Arg::I32(nq as i32), Arg::I32(hd as i32), Arg::I32(gate_stride as i32), Arg::Ptr(tables)];
-        let smem = if kernels.rotated { hd * 4 } else { 0 };
-        be.launch(kernels.combine, (t as u32, nq as u32, 1), hd.div_ceil(32) as u32 * 32, smem, &args);
-    };
     // Every row one token (plain decode): no token's context holds another of the step, so the
     // attention launch prepares each query and its kv head's new key and value itself.
     if be.attn_decode && heads_per_block == 1 && layout.rows.iter().all(|r| r.num_tokens == 1) {
@@ -241,7 +241,7 @@ pub(super) fn gated_attention(
         be.launch(kernels.decode, (t as u32, nq as u32, splits), 256, smem, &args);
         if let Some(partial) = &partial {
             // The gates are the q/gate projection's second halves.
-            combine(be.ptr(&q_gate.data) + 4 * hd as u64, 2 * hd, partial);
+            combine(kernels.combine, be.ptr(&q_gate.data) + 4 * hd as u64, 2 * hd, partial);
         }
         return out;
     }
@@ -272,7 +272,7 @@ pub(super) fn gated_attention(
         ],
     );
     if let Some(partial) = &partial {
-        combine(be.ptr(&gate.data), hd, partial);
+        combine(kernels.combine, be.ptr(&gate.data), hd, partial);
     }
     out
 }
