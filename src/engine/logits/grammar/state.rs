@@ -400,16 +400,15 @@ mod tests {
             .iter()
             .map(|text| {
                 let mut alone = compiler.compile(&GrammarSpec::JsonSchema(serde_json::from_str(SCHEMA).expect("schema")), &[end]).expect("compiles");
-                let tokens = tokenizer.encode(text, false).expect("encodes");
-                tokens.iter().map(|&t| (alone.masks(&[]).remove(0).expect("a mask").to_list(), alone.commit(&[t])).0).collect()
+                stepped_masks(&mut alone, &tokenizer, text)
             })
             .collect();
         let stepped: Vec<Vec<Vec<u32>>> = std::thread::scope(|scope| {
             let handles: Vec<_> = texts
                 .iter()
                 .map(|text| {
-                    let (mut clone, tokens) = (original.clone(), tokenizer.encode(text, false).expect("encodes"));
-                    scope.spawn(move || tokens.iter().map(|&t| (clone.masks(&[]).remove(0).expect("a mask").to_list(), clone.commit(&[t])).0).collect())
+                    let (mut clone, tokenizer) = (original.clone(), &tokenizer);
+                    scope.spawn(move || stepped_masks(&mut clone, tokenizer, text))
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().expect("no panic")).collect()
