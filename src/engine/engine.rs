@@ -257,7 +257,8 @@ impl<B: Backend> Engine<B> {
         let mut commits: Vec<StateCommit> = Vec::new();
         let mut checkpoint_saves = Vec::new();
         let has_mtp_head = self.model.mtp.is_some();
-        let mut mtp_items: Vec<(RequestId, MtpCatchUp)> = Vec::new();
+        // With whether each catch-up is of a prompt piece (see `propose`).
+        let mut mtp_items: Vec<(RequestId, MtpCatchUp, bool)> = Vec::new();
         for (row, layout) in plan.rows.iter().zip(&plan.layout.rows) {
             let Some(seq) = self.seqs.iter_mut().find(|s| s.id == row.seq) else { continue };
             let start = seq.num_computed;
@@ -353,6 +354,7 @@ impl<B: Backend> Engine<B> {
                             block_table: seq.block_table.clone(),
                             drafts_wanted: want,
                         },
+                        row.kind == RowKind::Prefill,
                     ));
                 }
                 None => {}
@@ -519,9 +521,18 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Drafts for each running sequence's next step.
-    fn propose(&mut self, step_hidden: &B::Tensor, mut mtp_items: Vec<(RequestId, MtpCatchUp)>) {
+    fn propose(&mut self, step_hidden: &B::Tensor, mut mtp_items: Vec<(RequestId, MtpCatchUp, bool)>) {
         let k = self.drafts_to_offer();
         self.offered_drafts = k;
+        if k == 0 {
+            // No drafts offered: the drafter's catch-up on generated tokens is skipped, so that
+            // a backed-off step costs what a step without speculation does (on a small model
+            // the catch-up forward costs most of a step). Those positions keep whatever the
+            // drafter's KV held there: drafts made after it may be worse (the back-off counts
+            // what they are worth), never the text, which verification decides. Prompt pieces
+            // are still caught up: the prefix cache shares their drafter KV with later requests.
+            mtp_items.retain(|(_, _, prompt_piece)| *prompt_piece);
+        }
         let max_len = self.config.max_model_len;
         for seq in self.seqs.iter_mut() {
             seq.drafts.clear();
@@ -546,7 +557,7 @@ impl<B: Backend> Engine<B> {
             return;
         }
         // MTP chains write KV up to k positions past the committed length: make sure blocks exist.
-        for (id, item) in mtp_items.iter_mut() {
+        for (id, item, _) in mtp_items.iter_mut() {
             let Some(seq) = self.seqs.iter_mut().find(|s| s.id == *id) else { continue };
             let left = seq.max_useful_drafts(max_len);
             item.drafts_wanted = item.drafts_wanted.min(left).min(k);
@@ -560,13 +571,13 @@ impl<B: Backend> Engine<B> {
                 item.block_table = seq.block_table.clone();
             }
         }
-        let items: Vec<MtpCatchUp> = mtp_items.iter().map(|(_, it)| it.clone()).collect();
+        let items: Vec<MtpCatchUp> = mtp_items.iter().map(|(_, it, _)| it.clone()).collect();
         let started = Instant::now();
         let drafts = propose_mtp(&self.model, &self.backend, &mut self.cache, step_hidden, &items, self.graphs.as_ref());
         if let Some(backoff) = self.backoff.as_mut() {
             backoff.record_mtp_drafting(items.len(), k, started.elapsed().as_secs_f64());
         }
-        for ((id, _), d) in mtp_items.iter().zip(drafts) {
+        for ((id, _, _), d) in mtp_items.iter().zip(drafts) {
             if let Some(seq) = self.seqs.iter_mut().find(|s| s.id == *id) {
                 seq.drafts = d;
             }
