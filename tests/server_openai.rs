@@ -125,9 +125,9 @@ fn a_client_that_disconnects_mid_stream_cancels_its_request() {
 
 #[test]
 fn metrics_report_speculation_per_position() {
-    // Every step offered all drafts: what the metrics count must not hang on the back-off's
-    // reading of this machine's step costs.
-    let server = ServerProcess::start(chat_model(), &["--spec", "ngram", "--spec-tokens", "3", "--no-spec-backoff"]);
+    // With the back-off on (the default): its first offer is the full one, and drafts that a
+    // repeating reply accepts keep every position offered whatever this machine's step costs.
+    let server = ServerProcess::start(chat_model(), &["--spec", "ngram", "--spec-tokens", "3"]);
     run_checks(&server, &reply_args(), &["chat_stream"]);
     let drafted = server.metric("kestrel_spec_drafted_total");
     let accepted = server.metric("kestrel_spec_accepted_total");

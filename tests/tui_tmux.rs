@@ -109,9 +109,9 @@ fn assert_layout(screen: &str, width: usize) {
 
 #[test]
 fn a_message_gets_an_answer_and_ngram_fills_the_panel_and_resize_keeps_the_layout() {
-    // Every step offered all drafts, so that each position's bar fills whatever the back-off
-    // would read from this machine's step costs.
-    let chat = ChatInTmux::start(100, 30, &["-n", "26", "--no-spec-backoff"]);
+    // With the back-off on (the default): see metrics_report_speculation_per_position in
+    // server_openai for why every position gets offered.
+    let chat = ChatInTmux::start(100, 30, &["-n", "26"]);
     chat.send_line("hello kestrel");
     let screen = chat.wait_for_screen("the first reply", |s| s.contains("[token limit]"));
     assert!(screen.contains("hello kestrel"), "{screen}");

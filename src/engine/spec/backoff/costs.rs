@@ -2,18 +2,24 @@
 
 use std::collections::BTreeMap;
 
-/// Weight of a new observation in the running averages.
+/// Weight of a new observation in the running averages (of sizes; of times that rise).
 const EWMA_WEIGHT: f64 = 0.2;
 /// Steps after which a measured cost counts as unmeasured again.
 pub(super) const STALE_STEPS: u64 = 512;
 
-/// Running averages of the sizes timed in one bucket and of their times, and the step they
-/// were last updated at.
+/// The sizes timed in one bucket and their times, and the step they were last updated at.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Measured {
     /// The mean size of the steps timed (a bucket holds several sizes).
     pub size: f64,
+    /// A low envelope of the times: a step's time is its own work plus whatever else the
+    /// machine did meanwhile (other processes, on a shared machine, take whole milliseconds),
+    /// which only ever adds. A faster time is taken at once; a slower one moves it by
+    /// EWMA_WEIGHT of the difference, so that one slow step does not make a size look dear,
+    /// and a cost that really rose is followed within a few steps.
     pub seconds: f64,
+    /// Times measured since the point was (re)started.
+    pub samples: u32,
     pub at_step: u64,
 }
 
@@ -31,12 +37,13 @@ impl CostCurve {
             return;
         }
         let size = size as f64;
-        let entry = self.points.entry(bucket).or_insert(Measured { size, seconds, at_step: step });
-        if step.saturating_sub(entry.at_step) < STALE_STEPS {
+        let entry = self.points.entry(bucket).or_insert(Measured { size, seconds, samples: 0, at_step: step });
+        if entry.samples > 0 && step.saturating_sub(entry.at_step) < STALE_STEPS {
             entry.size += EWMA_WEIGHT * (size - entry.size);
-            entry.seconds += EWMA_WEIGHT * (seconds - entry.seconds);
+            entry.seconds = if seconds < entry.seconds { seconds } else { entry.seconds + EWMA_WEIGHT * (seconds - entry.seconds) };
+            entry.samples = entry.samples.saturating_add(1);
         } else {
-            (entry.size, entry.seconds) = (size, seconds);
+            (entry.size, entry.seconds, entry.samples) = (size, seconds, 1);
         }
         entry.at_step = step;
     }
@@ -49,15 +56,21 @@ impl CostCurve {
     /// largest, the largest's cost (a larger step costs no less). `None` when nothing fresh
     /// was measured.
     pub fn estimate(&self, size: f64, step: u64) -> Option<f64> {
+        self.estimate_with_samples(size, step).map(|(seconds, _)| seconds)
+    }
+
+    /// [`CostCurve::estimate`], and the fewest times measured at the points it rests on.
+    pub fn estimate_with_samples(&self, size: f64, step: u64) -> Option<(f64, u32)> {
         let x = size.max(0.0);
         // Buckets hold disjoint ranges of sizes, so their mean sizes rise with them.
         let fresh: Vec<&Measured> = self.points.values().filter(|m| step.saturating_sub(m.at_step) < STALE_STEPS).collect();
         let below = fresh.iter().rev().find(|m| m.size <= x);
         let above = fresh.iter().find(|m| m.size > x);
         match (below, above) {
-            (Some(b), Some(a)) => Some(b.seconds + (a.seconds - b.seconds) * (x - b.size) / (a.size - b.size)),
-            (Some(b), None) => Some(b.seconds),
-            (None, Some(a)) => Some(a.seconds * x / a.size.max(1.0)),
+            (Some(b), _) if b.size == x => Some((b.seconds, b.samples)),
+            (Some(b), Some(a)) => Some((b.seconds + (a.seconds - b.seconds) * (x - b.size) / (a.size - b.size), b.samples.min(a.samples))),
+            (Some(b), None) => Some((b.seconds, b.samples)),
+            (None, Some(a)) => Some((a.seconds * x / a.size.max(1.0), a.samples)),
             (None, None) => None,
         }
     }
@@ -132,5 +145,27 @@ mod tests {
         // The mean moves with what is timed.
         c.record(token_bucket(160), 160, 16e-3, 2);
         assert!((c.points[&192].size - 147.2).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_slow_step_moves_a_cost_a_little_and_a_fast_one_at_once() {
+        let mut c = CostCurve::default();
+        c.record(4, 4, 1e-3, 1);
+        assert_eq!(c.estimate_with_samples(4.0, 1), Some((1e-3, 1)));
+        // Another process took the machine for 4 ms during a step.
+        c.record(4, 4, 5e-3, 2);
+        assert!((c.estimate(4.0, 2).unwrap() - 1.8e-3).abs() < 1e-12);
+        c.record(4, 4, 1e-3, 3);
+        assert_eq!(c.estimate_with_samples(4.0, 3), Some((1e-3, 3)));
+        // A first time that was slow is replaced by the next faster one.
+        c.record(8, 8, 9e-3, 3);
+        assert_eq!(c.estimate_with_samples(6.0, 3), Some((5e-3, 1)));
+        c.record(8, 8, 2e-3, 4);
+        assert_eq!(c.estimate_with_samples(8.0, 4), Some((2e-3, 2)));
+        // A cost that really rose is followed.
+        for s in 5..20 {
+            c.record(8, 8, 4e-3, s);
+        }
+        assert!(c.estimate(8.0, 20).unwrap() > 3.9e-3);
     }
 }
