@@ -19,7 +19,10 @@
 //! so that a choice is never ruled out before its step was measured: it looks cheap, gets
 //! made, and is measured. Trying it costs only the drafts that exist (a step is timed by the
 //! tokens it had). A cost measured long ago is dropped, so that conditions that changed are
-//! measured again.
+//! measured again. On a shared machine another process can hold a core for whole
+//! milliseconds of a step, so a size's cost is a low envelope of its times (a faster time is
+//! taken at once, a slower one moves it a little), and a full offer whose cost rests on one
+//! time is made again, which measures it again, before that time can rule drafting out.
 //!
 //! While backed off, the full offer comes back on a budget: each backed-off choice puts
 //! [`EXPLORE_SHARE`] of its estimated time aside, and the full offer is made once what was put
