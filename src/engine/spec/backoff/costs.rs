@@ -19,7 +19,7 @@ pub(super) struct Measured {
     /// and a cost that really rose is followed within a few steps.
     pub seconds: f64,
     /// Times measured since the point was (re)started.
-    pub samples: u32,
+    samples: u32,
     pub at_step: u64,
 }
 
@@ -56,21 +56,15 @@ impl CostCurve {
     /// largest, the largest's cost (a larger step costs no less). `None` when nothing fresh
     /// was measured.
     pub fn estimate(&self, size: f64, step: u64) -> Option<f64> {
-        self.estimate_with_samples(size, step).map(|(seconds, _)| seconds)
-    }
-
-    /// [`CostCurve::estimate`], and the fewest times measured at the points it rests on.
-    pub fn estimate_with_samples(&self, size: f64, step: u64) -> Option<(f64, u32)> {
         let x = size.max(0.0);
         // Buckets hold disjoint ranges of sizes, so their mean sizes rise with them.
         let fresh: Vec<&Measured> = self.points.values().filter(|m| step.saturating_sub(m.at_step) < STALE_STEPS).collect();
         let below = fresh.iter().rev().find(|m| m.size <= x);
         let above = fresh.iter().find(|m| m.size > x);
         match (below, above) {
-            (Some(b), _) if b.size == x => Some((b.seconds, b.samples)),
-            (Some(b), Some(a)) => Some((b.seconds + (a.seconds - b.seconds) * (x - b.size) / (a.size - b.size), b.samples.min(a.samples))),
-            (Some(b), None) => Some((b.seconds, b.samples)),
-            (None, Some(a)) => Some((a.seconds * x / a.size.max(1.0), a.samples)),
+            (Some(b), Some(a)) => Some(b.seconds + (a.seconds - b.seconds) * (x - b.size) / (a.size - b.size)),
+            (Some(b), None) => Some(b.seconds),
+            (None, Some(a)) => Some(a.seconds * x / a.size.max(1.0)),
             (None, None) => None,
         }
     }
@@ -151,17 +145,17 @@ mod tests {
     fn a_slow_step_moves_a_cost_a_little_and_a_fast_one_at_once() {
         let mut c = CostCurve::default();
         c.record(4, 4, 1e-3, 1);
-        assert_eq!(c.estimate_with_samples(4.0, 1), Some((1e-3, 1)));
+        assert_eq!(c.estimate(4.0, 1), Some(1e-3));
         // Another process took the machine for 4 ms during a step.
         c.record(4, 4, 5e-3, 2);
         assert!((c.estimate(4.0, 2).unwrap() - 1.8e-3).abs() < 1e-12);
         c.record(4, 4, 1e-3, 3);
-        assert_eq!(c.estimate_with_samples(4.0, 3), Some((1e-3, 3)));
+        assert_eq!((c.estimate(4.0, 3), c.points[&4].samples), (Some(1e-3), 3));
         // A first time that was slow is replaced by the next faster one.
         c.record(8, 8, 9e-3, 3);
-        assert_eq!(c.estimate_with_samples(6.0, 3), Some((5e-3, 1)));
+        assert_eq!(c.estimate(6.0, 3), Some(5e-3));
         c.record(8, 8, 2e-3, 4);
-        assert_eq!(c.estimate_with_samples(8.0, 4), Some((2e-3, 2)));
+        assert_eq!(c.estimate(8.0, 4), Some(2e-3));
         // A cost that really rose is followed.
         for s in 5..20 {
             c.record(8, 8, 4e-3, s);

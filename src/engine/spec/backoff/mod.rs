@@ -21,8 +21,8 @@
 //! tokens it had). A cost measured long ago is dropped, so that conditions that changed are
 //! measured again. On a shared machine another process can hold a core for whole
 //! milliseconds of a step, so a size's cost is a low envelope of its times (a faster time is
-//! taken at once, a slower one moves it a little), and a full offer whose cost rests on one
-//! time is made again, which measures it again, before that time can rule drafting out.
+//! taken at once, a slower one moves it a little), and the full offer (and the plain step, once
+//! made) is made twice to about as many rows before what it measured can rule it out.
 //!
 //! While backed off, the full offer comes back on a budget: each backed-off choice puts
 //! [`EXPLORE_SHARE`] of its estimated time aside, and the full offer is made once what was put
@@ -42,7 +42,7 @@ mod costs;
 use super::super::request::SpecMethod;
 use acceptance::Acceptance;
 pub use costs::token_bucket;
-use costs::CostCurve;
+use costs::{CostCurve, STALE_STEPS};
 use std::collections::BTreeMap;
 
 /// The share of the estimated time that backed-off choices set aside for full offers: at most
@@ -68,8 +68,6 @@ struct Estimate {
     /// Tokens it is expected to emit.
     emitted: f64,
     seconds: f64,
-    /// The fewest times measured at the costs the estimate rests on (0: not measured).
-    samples: u32,
 }
 
 impl Estimate {
@@ -95,6 +93,10 @@ pub struct SpecBackoff {
     mtp: Acceptance,
     /// Seconds set aside for the next full offer while backed off ([`EXPLORE_SHARE`]).
     explore_budget: f64,
+    /// Full offers made lately, and the step of the last, by the bucket of the rows offered.
+    full_offers: BTreeMap<usize, (u32, u64)>,
+    /// The same of steps offered no drafts.
+    plain_offers: BTreeMap<usize, (u32, u64)>,
     /// Steps that verified fewer drafts per row than the configured k.
     pub backed_off_steps: u64,
     /// Print the estimates of every 25th choice to stderr (KESTREL_SPEC_BACKOFF_TRACE=1).
@@ -114,6 +116,8 @@ impl SpecBackoff {
             ngram: Acceptance::default(),
             mtp: Acceptance::default(),
             explore_budget: 0.0,
+            full_offers: BTreeMap::new(),
+            plain_offers: BTreeMap::new(),
             backed_off_steps: 0,
             trace,
             choices: 0,
@@ -159,15 +163,18 @@ impl SpecBackoff {
         }
         self.choices += 1;
         let full = estimates[self.max_k];
-        let why = if best == self.max_k {
-            self.explore_budget = 0.0;
-            ""
-        } else if full.samples < 2 {
-            // One slow step (another process on the machine) must not rule drafting out: a
-            // cost measured once is measured again before it does.
+        // One slow step (another process on the machine) must not rule a choice out: the full
+        // offer, and the plain step once measured, are measured twice before they can be.
+        let why = if best != self.max_k && offers_lately(&self.full_offers, rows, self.step) < 2 {
             self.explore_budget = 0.0;
             best = self.max_k;
             " (measuring)"
+        } else if best != 0 && offers_lately(&self.plain_offers, rows, self.step) == 1 {
+            best = 0;
+            " (measuring)"
+        } else if best == self.max_k {
+            self.explore_budget = 0.0;
+            ""
         } else {
             self.explore_budget += EXPLORE_SHARE * estimates[best].seconds;
             let loss = full.seconds - full.emitted / estimates[best].rate();
@@ -181,6 +188,11 @@ impl SpecBackoff {
         };
         if best < self.max_k {
             self.backed_off_steps += 1;
+        }
+        if best == self.max_k {
+            note_offer(&mut self.full_offers, rows, self.step);
+        } else if best == 0 {
+            note_offer(&mut self.plain_offers, rows, self.step);
         }
         if self.trace && self.choices % 25 == 1 {
             let each: String = estimates.iter().enumerate().map(|(k, e)| format!(" k{k}: {:.1} tok {:.3} ms {:.1} out", e.tokens, e.seconds * 1e3, e.emitted)).collect();
@@ -201,28 +213,25 @@ impl SpecBackoff {
             }
         }
         // At the expected size itself: a step's tokens vary around it, and their costs with them.
-        let (mut seconds, mut samples) = self.steps.estimate_with_samples(tokens, self.step).unwrap_or((0.0, 0));
-        if rows.mtp > 0 && k > 0 {
-            let (proposal, proposal_samples) = self.mtp_drafting_cost(rows.mtp, k);
-            seconds += proposal;
-            samples = samples.min(proposal_samples);
+        let mut seconds = self.steps.estimate(tokens, self.step).unwrap_or(0.0);
+        if rows.mtp > 0 {
+            seconds += self.mtp_drafting_cost(rows.mtp, k);
         }
-        Estimate { tokens, emitted, seconds, samples }
+        Estimate { tokens, emitted, seconds }
     }
 
     /// What an MTP proposal of k drafts for `rows` rows costs: measured or estimated at this
     /// row bucket; where none is fresh, from the nearest bucket, as cheap as it allows (as
     /// many rows' cost from fewer rows, in proportion to rows from more; 0 where nothing was
-    /// measured), so that it gets tried and measured; with the times measured at the points
-    /// it rests on (0 where it rests on none at this bucket). Nothing at k = 0: the drafter
-    /// does not run for generate rows.
-    fn mtp_drafting_cost(&self, rows: usize, k: usize) -> (f64, u32) {
+    /// measured), so that it gets tried and measured. Nothing at k = 0: the drafter does not
+    /// run for generate rows.
+    fn mtp_drafting_cost(&self, rows: usize, k: usize) -> f64 {
         if k == 0 {
-            return (0.0, u32::MAX);
+            return 0.0;
         }
         let bucket = token_bucket(rows);
         let fresh = |(_, c): &(&usize, &CostCurve)| c.is_fresh(self.step);
-        if let Some(cost) = self.mtp_drafting.get(&bucket).and_then(|c| c.estimate_with_samples((k + 1) as f64, self.step)) {
+        if let Some(cost) = self.mtp_drafting.get(&bucket).and_then(|c| c.estimate((k + 1) as f64, self.step)) {
             return cost;
         }
         let below = self.mtp_drafting.range(..bucket).rev().find(fresh);
@@ -231,14 +240,26 @@ impl SpecBackoff {
             (Some(b), Some(a)) => Some(if bucket - b.0 <= a.0 - bucket { b } else { a }),
             (b, a) => b.or(a),
         };
-        let cost = nearest.and_then(|(&b, c)| c.estimate((k + 1) as f64, self.step).map(|s| if b < bucket { s } else { s * bucket as f64 / b as f64 }));
-        (cost.unwrap_or(0.0), 0)
+        nearest.and_then(|(&b, c)| c.estimate((k + 1) as f64, self.step).map(|s| if b < bucket { s } else { s * bucket as f64 / b as f64 })).unwrap_or(0.0)
     }
+}
+
+/// Offers in `offers` made lately (before `step` by less than STALE_STEPS) to about as many
+/// rows as `rows`.
+fn offers_lately(offers: &BTreeMap<usize, (u32, u64)>, rows: NextStepRows, step: u64) -> u32 {
+    match offers.get(&token_bucket(rows.plain + rows.ngram + rows.mtp)) {
+        Some(&(count, at)) if step.saturating_sub(at) < STALE_STEPS => count,
+        _ => 0,
+    }
+}
+
+fn note_offer(offers: &mut BTreeMap<usize, (u32, u64)>, rows: NextStepRows, step: u64) {
+    let offer = offers.entry(token_bucket(rows.plain + rows.ngram + rows.mtp)).or_insert((0, step));
+    *offer = if step.saturating_sub(offer.1) < STALE_STEPS { (offer.0.saturating_add(1), step) } else { (1, step) };
 }
 
 #[cfg(test)]
 mod tests {
-    use super::costs::STALE_STEPS;
     use super::*;
 
     fn rows(ngram: usize) -> NextStepRows {
@@ -348,6 +369,21 @@ mod tests {
     }
 
     #[test]
+    fn a_slow_plain_step_does_not_make_drafting_look_worth_it() {
+        // MTP on a CPU: a proposal costs 2 units, a step 1, and one draft in two is accepted:
+        // k = 0 is best. The first plain step shared the machine (10 units).
+        let mut b = SpecBackoff::new(2);
+        let first = std::cell::Cell::new(true);
+        let step = |t: usize| {
+            let busy = if t == 1 && first.get() { 9e-3 } else { 0.0 };
+            first.set(first.get() && t != 1);
+            busy + 1e-3
+        };
+        let chosen = run_mtp(&mut b, 1, 0, |_, _| 2e-3, step, |k| k.min(1), 60);
+        assert!(count(&chosen[10..], 0) >= 45, "{chosen:?}");
+    }
+
+    #[test]
     fn costly_verification_backs_off_to_plain_decoding() {
         // Compute-bound at 32 rows: time proportional to tokens. k drafts emit under 2 tokens
         // per row for k + 1 tokens of work: k = 0 is best.
@@ -373,10 +409,10 @@ mod tests {
         let chosen = run(&mut b, 32, &GEOMETRIC, cost, 100);
         assert!(count(&chosen[4..], 0) >= 92, "{chosen:?}");
         // The batch drains to 2 rows: 0.3 ms a step whatever k, and 1.88 and 1.94 tokens per
-        // row at k = 3 and 4 against 1: drafting on after full offers to 2 rows and a plain
-        // step that measures the small step.
+        // row at k = 3 and 4 against 1: drafting on after two full offers to 2 rows and two
+        // plain steps that measure the small step.
         let chosen = run(&mut b, 2, &GEOMETRIC, cost, 20);
-        assert!(chosen[3..].iter().all(|&k| k == 4), "{chosen:?}");
+        assert!(chosen[4..].iter().all(|&k| k == 4), "{chosen:?}");
         // Back to 32 rows: off again at once (the large steps are still measured).
         let chosen = run(&mut b, 32, &GEOMETRIC, cost, 10);
         assert_eq!(chosen, [0; 10]);
@@ -447,7 +483,7 @@ mod tests {
         let mut b = SpecBackoff::new(3);
         b.record_step(32, 1e-3);
         b.record_mtp_drafting(32, 0, 5e-3);
-        assert_eq!(b.mtp_drafting_cost(32, 0).0, 0.0);
+        assert_eq!(b.mtp_drafting_cost(32, 0), 0.0);
         assert!(b.mtp_drafting.is_empty(), "a catch-up of prompt pieces is not a proposal's cost");
         let e = b.estimate(NextStepRows { plain: 0, ngram: 0, mtp: 32 }, 0);
         assert_eq!((e.tokens, e.emitted, e.seconds), (32.0, 32.0, 1e-3));
@@ -472,22 +508,22 @@ mod tests {
         // costs 0.5 ms whatever its size, and every draft is accepted.
         let proposal = |n: usize, k: usize| n as f64 * k as f64 * 1e-4;
         let mut b = SpecBackoff::new(4);
-        // 1 row: k = 4 emits 5 tokens for 0.9 ms against 1 for 0.5 (after one plain step
-        // measures the small step).
+        // 1 row: k = 4 emits 5 tokens for 0.9 ms against 1 for 0.5 (after two plain steps
+        // measure the small step).
         let chosen = run_mtp(&mut b, 1, 0, proposal, |_| 5e-4, |k| k, 10);
-        assert!(chosen[3..].iter().all(|&k| k == 4), "{chosen:?}");
+        assert!(chosen[4..].iter().all(|&k| k == 4), "{chosen:?}");
         // Not measured at 32 rows yet: the least it can cost, the 1-row chain's (and from 32
         // rows, 4 rows cost an eighth).
-        assert!((b.mtp_drafting_cost(32, 4).0 - 4e-4).abs() < 1e-12);
+        assert!((b.mtp_drafting_cost(32, 4) - 4e-4).abs() < 1e-12);
         // 32 rows: k = 4 emits 160 tokens for 13.3 ms against 32 for 0.5: off, once two full
         // offers measured the 32-row proposal, though the chain was cheap at 1 row.
         let chosen = run_mtp(&mut b, 32, 0, proposal, |_| 5e-4, |k| k, 20);
         assert_eq!(chosen[..2], [4, 4], "{chosen:?}");
         assert!(chosen[2..].iter().all(|&k| k == 0), "{chosen:?}");
         // 4 rows, between the measured 1 and 32: from the nearest (1 row), as much as it.
-        assert!((b.mtp_drafting_cost(4, 4).0 - 4e-4).abs() < 1e-12);
+        assert!((b.mtp_drafting_cost(4, 4) - 4e-4).abs() < 1e-12);
         b.mtp_drafting.remove(&1);
-        assert!((b.mtp_drafting_cost(4, 4).0 - 32.0 * 4e-4 / 8.0).abs() < 1e-12);
+        assert!((b.mtp_drafting_cost(4, 4) - 32.0 * 4e-4 / 8.0).abs() < 1e-12);
     }
 
     #[test]
