@@ -13,6 +13,7 @@ use super::padding::{CaptureSizes, PadLimits, Scratch};
 use super::logits::logprobs::TokenLogprob;
 use super::plan::{PlannedRow, StepPlan};
 use super::spec::backoff::{NextStepRows, SpecBackoff};
+use super::spec::shadow::ShadowDrafts;
 use super::spec::verify::{accept_drafts, VerifyOutcome};
 use super::step_trace::{Phase, StepTrace};
 use crate::backend::sampling::{AllowedTokens, NO_FINITE_LOGIT};
@@ -47,6 +48,8 @@ pub struct Engine<B: Backend> {
     backoff: Option<SpecBackoff>,
     /// Drafts per row the rows of the next step were offered.
     offered_drafts: usize,
+    /// Ngram drafts not offered (the back-off offered none), checked against the tokens.
+    shadow: ShadowDrafts,
     /// Per-phase step times (KESTREL_STEP_TRACE=1), printed when the engine is dropped.
     trace: Option<StepTrace>,
 }
@@ -120,7 +123,7 @@ impl<B: Backend> Engine<B> {
         );
         let backoff = config.spec_backoff.then(|| SpecBackoff::new(config.spec_tokens));
         let offered_drafts = config.spec_tokens;
-        Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default(), graphs, graph_capture, backoff, offered_drafts, trace: StepTrace::from_env() })
+        Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default(), graphs, graph_capture, backoff, offered_drafts, shadow: ShadowDrafts::default(), trace: StepTrace::from_env() })
     }
 
     /// The capture sizes steps are padded up to (empty: none, every step at its own shape).
@@ -220,6 +223,7 @@ impl<B: Backend> Engine<B> {
         let mut seq = self.seqs.remove(idx);
         self.scheduler.release(&mut seq);
         self.stats.spec.merge(&seq.spec);
+        self.shadow.forget(id);
         Ok(finished_event(seq, FinishReason::Abort))
     }
 
@@ -324,6 +328,11 @@ impl<B: Backend> Engine<B> {
                     break;
                 }
             }
+            if let Some(backoff) = self.backoff.as_mut() {
+                if let Some((drafted, accepted)) = self.shadow.settle(seq.id, &seq.tokens) {
+                    backoff.record_row(seq.method, self.config.spec_tokens, drafted, accepted);
+                }
+            }
             if !new_tokens.is_empty() {
                 let committing = self.trace.as_ref().map(|_| Instant::now());
                 seq.logits.commit(&new_tokens);
@@ -364,6 +373,7 @@ impl<B: Backend> Engine<B> {
         self.backend.save_checkpoints(&mut self.cache, &checkpoint_saves);
         self.backend.commit_states(&mut self.cache, &commits);
         for (id, ending) in finished {
+            self.shadow.forget(id);
             if let Some(idx) = self.seqs.iter().position(|s| s.id == id) {
                 let mut seq = self.seqs.remove(idx);
                 self.scheduler.release(&mut seq);
@@ -550,6 +560,10 @@ impl<B: Backend> Engine<B> {
             if seq.method == SpecMethod::Ngram && k > 0 {
                 let cfg = NgramConfig { min_n: self.config.ngram_min, max_n: self.config.ngram_max, k };
                 seq.drafts = propose_ngram(&seq.tokens, &cfg, left);
+            } else if seq.method == SpecMethod::Ngram && self.backoff.is_some() {
+                // Backed off: the drafts not offered are checked against the tokens that come.
+                let cfg = NgramConfig { min_n: self.config.ngram_min, max_n: self.config.ngram_max, k: self.config.spec_tokens };
+                self.shadow.hold(seq.id, seq.tokens.len(), propose_ngram(&seq.tokens, &cfg, left));
             }
         }
         if mtp_items.is_empty() || self.custom_drafter.is_some() {
