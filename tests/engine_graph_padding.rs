@@ -134,7 +134,9 @@ fn a_full_batch_of_verify_rows_runs_at_a_capture_size() {
         let requests = prompts.iter().enumerate().map(|(i, p)| request(p, max_tokens(i), sampling(i), None)).collect();
         let got = run_staggered(&mut e, requests, &[0; 8]);
         assert_eq!(got, refs, "{method:?}");
-        assert!(e.stats.spec.accepted > 0, "{method:?}: no draft accepted");
+        // Verify rows ran: drafts were offered (whether the model then accepts them on these
+        // short replies depends on the model, not on the padding).
+        assert!(e.stats.spec.drafted > 0, "{method:?}: nothing drafted");
         // The first step prefills every prompt; each later one is padded to a capture size.
         assert_eq!(e.stats.padding.steps, e.stats.steps - 1, "{method:?}: {:?}", e.stats.padding);
     }
