@@ -283,7 +283,8 @@ __device__ __forceinline__ void flash_tile_scores(float* scores, const bf16_t* q
 // block z computes range z of its token's query heads into `partial` ([T][nq][FLASH_SPLITS]
 // [hd + 2]: m, l, then the hd accumulators). Dynamic shared memory: (2 * 64 + 2 * KEY_TILE) *
 // (hd + 8) bf16 (queries, keys, values; rows padded by 16 bytes so that
-// ldmatrix's eight rows fall in distinct banks), then 64 rows of FLASH_SCORE_STRIDE f32 scores.
+// ldmatrix's eight rows fall in distinct banks), then 64 rows of FLASH_SCORE_STRIDE f32 scores,
+// then for a staging format (tq3) a tile's stored key and value rows (2 * KEY_TILE * row_bytes).
 // The gate of (token t, head h) is
 // gate[(t * nq + h) * gate_stride + d]. PREP (attn_flash_decode, tokens_per_block 1): the
 // queries, keys and values come from `prep` (flash_prepare_decode) instead of `q` and the cache.
@@ -299,6 +300,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
     bf16_t* ks = qr + nrt * 16 * stride;
     bf16_t* vs = ks + KEY_TILE * stride;
     float* scores = (float*)(vs + KEY_TILE * stride);
+    unsigned char* raw = (unsigned char*)(scores + nrt * 16 * FLASH_SCORE_STRIDE);
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g4 = lane >> 2, tig = lane & 3;
     int group = nq / nkv, kvh = blockIdx.y, nrows = tokens_per_block * group;
     int ksteps = hd / 16;
@@ -356,12 +358,19 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
         for (int n = 0; n < FLASH_MAX_NT; ++n)
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[n][c] = tot[n][c] = 0.0f;
-        // The first tile's cache slots; each tile's loop fetches the next tile's while it computes.
+        // Tile j's cache slots are in flash_slots[j & 1]; the next tile's are fetched into a
+        // register while a tile computes, and a staging format's next codes copied likewise.
+        bool staged = FlashTile<KV>::stages(hd);
+        typename FlashTile<KV>::Stage stage;
         long long next_slot = -1;
         if (tid < KEY_TILE && j0 < j1) {
             int p = j0 * KEY_TILE + tid;
-            next_slot = p < kmax ? table_slot(table, p, block_size) : -1;
+            flash_slots[j0 & 1][tid] = p < kmax ? table_slot(table, p, block_size) : -1;
+            p += KEY_TILE;
+            next_slot = j0 + 1 < j1 && p < kmax ? table_slot(table, p, block_size) : -1;
         }
+        __syncthreads();  // the first slots are stored (and a decode token's key and value)
+        if (staged && j0 < j1) FlashTile<KV>::issue(raw, stage, flash_slots[j0 & 1], kv, nkv, kvh, hd);
         for (int j = j0; j < j1; ++j) {
             // A row whose next range starts here (and holds keys) merges the range it ends.
             if (!split && j > 0) {
@@ -369,15 +378,19 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                 for (int i = 0; i < 2; ++i)
                     if (j % row[i].span == 0 && j * KEY_TILE < row[i].ctx) flash_merge_row(row[i], i, acc, tot, w.nt);
             }
-            __syncthreads();  // the last tile's reads are done (and the queries, key and value stored)
+            asm volatile("cp.async.wait_all;" ::: "memory");
+            __syncthreads();  // the last tile's reads are done (and this tile's codes staged)
+            if (staged)
+                FlashTile<KV>::convert(ks, vs, raw, stage, flash_slots[j & 1], hd, stride);
+            else
+                FlashTile<KV>::load(ks, vs, kv, flash_slots[j & 1], nkv, kvh, hd, stride);
             if (tid < KEY_TILE) {
-                flash_slots[tid] = next_slot;
-                int p = (j + 1) * KEY_TILE + tid;
-                next_slot = j + 1 < j1 && p < kmax ? table_slot(table, p, block_size) : -1;
+                flash_slots[(j + 1) & 1][tid] = next_slot;
+                int p = (j + 2) * KEY_TILE + tid;
+                next_slot = j + 2 < j1 && p < kmax ? table_slot(table, p, block_size) : -1;
             }
-            __syncthreads();
-            FlashTile<KV>::load(ks, vs, kv, nkv, kvh, hd, stride);
-            __syncthreads();
+            __syncthreads();  // the tile is stored, and the next tile's slots
+            if (staged && j + 1 < j1) FlashTile<KV>::issue(raw, stage, flash_slots[(j + 1) & 1], kv, nkv, kvh, hd);
             // Warps of unused row tiles only help with the loads.
             if (!w.computes) continue;
             flash_tile_scores<KV, F16>(scores, qs, qr, ks, w, row, lane, stride, ksteps, j, scale, first);

@@ -144,9 +144,11 @@ fn flash_attention_matches_the_cpu_on_random_inputs() {
     }
 }
 
-/// A prompt's rows have the same bits prefilled in one piece, in 64-token pieces and in
-/// 128-token pieces (pieces end and start inside key tiles and ranges: the prompt crosses 2048
-/// keys).
+/// A prompt's rows have the same bits prefilled in one piece, in 64-token pieces (a block per
+/// token and range), in 72- and 76-token pieces (each piece's last block holds 2 or 3 row tiles
+/// of 16 query rows, so its warps split otherwise than in a full block of 4 or a decode token's
+/// block of 1) and in 128-token pieces (pieces end and start inside key tiles and ranges: the
+/// prompt crosses 2048 keys).
 #[test]
 fn flash_attention_prefill_pieces_are_bitwise_equal() {
     let Some(gpu) = gpu() else { return };
@@ -159,7 +161,7 @@ fn flash_attention_prefill_pieces_are_bitwise_equal() {
             let seqs = cache_sequences(&mut rng, 1, n.div_ceil(16));
             let x = layer.inputs(&mut rng, n);
             let mut outputs = Vec::new();
-            for piece in [n, 64, 128] {
+            for piece in [n, 64, 72, 76, 128] {
                 let mut cache = gpu.alloc_cache(&attention_spec(dtype, nkv, hd, n.div_ceil(16), 1)).unwrap();
                 let mut s = seqs.clone();
                 let mut out = Vec::new();
