@@ -50,8 +50,14 @@
 // Accumulator n-tiles of 8 columns per warp: half of a head dim of 256.
 #define FLASH_MAX_NT 16
 #define FLASH_MAX_KSTEPS 16
-// f32 scores of a key tile per query row, padded so that a quad's rows fall in distinct banks.
+// f32 scores and weights of a key tile per query row, and the weights' 16-bit parts: rows
+// padded so that a quad's rows (and ldmatrix's eight) fall in distinct banks.
 #define FLASH_SCORE_STRIDE (KEY_TILE + 8)
+// Whether a row tile's warps share its weights through shared memory (each computing those of
+// its own keys) rather than each computing all 64 keys' (the same bits either way).
+#ifndef FLASH_SHARED_WEIGHTS
+#define FLASH_SHARED_WEIGHTS 1
+#endif
 
 // Tiles per range for a query with ctx keys: the fewest that leave at most FLASH_SPLITS ranges.
 __device__ __forceinline__ int flash_span(int ctx) {
@@ -284,7 +290,8 @@ __device__ __forceinline__ void flash_tile_scores(float* scores, const bf16_t* q
 // [hd + 2]: m, l, then the hd accumulators). Dynamic shared memory: (2 * 64 + 2 * KEY_TILE) *
 // (hd + 8) bf16 (queries, keys, values; rows padded by 16 bytes so that
 // ldmatrix's eight rows fall in distinct banks), then 64 rows of FLASH_SCORE_STRIDE f32 scores,
-// then for a staging format (tq3) a tile's stored key and value rows (2 * KEY_TILE * row_bytes).
+// as many of f32 weights, and of the weights' 16-bit parts and of their remainders, then for a
+// staging format (tq3) a tile's stored key and value rows (2 * KEY_TILE * row_bytes).
 // The gate of (token t, head h) is
 // gate[(t * nq + h) * gate_stride + d]. PREP (attn_flash_decode, tokens_per_block 1): the
 // queries, keys and values come from `prep` (flash_prepare_decode) instead of `q` and the cache.
@@ -300,7 +307,10 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
     bf16_t* ks = qr + nrt * 16 * stride;
     bf16_t* vs = ks + KEY_TILE * stride;
     float* scores = (float*)(vs + KEY_TILE * stride);
-    unsigned char* raw = (unsigned char*)(scores + nrt * 16 * FLASH_SCORE_STRIDE);
+    float* weights = scores + nrt * 16 * FLASH_SCORE_STRIDE;
+    bf16_t* weight_parts = (bf16_t*)(weights + nrt * 16 * FLASH_SCORE_STRIDE);
+    bf16_t* weight_rems = weight_parts + nrt * 16 * FLASH_SCORE_STRIDE;
+    unsigned char* raw = (unsigned char*)(weight_rems + nrt * 16 * FLASH_SCORE_STRIDE);
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g4 = lane >> 2, tig = lane & 3;
     int group = nq / nkv, kvh = blockIdx.y, nrows = tokens_per_block * group;
     int ksteps = hd / 16;
@@ -425,6 +435,50 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                 row[i].m = mn;
             }
             u32 pa[4][4], pr[4][4];
+#if FLASH_SHARED_WEIGHTS
+            // Each warp turns its own key n-tiles' scores into weights, p (for the row sums) and
+            // p times the value scale as 16-bit parts and remainders, through shared memory to
+            // the row tile's other warps: the sums then run over the 64 keys in key order and
+            // the parts load as the A fragments the registers would hold.
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                if (q >= w.nk) break;
+                int n = w.k0 + q, col = n * 8 + 2 * tig;
+                // (The scores again from shared memory: s[n] at a warp-dependent n would not stay in registers.)
+                float2 x0 = *(const float2*)(scores + (w.rt * 16 + g4) * FLASH_SCORE_STRIDE + col);
+                float2 x1 = *(const float2*)(scores + (w.rt * 16 + g4 + 8) * FLASH_SCORE_STRIDE + col);
+                float x[4] = {x0.x, x0.y, x1.x, x1.y}, p[4], pv[4];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    p[c] = expf(__fsub_rn(x[c], base[c >> 1]));
+                    pv[c] = KV::SCALED ? __fmul_rn(p[c], flash_vscale[col + (c & 1)]) : p[c];
+                }
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    int r = w.rt * 16 + g4 + 8 * i;
+                    u32 hi, lo;
+                    flash_split<F16>(pv[2 * i], pv[2 * i + 1], &hi, &lo);
+                    *(float2*)(weights + r * FLASH_SCORE_STRIDE + col) = make_float2(p[2 * i], p[2 * i + 1]);
+                    *(u32*)(weight_parts + r * FLASH_SCORE_STRIDE + col) = hi;
+                    *(u32*)(weight_rems + r * FLASH_SCORE_STRIDE + col) = lo;
+                }
+            }
+            flash_row_tile_sync(w);  // the row tile's weights are stored
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    float2 p = *(const float2*)(weights + (w.rt * 16 + g4 + 8 * i) * FLASH_SCORE_STRIDE + n * 8 + 2 * tig);
+                    sum[i] = __fadd_rn(sum[i], p.x);
+                    sum[i] = __fadd_rn(sum[i], p.y);
+                }
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                int off = (w.rt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * FLASH_SCORE_STRIDE + kk * 16 + ((lane >> 4) & 1) * 8;
+                ldsm_x4(pa[kk], weight_parts + off);
+                ldsm_x4(pr[kk], weight_rems + off);
+            }
+#else
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
                 float pv[4];
@@ -438,6 +492,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                 flash_split<F16>(pv[0], pv[1], &pa[n >> 1][(n & 1) * 2], &pr[n >> 1][(n & 1) * 2]);
                 flash_split<F16>(pv[2], pv[3], &pa[n >> 1][(n & 1) * 2 + 1], &pr[n >> 1][(n & 1) * 2 + 1]);
             }
+#endif
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(FULL_MASK, sum[i], 1));

@@ -178,12 +178,13 @@ pub(super) fn gated_attention(
             tokens_per_block = 1;
         }
         // Query rows (16-bit parts and remainders), then the key and value tiles, 16-bit rows
-        // of hd + 8, then a tile's f32 scores per query row, rows of KEY_TILE + 8, then for tq3
-        // the next tile's stored keys and values, staged (cuda/attention_flash.cu);
+        // of hd + 8, then a tile's f32 scores and weights per query row and the weights' 16-bit
+        // parts and remainders, rows of KEY_TILE + 8, then for tq3 the next tile's stored keys
+        // and values, staged (cuda/attention_flash.cu);
         // attn_flash_decode's preparation scratch (16 rows of hd floats) and a rotated format's
         // finished rows (64 rows of hd floats) fit in the tiles.
         let staged = if cache.spec.kv_dtype == KvDtype::Tq3 { 2 * KEY_TILE * (3 * hd / 8) } else { 0 };
-        let smem = (2 * FLASH_ROWS + 2 * KEY_TILE) * (hd + 8) * 2 + FLASH_ROWS * (KEY_TILE + 8) * 4 + staged;
+        let smem = (2 * FLASH_ROWS + 2 * KEY_TILE) * (hd + 8) * 2 + FLASH_ROWS * (KEY_TILE + 8) * (4 + 4 + 2 + 2) + staged;
         assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
         let partial = split.then(|| be.alloc_f32(t * nq * FLASH_SPLITS * (hd + 2)));
         let partial_ptr = partial.as_ref().map_or(0, |p| be.ptr(p));
