@@ -54,7 +54,8 @@
 // padded so that a quad's rows (and ldmatrix's eight) fall in distinct banks.
 #define FLASH_SCORE_STRIDE (KEY_TILE + 8)
 // Whether a row tile's warps share its weights through shared memory (each computing those of
-// its own keys) rather than each computing all 64 keys' (the same bits either way).
+// its own keys) rather than each computing all 64 keys' (the same bits either way), where the
+// launch gives the shared memory (not an A100's 163 KB at a head dim of 256).
 #ifndef FLASH_SHARED_WEIGHTS
 #define FLASH_SHARED_WEIGHTS 1
 #endif
@@ -290,8 +291,9 @@ __device__ __forceinline__ void flash_tile_scores(float* scores, const bf16_t* q
 // [hd + 2]: m, l, then the hd accumulators). Dynamic shared memory: (2 * 64 + 2 * KEY_TILE) *
 // (hd + 8) bf16 (queries, keys, values; rows padded by 16 bytes so that
 // ldmatrix's eight rows fall in distinct banks), then 64 rows of FLASH_SCORE_STRIDE f32 scores,
-// as many of f32 weights, and of the weights' 16-bit parts and of their remainders, then for a
-// staging format (tq3) a tile's stored key and value rows (2 * KEY_TILE * row_bytes).
+// then where it fits as many of f32 weights, and of the weights' 16-bit parts and of their
+// remainders, and after those for a staging format (tq3) a tile's stored key and value rows
+// (2 * KEY_TILE * row_bytes): the kernel uses what the launch's dynamic shared memory holds.
 // The gate of (token t, head h) is
 // gate[(t * nq + h) * gate_stride + d]. PREP (attn_flash_decode, tokens_per_block 1): the
 // queries, keys and values come from `prep` (flash_prepare_decode) instead of `q` and the cache.
@@ -307,10 +309,16 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
     bf16_t* ks = qr + nrt * 16 * stride;
     bf16_t* vs = ks + KEY_TILE * stride;
     float* scores = (float*)(vs + KEY_TILE * stride);
+    // Where the launch gave the shared memory for them (attention.rs, after the scores): the
+    // weights' buffers, then a staging format's codes.
     float* weights = scores + nrt * 16 * FLASH_SCORE_STRIDE;
     bf16_t* weight_parts = (bf16_t*)(weights + nrt * 16 * FLASH_SCORE_STRIDE);
     bf16_t* weight_rems = weight_parts + nrt * 16 * FLASH_SCORE_STRIDE;
     unsigned char* raw = (unsigned char*)(weight_rems + nrt * 16 * FLASH_SCORE_STRIDE);
+    unsigned smem_given;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_given));
+    const bool share = FLASH_SHARED_WEIGHTS && smem_given >= (unsigned)(raw - flash_smem);
+    const bool staged = FlashTile<KV>::stages(hd) && smem_given >= (unsigned)(raw - flash_smem) + FlashTile<KV>::stage_bytes(hd);
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g4 = lane >> 2, tig = lane & 3;
     int group = nq / nkv, kvh = blockIdx.y, nrows = tokens_per_block * group;
     int ksteps = hd / 16;
@@ -370,7 +378,6 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
             for (int c = 0; c < 4; ++c) acc[n][c] = tot[n][c] = 0.0f;
         // Tile j's cache slots are in flash_slots[j & 1]; the next tile's are fetched into a
         // register while a tile computes, and a staging format's next codes copied likewise.
-        bool staged = FlashTile<KV>::stages(hd);
         typename FlashTile<KV>::Stage stage;
         long long next_slot = -1;
         if (tid < KEY_TILE && j0 < j1) {
@@ -435,7 +442,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                 row[i].m = mn;
             }
             u32 pa[4][4], pr[4][4];
-#if FLASH_SHARED_WEIGHTS
+            if (share) {
             // Each warp turns its own key n-tiles' scores into weights, p (for the row sums) and
             // p times the value scale as 16-bit parts and remainders, through shared memory to
             // the row tile's other warps: the sums then run over the 64 keys in key order and
@@ -478,7 +485,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                 ldsm_x4(pa[kk], weight_parts + off);
                 ldsm_x4(pr[kk], weight_rems + off);
             }
-#else
+            } else {
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
                 float pv[4];
@@ -492,7 +499,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                 flash_split<F16>(pv[0], pv[1], &pa[n >> 1][(n & 1) * 2], &pr[n >> 1][(n & 1) * 2]);
                 flash_split<F16>(pv[2], pv[3], &pa[n >> 1][(n & 1) * 2 + 1], &pr[n >> 1][(n & 1) * 2 + 1]);
             }
-#endif
+            }
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(FULL_MASK, sum[i], 1));

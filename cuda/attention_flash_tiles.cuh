@@ -28,6 +28,7 @@ struct FlashTile;
 struct FlashUnstaged {
     struct Stage {};
     __device__ static bool stages(int hd) { return false; }
+    __device__ static int stage_bytes(int hd) { return 0; }
     __device__ static void issue(unsigned char* raw, Stage& st, const long long* slots, KvCache kv, int nkv, int kvh, int hd) {}
     __device__ static void convert(bf16_t* ks, bf16_t* vs, const unsigned char* raw, const Stage& st, const long long* slots, int hd, int stride) {}
 };
@@ -134,6 +135,7 @@ struct FlashTile<KvTq3> {
         unsigned short kp, vp;
     };
     __device__ static bool stages(int hd) { return FLASH_STAGE_TQ3 && hd % 128 == 0; }
+    __device__ static int stage_bytes(int hd) { return 2 * KEY_TILE * KvTq3::row_bytes(hd); }
     __device__ static void issue(unsigned char* raw, Stage& st, const long long* slots, KvCache kv, int nkv, int kvh, int hd) {
         int bytes = KvTq3::row_bytes(hd), chunks = bytes / 16;
         for (int c = threadIdx.x; c < KEY_TILE * chunks; c += blockDim.x) {

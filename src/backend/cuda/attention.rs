@@ -178,13 +178,16 @@ pub(super) fn gated_attention(
             tokens_per_block = 1;
         }
         // Query rows (16-bit parts and remainders), then the key and value tiles, 16-bit rows
-        // of hd + 8, then a tile's f32 scores and weights per query row and the weights' 16-bit
-        // parts and remainders, rows of KEY_TILE + 8, then for tq3 the next tile's stored keys
-        // and values, staged (cuda/attention_flash.cu);
-        // attn_flash_decode's preparation scratch (16 rows of hd floats) and a rotated format's
-        // finished rows (64 rows of hd floats) fit in the tiles.
+        // of hd + 8, then a tile's f32 scores per query row, rows of KEY_TILE + 8
+        // (cuda/attention_flash.cu); attn_flash_decode's preparation scratch (16 rows of hd
+        // floats) and a rotated format's finished rows (64 rows of hd floats) fit in the tiles.
+        // Where the device has room, the shared weights (f32 and 16-bit parts and remainders,
+        // rows of KEY_TILE + 8) and then for tq3 the next tile's stored keys and values; the
+        // kernel uses what it is given, with the same bits.
+        let tiles = (2 * FLASH_ROWS + 2 * KEY_TILE) * (hd + 8) * 2 + FLASH_ROWS * (KEY_TILE + 8) * 4;
+        let weights = FLASH_ROWS * (KEY_TILE + 8) * (4 + 2 + 2);
         let staged = if cache.spec.kv_dtype == KvDtype::Tq3 { 2 * KEY_TILE * (3 * hd / 8) } else { 0 };
-        let smem = (2 * FLASH_ROWS + 2 * KEY_TILE) * (hd + 8) * 2 + FLASH_ROWS * (KEY_TILE + 8) * (4 + 4 + 2 + 2) + staged;
+        let smem = [tiles + weights + staged, tiles + weights].into_iter().find(|&s| s <= be.max_dynamic_smem).unwrap_or(tiles);
         assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
         let partial = split.then(|| be.alloc_f32(t * nq * FLASH_SPLITS * (hd + 2)));
         let partial_ptr = partial.as_ref().map_or(0, |p| be.ptr(p));
