@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Makes the llama.cpp fixtures of tests/peer_fixtures.rs with llama.cpp's own tools: the embedded
-# model (models/kestrel-coder) converted by convert_hf_to_gguf.py to BF16 and quantized by
+# Makes the llama.cpp fixtures of tests/peer_fixtures.rs with llama.cpp's own tools: a small BF16
+# Qwen3.5 model (MODEL, default the 7.7M-parameter model that was the embedded default before the
+# int4 one, taken from git at commit 2fdb0a7: 15 MB, so that its quantized files stay small enough
+# to commit) converted by convert_hf_to_gguf.py to BF16 and quantized by
 # llama-quantize to Q8_0, Q4_K_M, Q6_K and IQ4_XS; then llama.cpp's greedy 64-token continuation
 # of `def fib(n):` (llama-completion, --temp 0) and its perplexity on models/kestrel-coder/heldout.txt
 # (llama-perplexity -c 512) for each, written to tests/fixtures/peer/llamacpp.json.
@@ -10,13 +12,21 @@
 # The converter needs torch: its PyPI wheel with its CUDA libraries (about 5 GB unpacked, no GPU
 # used). Everything goes under WORK (default target/test-assets/peer), reused when present.
 #
-# Usage: scripts/make_peer_fixtures.sh [WORK]
+# Usage: [MODEL=DIR] scripts/make_peer_fixtures.sh [WORK]
 #   KEEP_ALL=1 also copies all five GGUFs to WORK/gguf (the test reads them from
 #   KESTREL_PEER_GGUF_DIR=WORK/gguf; only Q4_K_M and IQ4_XS, 10 MB together, are committed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 work=$(mkdir -p "${1:-target/test-assets/peer}" && cd "${1:-target/test-assets/peer}" && pwd)
+model=${MODEL:-}
+if [ -z "$model" ]; then
+  model=$work/kestrel-coder-7m
+  mkdir -p "$model"
+  for f in config.json model.safetensors tokenizer.json tokenizer_config.json; do
+    git -C "$repo" show "2fdb0a7:models/kestrel-coder/$f" > "$model/$f"
+  done
+fi
 version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 src=$work/llama.cpp
 jobs=${JOBS:-2}
@@ -67,7 +77,7 @@ stamp "converter's Python packages in $py"
 # 4. Convert and quantize. The embedded model's tokenizer is not in the converter's list of known
 #    pre-tokenizer hashes; it splits text with the Qwen2 regex, so it is converted as `qwen2`.
 out=$work/out; rm -rf "$out"; mkdir -p "$out"
-convert=(python3 "$repo/scripts/convert_hf_to_gguf_as_qwen2.py" "$src" "$repo/models/kestrel-coder" --outtype bf16 --outfile "$out/kc-BF16.gguf")
+convert=(python3 "$repo/scripts/convert_hf_to_gguf_as_qwen2.py" "$src" "$model" --outtype bf16 --outfile "$out/kc-BF16.gguf")
 PYTHONPATH="$py" "${convert[@]}" >"$out/convert.log" 2>&1
 for t in Q8_0 Q4_K_M Q6_K IQ4_XS; do
   "$bin/llama-quantize" "$out/kc-BF16.gguf" "$out/kc-$t.gguf" "$t" "$jobs" >"$out/quantize-$t.log" 2>&1

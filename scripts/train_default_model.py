@@ -454,14 +454,20 @@ def heldout_eval_f32(model, mtp, stream, win, device, batch=32):
 
 
 @torch.no_grad()
+def greedy_continuations(model, prompts, n_new, eot):
+    """prompts [B, P] -> [B, P + n_new]: HF generate, greedy, cached, no end token."""
+    gc = GenerationConfig(do_sample=False, max_new_tokens=n_new, eos_token_id=None, pad_token_id=eot, use_cache=True)
+    model.generation_config.eos_token_id = None
+    seq = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=gc)
+    assert seq.shape[1] == prompts.shape[1] + n_new, seq.shape
+    return seq
+
+
+@torch.no_grad()
 def mtp_self_agreement(model, mtp, prompts, n_new, eot, device):
     ids = torch.tensor(np.stack(prompts), dtype=torch.long, device=device)
     P = ids.shape[1]
-    gc = GenerationConfig(do_sample=False, max_new_tokens=n_new, eos_token_id=None, pad_token_id=eot,
-                          use_cache=True)
-    model.generation_config.eos_token_id = None
-    seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gc)
-    assert seq.shape[1] == P + n_new, seq.shape
+    seq = greedy_continuations(model, ids, n_new, eot)
     h = model.model(input_ids=seq, use_cache=False).last_hidden_state
     pred = model.lm_head(mtp_hidden(model, mtp, seq, h)).argmax(-1)  # row t predicts seq[t+2]
     rows = torch.arange(P - 1, P + n_new - 2, device=device)  # t+1 and t+2 both generated
@@ -926,7 +932,7 @@ Python source files installed on the GPU machine. It completes Python code; it w
 
 ## Rebuild
 
-On one H100 (torch {torch.__version__}, transformers {transformers.__version__}, tokenizers), from the repo root:
+On one {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'} (torch {torch.__version__}, transformers {transformers.__version__}, tokenizers), from the repo root:
 
     {cmd}
 

@@ -55,21 +55,14 @@ fn default_model_writes_python_from_any_directory() {
     }
 }
 
-/// The README's first command as a newcomer runs it: sampled with llama.cpp's defaults and a
-/// fixed seed, it writes 64 tokens without looping (greedy decoding of the small model repeats
-/// itself), and `--json` names the sampling so the run can be repeated.
+/// `run` samples with llama.cpp's defaults and a fixed seed (greedy decoding of a small model
+/// repeats itself), and `--json` names the sampling so the run can be repeated.
 #[test]
-fn the_first_command_samples_with_llama_cpp_defaults_and_does_not_loop() {
+fn the_first_command_samples_with_llama_cpp_defaults() {
+    // tests/first_run.rs runs the README's command itself and checks that its text does not loop.
     let v = ok_json(&["run", "def fib(n):", "-n", "64", "--json"]);
     assert_eq!(v["sampling"], serde_json::json!({"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 0}), "{v}");
-    let ids: Vec<u64> = v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
-    assert_eq!(ids.len(), 64, "{v}");
-    let mut windows: std::collections::HashMap<&[u64], usize> = std::collections::HashMap::new();
-    for w in ids.windows(16) {
-        *windows.entry(w).or_default() += 1;
-    }
-    let (worst, count) = windows.iter().max_by_key(|(_, c)| **c).unwrap();
-    assert!(*count <= 2, "a 16-token window repeats {count} times: {worst:?}\n{}", v["text"]);
+    assert_eq!(v["token_ids"].as_array().unwrap().len(), 64, "{v}");
     // The same command again gives the same text (the default seed is fixed).
     assert_eq!(ok_json(&["run", "def fib(n):", "-n", "64", "--json"])["token_ids"], v["token_ids"]);
     // Greedy on request; the model's generation_config.json would come before llama.cpp's.
@@ -102,12 +95,15 @@ fn perplexity_agrees_with_the_training_script() {
 fn info_lists_the_mtp_tensors() {
     let v = ok_json(&["info", "--json"]);
     let mtp: Vec<&str> = v["mtp_tensors"].as_array().unwrap().iter().map(|x| x.as_str().unwrap()).collect();
-    for name in ["mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight", "mtp.pre_fc_norm_hidden.weight"] {
-        assert!(mtp.contains(&name), "{name} not listed");
+    // The default model stores its linears in int4 (packed weights, zero points, scales) and its
+    // norms in bf16: every stored tensor is listed, the integer ones too.
+    for name in ["mtp.fc.qweight", "mtp.fc.qzeros", "mtp.fc.scales", "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.qweight", "mtp.pre_fc_norm_hidden.weight"] {
+        assert!(mtp.contains(&name), "{name} not listed: {mtp:?}");
     }
     assert_eq!(v["family"], "qwen3.5");
+    assert_eq!(v["quantization"], "int4 in groups of 128 (GPTQ packing)");
     let text = kestrel(&["info"]);
-    assert!(String::from_utf8_lossy(&text.stdout).contains("mtp.fc.weight"));
+    assert!(String::from_utf8_lossy(&text.stdout).contains("mtp.fc.qweight"));
 }
 
 #[test]
@@ -430,10 +426,15 @@ fn limits_are_documented_and_enforced() {
     fails_with(&["run", "hi", "-c", "8192"], "--allow-long-context");
     fails_with(&["run", "hi", "--max-model-len", "8192"], "max_position_embeddings (4096)");
     ok_json(&["run", "def f(x):", "-c", "8192", "--allow-long-context", "-n", "2", "--json"]);
-    let heldout = root().join("models/kestrel-coder/heldout.txt");
-    fails_with(&["perplexity", "--file", heldout.to_str().unwrap(), "--context", "8192"], "--allow-long-context");
-    let v = ok_json(&["perplexity", "--file", heldout.to_str().unwrap(), "--context", "8192", "--allow-long-context", "--json"]);
+    // One window of about 5.8k tokens: past the trained length, and short enough to score quickly.
+    let text: String = std::fs::read_to_string(root().join("models/kestrel-coder/heldout.txt")).unwrap().chars().take(20000).collect();
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), text).unwrap();
+    let path = file.path().to_str().unwrap();
+    fails_with(&["perplexity", "--file", path, "--context", "8192"], "--allow-long-context");
+    let v = ok_json(&["perplexity", "--file", path, "--context", "8192", "--allow-long-context", "--json"]);
     assert!(v["perplexity"].as_f64().unwrap().is_finite(), "{v}");
+    assert!(v["tokens"].as_u64().unwrap() > 4096, "the window goes past the trained length: {v}");
 }
 
 #[test]
@@ -531,11 +532,11 @@ fn every_kv_cache_dtype_runs_and_info_gives_its_size() {
     assert_eq!(texts[0], texts[1], "auto is bf16");
     let info = ok_json(&["info", "--json"]);
     let per_token = &info["kv_bytes_per_token"];
-    // The default model: 2 full-attention layers and the MTP head's, 2 kv heads of 64.
-    assert_eq!(per_token["bf16"], 3 * 2 * 2 * 2 * 64, "{info}");
-    assert_eq!(per_token["f32"], 3 * 2 * 2 * 4 * 64, "{info}");
-    assert_eq!(per_token["fp8"], 3 * 2 * 2 * (64 + 2), "{info}");
-    assert_eq!(per_token["tq3"], 3 * 2 * 2 * (24 + 2), "{info}");
+    // The default model: 3 full-attention layers and the MTP head's, 2 kv heads of 64.
+    assert_eq!(per_token["bf16"], 4 * 2 * 2 * 2 * 64, "{info}");
+    assert_eq!(per_token["f32"], 4 * 2 * 2 * 4 * 64, "{info}");
+    assert_eq!(per_token["fp8"], 4 * 2 * 2 * (64 + 2), "{info}");
+    assert_eq!(per_token["tq3"], 4 * 2 * 2 * (24 + 2), "{info}");
     let text = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(text.path(), "def square(x):\n    return x * x\n\n\ndef cube(x):\n    return x * x * x\n").unwrap();
     let ppl = |dtype: &str| ok_json(&["perplexity", "--file", text.path().to_str().unwrap(), "--json", "--device", "cpu", "--kv-cache-dtype", dtype])["perplexity"].as_f64().unwrap();

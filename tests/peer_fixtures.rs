@@ -1,6 +1,7 @@
 //! GGUF files made by llama.cpp's own converter and quantizer, read by Kestrel as llama.cpp reads them.
 //!
-//! tests/fixtures/peer/llamacpp.json holds what llama.cpp gives on the embedded model converted by
+//! tests/fixtures/peer/llamacpp.json holds what llama.cpp gives on a small BF16 Qwen3.5 model (the
+//! 7.7M-parameter model that was the embedded default before the int4 one) converted by
 //! `convert_hf_to_gguf.py` and quantized by `llama-quantize` (scripts/make_peer_fixtures.sh makes
 //! the files and the JSON): the greedy 64-token continuation of `def fib(n):` and the perplexity
 //! on models/kestrel-coder/heldout.txt with 512-token windows. Kestrel must give the same ids and

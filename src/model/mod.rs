@@ -136,5 +136,7 @@ fn is_file_of_a_directory(path: &Path) -> bool {
 
 /// Quick check that a store holds what the config promises (used by `info`).
 pub fn mtp_tensor_names(store: &WeightStore) -> Vec<&str> {
-    store.names().into_iter().filter(|n| n.starts_with("mtp.")).collect()
+    let mut names: Vec<&str> = store.names().into_iter().chain(store.int_names()).filter(|n| n.starts_with("mtp.")).collect();
+    names.sort_unstable();
+    names
 }

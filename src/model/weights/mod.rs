@@ -168,6 +168,14 @@ impl WeightStore {
         v
     }
 
+    /// Names of every stored integer tensor (quantized linears' packed weights, zero points and
+    /// group indices), sorted.
+    pub fn int_names(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.ints.keys().map(String::as_str).collect();
+        v.sort_unstable();
+        v
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
     }
