@@ -8,12 +8,13 @@ bin=${1:?BIN_DIR}
 out=${2:?OUT_DIR}
 presets=${3:-qwen3.5-0.8b,qwen3.5-9b,qwen3.5-35b-a3b}
 mkdir -p "$out"
+python3 "$bin/embedded_model_bytes.py" restore models/kestrel-coder/model.safetensors "$bin"/kestrel "$bin"/cuda_* "$bin"/quant_bench || exit 1
 export KESTREL_FIXTURES_DIR=$PWD/tests/fixtures
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader | tee "$out/gpu.txt"
 status=0
 for exe in "$bin"/cuda_*; do
   t=$(basename "$exe")
-  [ "$t" = cuda_bench ] && continue
+  case "$t" in cuda_bench | *.model-offsets) continue ;; esac
   "$bin/$t" --test-threads 1 > "$out/$t.log" 2>&1 || status=1
   tail -3 "$out/$t.log"
 done

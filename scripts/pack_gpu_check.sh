@@ -2,7 +2,8 @@
 # Builds the release binary, cuda_bench and the CUDA test binaries, and packs them with
 # scripts/gpu_check.sh into one archive for a GPU machine that has no Rust toolchain:
 #   bash scripts/pack_gpu_check.sh [ARCHIVE]   (default target/gpu-check.tar.xz)
-# There, from a checkout of the same commit (the tests read tests/fixtures):
+# There, from a checkout of the same commit (the tests read tests/fixtures, and the binaries get
+# their embedded default model back from models/kestrel-coder):
 #   mkdir -p /tmp/k && tar -C /tmp/k -xJf ARCHIVE && bash /tmp/k/gpu_check.sh /tmp/k OUT_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,8 +19,10 @@ for t in "${tests[@]}"; do
   exe=$(grep -o "target/release/deps/$t-[0-9a-f]*" /tmp/kestrel-gpu-check-build.log | tail -1)
   cp "$exe" "$stage/$t"
 done
-# One solid stream with a dictionary wider than a binary: the test binaries and kestrel embed
-# the same default model, stored once.
+# The embedded default model travels in the checkout: each binary's copy is zeroed here and
+# written back there (scripts/embedded_model_bytes.py restore, which gpu_check.sh runs).
+cp scripts/embedded_model_bytes.py "$stage"/
+python3 scripts/embedded_model_bytes.py strip models/kestrel-coder/model.safetensors "$stage"/kestrel "$stage"/cuda_* "$stage"/quant_bench
 tar -C "$stage" -cf - . | xz -6 --lzma2=dict=128MiB > "$archive"
 rm -rf "$stage"
 ls -la "$archive"

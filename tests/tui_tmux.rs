@@ -109,9 +109,11 @@ fn assert_layout(screen: &str, width: usize) {
 
 #[test]
 fn a_message_gets_an_answer_and_ngram_fills_the_panel_and_resize_keeps_the_layout() {
-    // Every step offered all drafts, so that each position's bar fills whatever the back-off
-    // would read from this machine's step costs.
-    let chat = ChatInTmux::start(100, 30, &["-n", "26", "--no-spec-backoff"]);
+    // With the back-off on (the default). The second reply's prompt holds the first, so its
+    // drafts are accepted from its first step, and a verify step of 5 tokens costs less than 5
+    // plain ones on any machine: the back-off's first offers are full (nothing measured, then
+    // measured twice), and what they learn keeps them so, whatever the step costs here.
+    let chat = ChatInTmux::start(100, 30, &["-n", "26"]);
     chat.send_line("hello kestrel");
     let screen = chat.wait_for_screen("the first reply", |s| s.contains("[token limit]"));
     assert!(screen.contains("hello kestrel"), "{screen}");

@@ -104,8 +104,11 @@ pub fn run(args: InfoArgs) -> Result<()> {
     println!("tokenizer   {} tokens, chat template {}", files.tokenizer.vocab_size(), if files.tokenizer.has_chat_template() { "yes" } else { "no" });
     println!("mtp         {} tensors", mtp.len());
     for name in mtp {
-        let t = files.store.get(name)?;
-        println!("  {name} {:?} {}", t.shape, t.dtype.name());
+        // Quantized linears keep their packed weights and zero points as I32 tensors.
+        match files.store.get(name) {
+            Ok(t) => println!("  {name} {:?} {}", t.shape, t.dtype.name()),
+            Err(_) => println!("  {name} {:?} I32", files.store.int32(name)?.shape),
+        }
     }
     if let Some(plan) = &split {
         print_split(plan, &files, &geometry);

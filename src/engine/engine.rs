@@ -13,6 +13,7 @@ use super::padding::{CaptureSizes, PadLimits, Scratch};
 use super::logits::logprobs::TokenLogprob;
 use super::plan::{PlannedRow, StepPlan};
 use super::spec::backoff::{NextStepRows, SpecBackoff};
+use super::spec::shadow::ShadowDrafts;
 use super::spec::verify::{accept_drafts, VerifyOutcome};
 use super::step_trace::{Phase, StepTrace};
 use crate::backend::sampling::{AllowedTokens, NO_FINITE_LOGIT};
@@ -47,6 +48,8 @@ pub struct Engine<B: Backend> {
     backoff: Option<SpecBackoff>,
     /// Drafts per row the rows of the next step were offered.
     offered_drafts: usize,
+    /// Ngram drafts not offered (the back-off offered none), checked against the tokens.
+    shadow: ShadowDrafts,
     /// Per-phase step times (KESTREL_STEP_TRACE=1), printed when the engine is dropped.
     trace: Option<StepTrace>,
 }
@@ -120,7 +123,7 @@ impl<B: Backend> Engine<B> {
         );
         let backoff = config.spec_backoff.then(|| SpecBackoff::new(config.spec_tokens));
         let offered_drafts = config.spec_tokens;
-        Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default(), graphs, graph_capture, backoff, offered_drafts, trace: StepTrace::from_env() })
+        Ok(Engine { custom_drafter: None, backend, model, cache, scheduler, seqs: Vec::new(), next_id: 0, config, stats: EngineStats::default(), graphs, graph_capture, backoff, offered_drafts, shadow: ShadowDrafts::default(), trace: StepTrace::from_env() })
     }
 
     /// The capture sizes steps are padded up to (empty: none, every step at its own shape).
@@ -220,6 +223,7 @@ impl<B: Backend> Engine<B> {
         let mut seq = self.seqs.remove(idx);
         self.scheduler.release(&mut seq);
         self.stats.spec.merge(&seq.spec);
+        self.shadow.forget(id);
         Ok(finished_event(seq, FinishReason::Abort))
     }
 
@@ -257,7 +261,8 @@ impl<B: Backend> Engine<B> {
         let mut commits: Vec<StateCommit> = Vec::new();
         let mut checkpoint_saves = Vec::new();
         let has_mtp_head = self.model.mtp.is_some();
-        let mut mtp_items: Vec<(RequestId, MtpCatchUp)> = Vec::new();
+        // With whether each catch-up is of a prompt piece (see `propose`).
+        let mut mtp_items: Vec<(RequestId, MtpCatchUp, bool)> = Vec::new();
         for (row, layout) in plan.rows.iter().zip(&plan.layout.rows) {
             let Some(seq) = self.seqs.iter_mut().find(|s| s.id == row.seq) else { continue };
             let start = seq.num_computed;
@@ -323,6 +328,11 @@ impl<B: Backend> Engine<B> {
                     break;
                 }
             }
+            if let Some(backoff) = self.backoff.as_mut() {
+                if let Some((drafted, accepted)) = self.shadow.settle(seq.id, &seq.tokens) {
+                    backoff.record_row(seq.method, self.config.spec_tokens, drafted, accepted);
+                }
+            }
             if !new_tokens.is_empty() {
                 let committing = self.trace.as_ref().map(|_| Instant::now());
                 seq.logits.commit(&new_tokens);
@@ -353,6 +363,7 @@ impl<B: Backend> Engine<B> {
                             block_table: seq.block_table.clone(),
                             drafts_wanted: want,
                         },
+                        row.kind == RowKind::Prefill,
                     ));
                 }
                 None => {}
@@ -362,6 +373,7 @@ impl<B: Backend> Engine<B> {
         self.backend.save_checkpoints(&mut self.cache, &checkpoint_saves);
         self.backend.commit_states(&mut self.cache, &commits);
         for (id, ending) in finished {
+            self.shadow.forget(id);
             if let Some(idx) = self.seqs.iter().position(|s| s.id == id) {
                 let mut seq = self.seqs.remove(idx);
                 self.scheduler.release(&mut seq);
@@ -519,9 +531,18 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Drafts for each running sequence's next step.
-    fn propose(&mut self, step_hidden: &B::Tensor, mut mtp_items: Vec<(RequestId, MtpCatchUp)>) {
+    fn propose(&mut self, step_hidden: &B::Tensor, mut mtp_items: Vec<(RequestId, MtpCatchUp, bool)>) {
         let k = self.drafts_to_offer();
         self.offered_drafts = k;
+        if k == 0 {
+            // No drafts offered: the drafter's catch-up on generated tokens is skipped, so that
+            // a backed-off step costs what a step without speculation does (on a small model
+            // the catch-up forward costs most of a step). Those positions keep whatever the
+            // drafter's KV held there: drafts made after it may be worse (the back-off counts
+            // what they are worth), never the text, which verification decides. Prompt pieces
+            // are still caught up: the prefix cache shares their drafter KV with later requests.
+            mtp_items.retain(|(_, _, prompt_piece)| *prompt_piece);
+        }
         let max_len = self.config.max_model_len;
         for seq in self.seqs.iter_mut() {
             seq.drafts.clear();
@@ -539,6 +560,10 @@ impl<B: Backend> Engine<B> {
             if seq.method == SpecMethod::Ngram && k > 0 {
                 let cfg = NgramConfig { min_n: self.config.ngram_min, max_n: self.config.ngram_max, k };
                 seq.drafts = propose_ngram(&seq.tokens, &cfg, left);
+            } else if seq.method == SpecMethod::Ngram && self.backoff.is_some() {
+                // Backed off: the drafts not offered are checked against the tokens that come.
+                let cfg = NgramConfig { min_n: self.config.ngram_min, max_n: self.config.ngram_max, k: self.config.spec_tokens };
+                self.shadow.hold(seq.id, seq.tokens.len(), propose_ngram(&seq.tokens, &cfg, left));
             }
         }
         if mtp_items.is_empty() || self.custom_drafter.is_some() {
@@ -546,7 +571,7 @@ impl<B: Backend> Engine<B> {
             return;
         }
         // MTP chains write KV up to k positions past the committed length: make sure blocks exist.
-        for (id, item) in mtp_items.iter_mut() {
+        for (id, item, _) in mtp_items.iter_mut() {
             let Some(seq) = self.seqs.iter_mut().find(|s| s.id == *id) else { continue };
             let left = seq.max_useful_drafts(max_len);
             item.drafts_wanted = item.drafts_wanted.min(left).min(k);
@@ -560,13 +585,13 @@ impl<B: Backend> Engine<B> {
                 item.block_table = seq.block_table.clone();
             }
         }
-        let items: Vec<MtpCatchUp> = mtp_items.iter().map(|(_, it)| it.clone()).collect();
+        let items: Vec<MtpCatchUp> = mtp_items.iter().map(|(_, it, _)| it.clone()).collect();
         let started = Instant::now();
         let drafts = propose_mtp(&self.model, &self.backend, &mut self.cache, step_hidden, &items, self.graphs.as_ref());
         if let Some(backoff) = self.backoff.as_mut() {
             backoff.record_mtp_drafting(items.len(), k, started.elapsed().as_secs_f64());
         }
-        for ((id, _), d) in mtp_items.iter().zip(drafts) {
+        for ((id, _, _), d) in mtp_items.iter().zip(drafts) {
             if let Some(seq) = self.seqs.iter_mut().find(|s| s.id == *id) {
                 seq.drafts = d;
             }

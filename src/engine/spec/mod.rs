@@ -3,4 +3,5 @@
 pub mod backoff;
 pub mod mtp;
 pub mod ngram;
+pub mod shadow;
 pub mod verify;
