@@ -31,8 +31,11 @@
 //   FLASH_SPLITS) and attn_flash_combine merges the ranges in the same order with the same
 //   arithmetic: decode, verify and prefill rows compute the same bits.
 //
-// Warps: 2 per 16-row tile; both compute the tile's scores (the same bits), each accumulates
-// half of the head dim.
+// Warps: all 8 compute, shared out over a run's 16-row tiles (8 on the one row tile of a
+// decode token's query heads, 2 on each of 4): a tile's warps split its 64 keys for the scores
+// (through shared memory, a named barrier per row tile), each then runs the whole softmax of its
+// rows (the same bits in every warp) and accumulates its share of the head dim. The cache slots
+// of the next tile are fetched while the current one computes.
 //
 // A step whose every row is one token (plain decode) skips attn_prep (attn_flash_decode): each
 // block prepares its token's query heads itself with attn_prep's arithmetic (norm_rope_head),
@@ -47,6 +50,15 @@
 // Accumulator n-tiles of 8 columns per warp: half of a head dim of 256.
 #define FLASH_MAX_NT 16
 #define FLASH_MAX_KSTEPS 16
+// f32 scores and weights of a key tile per query row, and the weights' 16-bit parts: rows
+// padded so that a quad's rows (and ldmatrix's eight) fall in distinct banks.
+#define FLASH_SCORE_STRIDE (KEY_TILE + 8)
+// Whether a row tile's warps share its weights through shared memory (each computing those of
+// its own keys) rather than each computing all 64 keys' (the same bits either way), where the
+// launch gives the shared memory (not an A100's 163 KB at a head dim of 256).
+#ifndef FLASH_SHARED_WEIGHTS
+#define FLASH_SHARED_WEIGHTS 1
+#endif
 
 // Tiles per range for a query with ctx keys: the fewest that leave at most FLASH_SPLITS ranges.
 __device__ __forceinline__ int flash_span(int ctx) {
@@ -103,6 +115,9 @@ __device__ __forceinline__ void flash_split(float x0, float x1, u32* hi, u32* lo
 __device__ __forceinline__ void ldsm_x4(u32 r[4], const bf16_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
 }
+__device__ __forceinline__ void ldsm_x2(u32 r[2], const bf16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)) : "memory");
+}
 __device__ __forceinline__ void ldsm_x4_trans(u32 r[4], const bf16_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
 }
@@ -154,6 +169,35 @@ __device__ __forceinline__ void flash_prepare_decode(const FlashPrep& p, KvCache
     }
 }
 
+// A warp's share of a run's row tiles: all 8 warps compute, 8 / 4 / 2 on each of the run's
+// 1 / 2 / 3-4 row tiles (warps of a fourth tile that a run of 3 leaves unused only load). Each
+// takes 8 / wpr of the tile's 8 key n-tiles for the scores and as much of the head dim's n-tiles
+// for the accumulators; every score and accumulator element runs the same chain of MMAs
+// whichever warp computes it, so a row's bits do not depend on how many rows share its block.
+struct FlashWarp {
+    int rt, u, wpr;  // row tile, index among its warps, warps per row tile
+    int k0, nk;      // key n-tiles k0 .. k0 + nk of the scores
+    int n0, nt;      // head-dim n-tiles n0 .. n0 + nt of the accumulators
+    bool computes;
+};
+__device__ __forceinline__ FlashWarp flash_warp(int warp, int used_rows, int hd) {
+    FlashWarp w;
+    int tiles = (used_rows + 15) / 16, nts = hd / 8;
+    w.wpr = tiles <= 1 ? 8 : tiles == 2 ? 4 : 2;
+    w.rt = warp / w.wpr;
+    w.u = warp % w.wpr;
+    w.computes = w.rt < tiles;
+    w.nk = 8 / w.wpr;
+    w.k0 = w.u * w.nk;
+    w.n0 = w.u * nts / w.wpr;
+    w.nt = (w.u + 1) * nts / w.wpr - w.n0;
+    return w;
+}
+// The warps of one row tile wait for each other (named barrier 1 + rt; 0 is __syncthreads').
+__device__ __forceinline__ void flash_row_tile_sync(const FlashWarp& w) {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + w.rt), "r"(w.wpr * 32) : "memory");
+}
+
 // One row's softmax state: the running range (m, l and the accumulators in the caller's
 // registers) and the merged total of the ranges before it.
 struct FlashRow {
@@ -181,13 +225,76 @@ __device__ __forceinline__ void flash_merge_row(FlashRow& r, int i, float acc[FL
     r.l = 0.0f;
 }
 
-// grid (ceil(T / tokens_per_block), nkv, 1 or FLASH_SPLITS), 256 threads: 2 warps per 16 query
-// rows (rows = tokens_per_block * group, at most 64; the warps of unused rows only load, so a
-// decode block of one token loads its tiles with all 8); with FLASH_SPLITS, tokens_per_block is 1 and
+// Scores of the warp's row tile against its key n-tiles of the current tile, in order of head
+// dims (per element: q's part, then its remainder, one key step after another), scaled and
+// masked, into `scores` (f32 rows of FLASH_SCORE_STRIDE, a row per query row of the block).
+template <class KV, bool F16>
+__device__ __forceinline__ void flash_tile_scores(float* scores, const bf16_t* qs, const bf16_t* qr, const bf16_t* ks, const FlashWarp& w, const FlashRow row[2], int lane,
+        int stride, int ksteps, int j, float scale, int first) {
+    int g4 = lane >> 2, tig = lane & 3;
+    float s[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s[n][c] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < FLASH_MAX_KSTEPS; ++kk) {
+        if (kk >= ksteps) break;
+        u32 a[4], ar[4];
+        int qoff = (w.rt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + kk * 16 + ((lane >> 4) & 1) * 8;
+        ldsm_x4(a, qs + qoff);
+        ldsm_x4(ar, qr + qoff);
+#pragma unroll
+        for (int p = 0; p < 4; p += 2) {
+            if (p >= w.nk) break;
+            int key0 = (w.k0 + p) * 8;
+            if (p + 1 < w.nk) {
+                u32 b[4];
+                ldsm_x4(b, ks + (key0 + (lane & 7) + ((lane >> 4) & 1) * 8) * stride + kk * 16 + ((lane >> 3) & 1) * 8);
+                flash_mma<F16>(s[p], a, b[0], b[1]);
+                flash_mma<F16>(s[p], ar, b[0], b[1]);
+                flash_mma<F16>(s[p + 1], a, b[2], b[3]);
+                flash_mma<F16>(s[p + 1], ar, b[2], b[3]);
+            } else {
+                u32 b[2];
+                ldsm_x2(b, ks + (key0 + (lane & 7)) * stride + kk * 16 + ((lane >> 3) & 1) * 8);
+                flash_mma<F16>(s[p], a, b[0], b[1]);
+                flash_mma<F16>(s[p], ar, b[0], b[1]);
+            }
+        }
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        if (p >= w.nk) break;
+        int n = w.k0 + p;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float x[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                int key = j * KEY_TILE + n * 8 + 2 * tig + c;
+                x[c] = s[p][2 * i + c];
+                if (KV::SCALED) x[c] = __fmul_rn(x[c], flash_kscale[key - j * KEY_TILE]);
+                x[c] = __fmul_rn(x[c], scale);
+                if (PLANT_VERIFY_SKIPS_CACHE && key < first) x[c] = -1e30f;
+                if (key >= row[i].ctx) x[c] = NEG_INF;
+            }
+            *(float2*)(scores + (w.rt * 16 + g4 + 8 * i) * FLASH_SCORE_STRIDE + n * 8 + 2 * tig) = make_float2(x[0], x[1]);
+        }
+    }
+}
+
+// grid (ceil(T / tokens_per_block), nkv, 1 or FLASH_SPLITS), 256 threads (flash_warps: all 8
+// on a run's row tiles, so a decode block of one token computes with all 8); rows =
+// tokens_per_block * group, at most 64; with FLASH_SPLITS, tokens_per_block is 1 and
 // block z computes range z of its token's query heads into `partial` ([T][nq][FLASH_SPLITS]
 // [hd + 2]: m, l, then the hd accumulators). Dynamic shared memory: (2 * 64 + 2 * KEY_TILE) *
 // (hd + 8) bf16 (queries, keys, values; rows padded by 16 bytes so that
-// ldmatrix's eight rows fall in distinct banks). The gate of (token t, head h) is
+// ldmatrix's eight rows fall in distinct banks), then 64 rows of FLASH_SCORE_STRIDE f32 scores,
+// then where it fits as many of f32 weights, and of the weights' 16-bit parts and of their
+// remainders, and after those for a staging format (tq3) a tile's stored key and value rows
+// (2 * KEY_TILE * row_bytes): the kernel uses what the launch's dynamic shared memory holds.
+// The gate of (token t, head h) is
 // gate[(t * nq + h) * gate_stride + d]. PREP (attn_flash_decode, tokens_per_block 1): the
 // queries, keys and values come from `prep` (flash_prepare_decode) instead of `q` and the cache.
 template <class KV, bool PREP>
@@ -201,10 +308,20 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
     bf16_t* qr = qs + nrt * 16 * stride;           // and its remainders
     bf16_t* ks = qr + nrt * 16 * stride;
     bf16_t* vs = ks + KEY_TILE * stride;
+    float* scores = (float*)(vs + KEY_TILE * stride);
+    // Where the launch gave the shared memory for them (attention.rs, after the scores): the
+    // weights' buffers, then a staging format's codes.
+    float* weights = scores + nrt * 16 * FLASH_SCORE_STRIDE;
+    bf16_t* weight_parts = (bf16_t*)(weights + nrt * 16 * FLASH_SCORE_STRIDE);
+    bf16_t* weight_rems = weight_parts + nrt * 16 * FLASH_SCORE_STRIDE;
+    unsigned char* raw = (unsigned char*)(weight_rems + nrt * 16 * FLASH_SCORE_STRIDE);
+    unsigned smem_given;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_given));
+    const bool share = FLASH_SHARED_WEIGHTS && smem_given >= (unsigned)(raw - flash_smem);
+    const bool staged = FlashTile<KV>::stages(hd) && smem_given >= (unsigned)(raw - flash_smem) + FlashTile<KV>::stage_bytes(hd);
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g4 = lane >> 2, tig = lane & 3;
-    int rt = warp % nrt, dh = warp / nrt;
     int group = nq / nkv, kvh = blockIdx.y, nrows = tokens_per_block * group;
-    int half = hd / 2, nt = half / 8, ksteps = hd / 16;
+    int ksteps = hd / 16;
     bool split = gridDim.z > 1;
     int tb = blockIdx.x * tokens_per_block, te = min(num_tokens, tb + tokens_per_block);
     FlashTile<KV>::setup(kv);  // read after the first tile's barriers
@@ -223,6 +340,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
             j0 = (int)blockIdx.z * span;
             j1 = min(j1, j0 + span);
         }
+        FlashWarp w = flash_warp(warp, (t1 - t0) * group, hd);
         if (PREP) {
             // One token: the block whose tiles hold its own position stores its key and value
             // (the key and value tiles' memory is the preparation's scratch until the first load).
@@ -231,6 +349,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
             if (j0 < j1) flash_prepare_decode<KV>(prep, kv, qs, qr, (float*)ks, t0, pos, table_slot(table, pos, block_size), own, nq, nkv, kvh, hd, stride);
         } else {
             // The run's query rows as 16-bit pairs (zero rows for the tile's unused rows).
+            int half = hd / 2;
             for (int e = tid; e < nrt * 16 * half; e += blockDim.x) {
                 int r = e / half, d = 2 * (e % half), t = t0 + r / group;
                 u32 hi = 0, lo = 0;
@@ -246,8 +365,8 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
         FlashRow row[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            int r = rt * 16 + g4 + 8 * i, t = t0 + r / group;
-            row[i].ctx = r < nrows && t < t1 ? positions[t] + 1 : 0;
+            int r = w.rt * 16 + g4 + 8 * i, t = t0 + r / group;
+            row[i].ctx = w.computes && r < nrows && t < t1 ? positions[t] + 1 : 0;
             row[i].span = flash_span(max(row[i].ctx, 1));
             row[i].m = row[i].mt = NEG_INF;
             row[i].l = row[i].lt = 0.0f;
@@ -257,62 +376,60 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
         for (int n = 0; n < FLASH_MAX_NT; ++n)
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[n][c] = tot[n][c] = 0.0f;
+        // Tile j's cache slots are in flash_slots[j & 1]; the next tile's are fetched into a
+        // register while a tile computes, and a staging format's next codes copied likewise.
+        typename FlashTile<KV>::Stage stage;
+        long long next_slot = -1;
+        if (tid < KEY_TILE && j0 < j1) {
+            int p = j0 * KEY_TILE + tid;
+            flash_slots[j0 & 1][tid] = p < kmax ? table_slot(table, p, block_size) : -1;
+            p += KEY_TILE;
+            next_slot = j0 + 1 < j1 && p < kmax ? table_slot(table, p, block_size) : -1;
+        }
+        __syncthreads();  // the first slots are stored (and a decode token's key and value)
+        if (staged && j0 < j1) FlashTile<KV>::issue(raw, stage, flash_slots[j0 & 1], kv, nkv, kvh, hd);
         for (int j = j0; j < j1; ++j) {
             // A row whose next range starts here (and holds keys) merges the range it ends.
             if (!split && j > 0) {
 #pragma unroll
                 for (int i = 0; i < 2; ++i)
-                    if (j % row[i].span == 0 && j * KEY_TILE < row[i].ctx) flash_merge_row(row[i], i, acc, tot, nt);
+                    if (j % row[i].span == 0 && j * KEY_TILE < row[i].ctx) flash_merge_row(row[i], i, acc, tot, w.nt);
             }
-            __syncthreads();  // the last tile's reads are done (and the queries, key and value stored)
+            asm volatile("cp.async.wait_all;" ::: "memory");
+            __syncthreads();  // the last tile's reads are done (and this tile's codes staged)
+            if (staged)
+                FlashTile<KV>::convert(ks, vs, raw, stage, flash_slots[j & 1], hd, stride);
+            else
+                FlashTile<KV>::load(ks, vs, kv, flash_slots[j & 1], nkv, kvh, hd, stride);
             if (tid < KEY_TILE) {
-                int p = j * KEY_TILE + tid;
-                flash_slots[tid] = p < kmax ? table_slot(table, p, block_size) : -1;
+                flash_slots[(j + 1) & 1][tid] = next_slot;
+                int p = (j + 2) * KEY_TILE + tid;
+                next_slot = j + 2 < j1 && p < kmax ? table_slot(table, p, block_size) : -1;
             }
-            __syncthreads();
-            FlashTile<KV>::load(ks, vs, kv, nkv, kvh, hd, stride);
-            __syncthreads();
-            // Warps whose 16 rows are all unused only help with the loads.
-            if (rt * 16 >= (t1 - t0) * group) continue;
-            // Scores of the warp's 16 rows against the tile's 64 keys, in order of head dims.
+            __syncthreads();  // the tile is stored, and the next tile's slots
+            if (staged && j + 1 < j1) FlashTile<KV>::issue(raw, stage, flash_slots[(j + 1) & 1], kv, nkv, kvh, hd);
+            // Warps of unused row tiles only help with the loads.
+            if (!w.computes) continue;
+            flash_tile_scores<KV, F16>(scores, qs, qr, ks, w, row, lane, stride, ksteps, j, scale, first);
+            flash_row_tile_sync(w);  // the row tile's scores are stored
+            // The row tile's 64 scores, this thread's keys of rows g4 and g4 + 8 as in an MMA
+            // accumulator: key n * 8 + 2 tig + (c & 1) of row g4 + 8 (c >> 1).
             float s[8][4];
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) s[n][c] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < FLASH_MAX_KSTEPS; ++kk) {
-                if (kk >= ksteps) break;
-                u32 a[4], ar[4];
-                int qoff = (rt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + kk * 16 + ((lane >> 4) & 1) * 8;
-                ldsm_x4(a, qs + qoff);
-                ldsm_x4(ar, qr + qoff);
-#pragma unroll
-                for (int np = 0; np < 4; ++np) {
-                    u32 b[4];
-                    ldsm_x4(b, ks + (np * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * stride + kk * 16 + ((lane >> 3) & 1) * 8);
-                    flash_mma<F16>(s[2 * np], a, b[0], b[1]);
-                    flash_mma<F16>(s[2 * np], ar, b[0], b[1]);
-                    flash_mma<F16>(s[2 * np + 1], a, b[2], b[3]);
-                    flash_mma<F16>(s[2 * np + 1], ar, b[2], b[3]);
-                }
-            }
-            // Online softmax per row: the row's 64 scores sit in the four lanes of a quad,
-            // reduced lane by lane in key order, then across the quad by butterflies.
             float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
             for (int n = 0; n < 8; ++n)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    int i = c >> 1, key = j * KEY_TILE + n * 8 + 2 * tig + (c & 1);
-                    float x = s[n][c];
-                    if (KV::SCALED) x = __fmul_rn(x, flash_kscale[key - j * KEY_TILE]);
-                    x = __fmul_rn(x, scale);
-                    if (PLANT_VERIFY_SKIPS_CACHE && key < first) x = -1e30f;
-                    if (key >= row[i].ctx) x = NEG_INF;
-                    s[n][c] = x;
-                    mx[i] = fmaxf(mx[i], x);
+                for (int i = 0; i < 2; ++i) {
+                    float2 x = *(const float2*)(scores + (w.rt * 16 + g4 + 8 * i) * FLASH_SCORE_STRIDE + n * 8 + 2 * tig);
+                    s[n][2 * i] = x.x;
+                    s[n][2 * i + 1] = x.y;
                 }
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) mx[c >> 1] = fmaxf(mx[c >> 1], s[n][c]);
+            // Online softmax per row: the row's 64 scores sit in the four lanes of a quad,
+            // reduced lane by lane in key order, then across the quad by butterflies.
             float corr[2], base[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
@@ -325,6 +442,50 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                 row[i].m = mn;
             }
             u32 pa[4][4], pr[4][4];
+            if (share) {
+            // Each warp turns its own key n-tiles' scores into weights, p (for the row sums) and
+            // p times the value scale as 16-bit parts and remainders, through shared memory to
+            // the row tile's other warps: the sums then run over the 64 keys in key order and
+            // the parts load as the A fragments the registers would hold.
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                if (q >= w.nk) break;
+                int n = w.k0 + q, col = n * 8 + 2 * tig;
+                // (The scores again from shared memory: s[n] at a warp-dependent n would not stay in registers.)
+                float2 x0 = *(const float2*)(scores + (w.rt * 16 + g4) * FLASH_SCORE_STRIDE + col);
+                float2 x1 = *(const float2*)(scores + (w.rt * 16 + g4 + 8) * FLASH_SCORE_STRIDE + col);
+                float x[4] = {x0.x, x0.y, x1.x, x1.y}, p[4], pv[4];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    p[c] = expf(__fsub_rn(x[c], base[c >> 1]));
+                    pv[c] = KV::SCALED ? __fmul_rn(p[c], flash_vscale[col + (c & 1)]) : p[c];
+                }
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    int r = w.rt * 16 + g4 + 8 * i;
+                    u32 hi, lo;
+                    flash_split<F16>(pv[2 * i], pv[2 * i + 1], &hi, &lo);
+                    *(float2*)(weights + r * FLASH_SCORE_STRIDE + col) = make_float2(p[2 * i], p[2 * i + 1]);
+                    *(u32*)(weight_parts + r * FLASH_SCORE_STRIDE + col) = hi;
+                    *(u32*)(weight_rems + r * FLASH_SCORE_STRIDE + col) = lo;
+                }
+            }
+            flash_row_tile_sync(w);  // the row tile's weights are stored
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    float2 p = *(const float2*)(weights + (w.rt * 16 + g4 + 8 * i) * FLASH_SCORE_STRIDE + n * 8 + 2 * tig);
+                    sum[i] = __fadd_rn(sum[i], p.x);
+                    sum[i] = __fadd_rn(sum[i], p.y);
+                }
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                int off = (w.rt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * FLASH_SCORE_STRIDE + kk * 16 + ((lane >> 4) & 1) * 8;
+                ldsm_x4(pa[kk], weight_parts + off);
+                ldsm_x4(pr[kk], weight_rems + off);
+            }
+            } else {
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
                 float pv[4];
@@ -338,6 +499,7 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
                 flash_split<F16>(pv[0], pv[1], &pa[n >> 1][(n & 1) * 2], &pr[n >> 1][(n & 1) * 2]);
                 flash_split<F16>(pv[2], pv[3], &pa[n >> 1][(n & 1) * 2 + 1], &pr[n >> 1][(n & 1) * 2 + 1]);
             }
+            }
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(FULL_MASK, sum[i], 1));
@@ -348,17 +510,18 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
             for (int n = 0; n < FLASH_MAX_NT; ++n)
 #pragma unroll
                 for (int c = 0; c < 4; ++c) acc[n][c] = __fmul_rn(acc[n][c], corr[c >> 1]);
-            // Weights times values, in key order, for this warp's half of the head dims.
+            // Weights times values, in key order, for this warp's columns of the head dims
+            // (n-tiles w.n0 .. w.n0 + w.nt; a pair's second may lie in the rows' padding, unused).
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
                 for (int np = 0; np < FLASH_MAX_NT / 2; ++np) {
-                    if (2 * np >= nt) break;
+                    if (2 * np >= w.nt) break;
                     u32 b[4];
-                    ldsm_x4_trans(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + dh * half + np * 16 + ((lane >> 4) & 1) * 8);
+                    ldsm_x4_trans(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + (w.n0 + 2 * np) * 8 + ((lane >> 4) & 1) * 8);
                     flash_mma<F16>(acc[2 * np], pa[kk], b[0], b[1]);
                     flash_mma<F16>(acc[2 * np], pr[kk], b[0], b[1]);
-                    if (2 * np + 1 < nt) {
+                    if (2 * np + 1 < w.nt) {
                         flash_mma<F16>(acc[2 * np + 1], pa[kk], b[2], b[3]);
                         flash_mma<F16>(acc[2 * np + 1], pr[kk], b[2], b[3]);
                     }
@@ -366,49 +529,49 @@ __device__ __forceinline__ void attn_flash_body(float* out, const float* q, cons
             }
         }
         // Results: this thread's elements of rows g4 and g4 + 8, columns 2 tig, 2 tig + 1 of
-        // each n-tile of its half. A rotated format's finished rows go through shared memory
+        // each of its n-tiles. A rotated format's finished rows go through shared memory
         // (the key and value tiles' place, f32 rows of hd) to be rotated back one warp a row.
         float* rotated = (float*)ks;
         if (KV::ROTATED && !split) __syncthreads();  // the last tile's reads are done
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            int r = rt * 16 + g4 + 8 * i;
+            int r = w.rt * 16 + g4 + 8 * i;
             if (row[i].ctx == 0) continue;
             int t = t0 + r / group, h = kvh * group + r % group;
             if (split) {
                 if (j0 >= j1) continue;
                 float* pm = partial + (((long long)t * nq + h) * FLASH_SPLITS + blockIdx.z) * (hd + 2);
-                if (dh == 0 && tig == 0) {
+                if (w.u == 0 && tig == 0) {
                     pm[0] = row[i].m;
                     pm[1] = row[i].l;
                 }
 #pragma unroll
                 for (int n = 0; n < FLASH_MAX_NT; ++n)
-                    if (n < nt) {
-                        int d = dh * half + n * 8 + 2 * tig;
+                    if (n < w.nt) {
+                        int d = (w.n0 + n) * 8 + 2 * tig;
                         pm[2 + d] = acc[n][2 * i];
                         pm[3 + d] = acc[n][2 * i + 1];
                     }
                 continue;
             }
-            flash_merge_row(row[i], i, acc, tot, nt);
+            flash_merge_row(row[i], i, acc, tot, w.nt);
             if (KV::ROTATED) {
                 // To shared memory, rotated back below.
 #pragma unroll
                 for (int n = 0; n < FLASH_MAX_NT; ++n)
-                    if (n < nt) {
+                    if (n < w.nt) {
 #pragma unroll
-                        for (int c = 0; c < 2; ++c) rotated[r * hd + dh * half + n * 8 + 2 * tig + c] = tot[n][2 * i + c] / row[i].lt;
+                        for (int c = 0; c < 2; ++c) rotated[r * hd + (w.n0 + n) * 8 + 2 * tig + c] = tot[n][2 * i + c] / row[i].lt;
                     }
                 continue;
             }
             long long o = ((long long)t * nq + h) * hd, og = ((long long)t * nq + h) * gate_stride;
 #pragma unroll
             for (int n = 0; n < FLASH_MAX_NT; ++n)
-                if (n < nt) {
+                if (n < w.nt) {
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        int d = dh * half + n * 8 + 2 * tig + c;
+                        int d = (w.n0 + n) * 8 + 2 * tig + c;
                         float v = tot[n][2 * i + c] / row[i].lt;
                         out[o + d] = v * sigmoidf_(gate[og + d]);
                     }

@@ -4,22 +4,40 @@
 // per-vector scales a scaled format applies in f32. Each row depends only on its own stored
 // vector, so the tiles have the same bits whichever step or block reads them.
 
-// The cache slots of the current tile's keys (-1 past the block's last context) and, for a
-// scaled format, their key and value scales (0 past it).
-__shared__ long long flash_slots[KEY_TILE];
+// The cache slots of a tile's keys (-1 past the block's last context; tile j's in flash_slots[j
+// & 1], so that the next tile's are stored while the current one is read) and, for a scaled
+// format, the current tile's key and value scales (0 past it).
+__shared__ long long flash_slots[2][KEY_TILE];
 __shared__ float flash_kscale[KEY_TILE];
 __shared__ float flash_vscale[KEY_TILE];
 
+// tq3 stages the next tile's codes while the current tile computes (FLASH_STAGE_TQ3=0 loads
+// each tile after the last one's barrier, as bf16 and fp8 do; the tiles' bits are the same).
+#ifndef FLASH_STAGE_TQ3
+#define FLASH_STAGE_TQ3 1
+#endif
+
 // Key tile loads into shared memory as rows of `stride` 16-bit elements: bf16, or fp16 where
-// F16. setup runs once per block before its first tile.
+// F16. setup runs once per block before its first tile. A format that stages(hd) copies a
+// tile's stored bytes to shared memory (`raw`) with issue, while the tile before computes,
+// and turns them into the tile with convert; the others load a tile with load.
 template <class KV>
 struct FlashTile;
 
+// Nothing staged: the formats whose tiles load in one step.
+struct FlashUnstaged {
+    struct Stage {};
+    __device__ static bool stages(int hd) { return false; }
+    __device__ static int stage_bytes(int hd) { return 0; }
+    __device__ static void issue(unsigned char* raw, Stage& st, const long long* slots, KvCache kv, int nkv, int kvh, int hd) {}
+    __device__ static void convert(bf16_t* ks, bf16_t* vs, const unsigned char* raw, const Stage& st, const long long* slots, int hd, int stride) {}
+};
+
 template <>
-struct FlashTile<KvBf16> {
+struct FlashTile<KvBf16> : FlashUnstaged {
     static constexpr bool F16 = false;
     __device__ static void setup(KvCache kv) {}
-    __device__ static void load(bf16_t* ks, bf16_t* vs, KvCache kv, int nkv, int kvh, int hd, int stride) {
+    __device__ static void load(bf16_t* ks, bf16_t* vs, KvCache kv, const long long* flash_slots, int nkv, int kvh, int hd, int stride) {
         int chunks = hd / 8;  // 16 bytes each
         for (int c = threadIdx.x; c < KEY_TILE * chunks; c += blockDim.x) {
             int i = c / chunks, j = 8 * (c % chunks);
@@ -49,10 +67,10 @@ __device__ __forceinline__ void e4m3x16_to_bf16(bf16_t* dst, uint4 b) {
 }
 
 template <>
-struct FlashTile<KvFp8> {
+struct FlashTile<KvFp8> : FlashUnstaged {
     static constexpr bool F16 = false;
     __device__ static void setup(KvCache kv) {}
-    __device__ static void load(bf16_t* ks, bf16_t* vs, KvCache kv, int nkv, int kvh, int hd, int stride) {
+    __device__ static void load(bf16_t* ks, bf16_t* vs, KvCache kv, const long long* flash_slots, int nkv, int kvh, int hd, int stride) {
         if (threadIdx.x < KEY_TILE) {
             long long slot = flash_slots[threadIdx.x];
             long long vec = slot >= 0 ? kv_vector(slot, nkv, kvh) : 0;
@@ -111,7 +129,54 @@ struct FlashTile<KvTq3> {
     __device__ static void setup(KvCache kv) {
         if (threadIdx.x < 64) flash_level_pairs[threadIdx.x] = f32_to_f16_bits(kv.tables->levels[threadIdx.x & 7]) | f32_to_f16_bits(kv.tables->levels[threadIdx.x >> 3]) << 16;
     }
-    __device__ static void load(bf16_t* ks, bf16_t* vs, KvCache kv, int nkv, int kvh, int hd, int stride) {
+    // Staged where a row is whole 16-byte chunks (hd a multiple of 128): `raw` holds the tile's
+    // key rows, then its value rows, of row_bytes(hd) each; the scales wait in registers.
+    struct Stage {
+        unsigned short kp, vp;
+    };
+    __device__ static bool stages(int hd) { return FLASH_STAGE_TQ3 && hd % 128 == 0; }
+    __device__ static int stage_bytes(int hd) { return 2 * KEY_TILE * KvTq3::row_bytes(hd); }
+    __device__ static void issue(unsigned char* raw, Stage& st, const long long* slots, KvCache kv, int nkv, int kvh, int hd) {
+        int bytes = KvTq3::row_bytes(hd), chunks = bytes / 16;
+        for (int c = threadIdx.x; c < KEY_TILE * chunks; c += blockDim.x) {
+            int i = c / chunks, o = 16 * (c % chunks);
+            long long slot = slots[i];
+            long long off = slot >= 0 ? kv_vector(slot, nkv, kvh) * bytes + o : 0;
+            cp_async16(raw + i * bytes + o, kv.k + off, slot >= 0);
+            cp_async16(raw + (KEY_TILE + i) * bytes + o, kv.v + off, slot >= 0);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        if (threadIdx.x < KEY_TILE) {
+            long long slot = slots[threadIdx.x];
+            long long vec = slot >= 0 ? kv_vector(slot, nkv, kvh) : 0;
+            st.kp = slot >= 0 ? kv.kp[vec * KvTq3::PARAMS] : 0;
+            st.vp = slot >= 0 ? kv.vp[vec * KvTq3::PARAMS] : 0;
+        }
+    }
+    // After cp.async.wait_all and a barrier: the staged codes as the tile (zero rows past the
+    // context, as load leaves them).
+    __device__ static void convert(bf16_t* ks, bf16_t* vs, const unsigned char* raw, const Stage& st, const long long* slots, int hd, int stride) {
+        if (threadIdx.x < KEY_TILE) {
+            // KvTq3::scale of the staged parameters (a slot past the context staged 0: scale 0).
+            flash_kscale[threadIdx.x] = bf16_bits_to_f32(st.kp);
+            flash_vscale[threadIdx.x] = bf16_bits_to_f32(st.vp);
+        }
+        int bytes = KvTq3::row_bytes(hd), units = hd / 32;
+        for (int c = threadIdx.x; c < 2 * KEY_TILE * units; c += blockDim.x) {
+            // Keys' units, then values'.
+            int kv2 = c >= KEY_TILE * units, cu = c - kv2 * KEY_TILE * units;
+            int i = cu / units, j = 32 * (cu % units);
+            const u32* w = (const u32*)(raw + (kv2 * KEY_TILE + i) * bytes + 12 * (cu % units));
+            u32 w0 = w[0], w1 = w[1], w2 = w[2], o[16];
+            tq3_pairs<10>(o, (unsigned long long)w0 | (unsigned long long)w1 << 32);
+            tq3_pairs<6>(o + 10, ((unsigned long long)w1 | (unsigned long long)w2 << 32) >> 28);
+            bool live = slots[i] >= 0;
+            uint4* dst = (uint4*)((kv2 ? vs : ks) + i * stride + j);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) dst[q] = live ? make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]) : make_uint4(0, 0, 0, 0);
+        }
+    }
+    __device__ static void load(bf16_t* ks, bf16_t* vs, KvCache kv, const long long* flash_slots, int nkv, int kvh, int hd, int stride) {
         if (threadIdx.x < KEY_TILE) {
             long long slot = flash_slots[threadIdx.x];
             long long vec = slot >= 0 ? kv_vector(slot, nkv, kvh) : 0;

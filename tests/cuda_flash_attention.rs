@@ -4,7 +4,9 @@
 //! bitwise cases: a prompt prefilled in one piece or in 64- and 128-token pieces, a decode row
 //! alone, among 7 and among 63 rows, a verify row alone and beside a prefill; and a plain decode
 //! step, whose launch prepares its own heads (attn_flash_decode), against the same tokens
-//! prepared by attn_prep in verify and prefill rows. Runs where a GPU is present:
+//! prepared by attn_prep in verify and prefill rows; and the same bits with and without the
+//! shared weights and staged codes the kernel uses where shared memory allows. Runs where a GPU
+//! is present:
 //!
 //!     cargo test --release --test cuda_flash_attention
 
@@ -144,9 +146,11 @@ fn flash_attention_matches_the_cpu_on_random_inputs() {
     }
 }
 
-/// A prompt's rows have the same bits prefilled in one piece, in 64-token pieces and in
-/// 128-token pieces (pieces end and start inside key tiles and ranges: the prompt crosses 2048
-/// keys).
+/// A prompt's rows have the same bits prefilled in one piece, in 64-token pieces (a block per
+/// token and range), in 72- and 76-token pieces (each piece's last block holds 2 or 3 row tiles
+/// of 16 query rows, so its warps split otherwise than in a full block of 4 or a decode token's
+/// block of 1) and in 128-token pieces (pieces end and start inside key tiles and ranges: the
+/// prompt crosses 2048 keys).
 #[test]
 fn flash_attention_prefill_pieces_are_bitwise_equal() {
     let Some(gpu) = gpu() else { return };
@@ -159,7 +163,7 @@ fn flash_attention_prefill_pieces_are_bitwise_equal() {
             let seqs = cache_sequences(&mut rng, 1, n.div_ceil(16));
             let x = layer.inputs(&mut rng, n);
             let mut outputs = Vec::new();
-            for piece in [n, 64, 128] {
+            for piece in [n, 64, 72, 76, 128] {
                 let mut cache = gpu.alloc_cache(&attention_spec(dtype, nkv, hd, n.div_ceil(16), 1)).unwrap();
                 let mut s = seqs.clone();
                 let mut out = Vec::new();
@@ -287,6 +291,52 @@ fn flash_attention_fused_decode_rows_equal_the_prepared_rows() {
             }
             assert!(fused_kv.k == verified_kv.k && fused_kv.v == verified_kv.v, "{what}: the decode step stored other keys or values than the verify step");
             assert!(prefilled_kv.k == verified_kv.k && prefilled_kv.v == verified_kv.v, "{what}: the prefill stored other keys or values than the verify step");
+        }
+    }
+}
+
+/// attn_flash's shared weights and tq3's staged codes (used where the launch's shared memory
+/// holds them, as on Hopper) change nothing: prefill pieces, verify rows and decode steps (one
+/// block per token and a block per range), with and without them, store the same cache and
+/// compute the same bits. Head dims 256 and 128 (tq3 staged) and 16 (tq3 not).
+#[test]
+fn flash_attention_extras_keep_every_bit() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::new(seed());
+    for dtype in FLASH_DTYPES {
+        for (nq, nkv, hd, rot) in [(16, 4, 256, 64), (15, 5, 128, 32), (3, 1, 16, 4)] {
+            let what = format!("{dtype} {nq}/{nkv}x{hd}");
+            let layer = Layer::new(&mut rng, nq, nkv, hd, rot);
+            let n = 40;
+            let prompts: Vec<usize> = (0..n).map(|q| if q == 0 { 2300 } else { 1 + rng.below(300) }).collect();
+            let seqs = cache_sequences(&mut rng, n, (2300 + 8_usize).div_ceil(16));
+            // Prefill (one block per 64 rows, runs of every size), a 5-token verify row each
+            // (one to two row tiles), a decode step of every row (a block per token) and one of
+            // the first row alone (a block per range).
+            let mut steps: Vec<Vec<(RowKind, usize, usize)>> = vec![(0..n).map(|q| (RowKind::Prefill, q, prompts[q])).collect()];
+            steps.push((0..n).map(|q| (RowKind::Generate, q, 5)).collect());
+            steps.push((0..n).map(|q| (RowKind::Generate, q, 1)).collect());
+            steps.push(vec![(RowKind::Generate, 0, 1)]);
+            let inputs: Vec<Inputs> = steps.iter().map(|rows| layer.inputs(&mut rng, rows.iter().map(|r| r.2).sum())).collect();
+            let run = |extras: bool| {
+                gpu.set_flash_attention_extras(extras);
+                let mut cache = gpu.alloc_cache(&attention_spec(dtype, nkv, hd, n * seqs[0].table.len(), n)).unwrap();
+                let mut s = seqs.clone();
+                let mut outs = Vec::new();
+                for (rows, x) in steps.iter().zip(&inputs) {
+                    outs.push(layer.run(&gpu, &mut cache, &layout_rows(&s, rows), x));
+                    advance_rows(&mut s, rows);
+                }
+                gpu.set_flash_attention_extras(true);
+                (outs, gpu.cache_to_host(&cache).kv)
+            };
+            let (with, with_kv) = run(true);
+            let (without, without_kv) = run(false);
+            for (i, (a, b)) in with.iter().zip(&without).enumerate() {
+                let first_diff = a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits());
+                assert!(first_diff.is_none(), "{what}: step {i} differs without the extras at token {}", first_diff.unwrap_or(0) / (nq * hd));
+            }
+            assert!(with_kv.k == without_kv.k && with_kv.v == without_kv.v, "{what}: the extras changed the stored keys or values");
         }
     }
 }

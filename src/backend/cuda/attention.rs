@@ -73,6 +73,14 @@ impl CudaBackend {
     pub fn attention_on_tensor_cores(&self, dtype: KvDtype, head_dim: usize, group: usize) -> bool {
         DEVICE_KV_DTYPES.contains(&dtype) && kernels(self, dtype).flash.is_some() && flash_shape(head_dim, group)
     }
+
+    /// Gives attn_flash's launches that follow only the shared memory of its plain path (off:
+    /// each warp computes all of its rows' weights, every format loads a tile after the last
+    /// one's barrier, as on a GPU with less shared memory) or, where it fits, that of the shared
+    /// weights and tq3's staged codes (on, the default): the same bits either way (tests).
+    pub fn set_flash_attention_extras(&self, on: bool) {
+        self.flash_extras.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// `struct KvCache` of cuda/kv_formats.cuh: one attention layer's planes and the format's
@@ -178,9 +186,17 @@ pub(super) fn gated_attention(
             tokens_per_block = 1;
         }
         // Query rows (16-bit parts and remainders), then the key and value tiles, 16-bit rows
-        // of hd + 8 (cuda/attention_flash.cu); attn_flash_decode's preparation scratch (16 rows
-        // of hd floats) and a rotated format's finished rows (64 rows of hd floats) fit in the tiles.
-        let smem = (2 * FLASH_ROWS + 2 * KEY_TILE) * (hd + 8) * 2;
+        // of hd + 8, then a tile's f32 scores per query row, rows of KEY_TILE + 8
+        // (cuda/attention_flash.cu); attn_flash_decode's preparation scratch (16 rows of hd
+        // floats) and a rotated format's finished rows (64 rows of hd floats) fit in the tiles.
+        // Where the device has room, the shared weights (f32 and 16-bit parts and remainders,
+        // rows of KEY_TILE + 8) and then for tq3 the next tile's stored keys and values; the
+        // kernel uses what it is given, with the same bits.
+        let tiles = (2 * FLASH_ROWS + 2 * KEY_TILE) * (hd + 8) * 2 + FLASH_ROWS * (KEY_TILE + 8) * 4;
+        let weights = FLASH_ROWS * (KEY_TILE + 8) * (4 + 2 + 2);
+        let staged = if cache.spec.kv_dtype == KvDtype::Tq3 { 2 * KEY_TILE * (3 * hd / 8) } else { 0 };
+        let extras = be.flash_extras.load(std::sync::atomic::Ordering::Relaxed);
+        let smem = [tiles + weights + staged, tiles + weights].into_iter().find(|&s| extras && s <= be.max_dynamic_smem).unwrap_or(tiles);
         assert!(smem <= be.max_dynamic_smem, "gated_attention: head dim {hd} needs {smem} bytes of shared memory");
         let partial = split.then(|| be.alloc_f32(t * nq * FLASH_SPLITS * (hd + 2)));
         let partial_ptr = partial.as_ref().map_or(0, |p| be.ptr(p));

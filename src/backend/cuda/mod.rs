@@ -218,6 +218,9 @@ pub struct CudaBackend {
     /// Whether bf16, fp8 and tq3 caches run attention on tensor cores (`attn_flash`;
     /// `KESTREL_CUDA_FLASH_ATTN=0` keeps the per-(token, head) kernels for A/B runs).
     pub(super) flash_attention: bool,
+    /// Whether attn_flash launches get, where they fit, the shared memory of its shared weights
+    /// and tq3's staged codes (attention.rs, `set_flash_attention_extras`).
+    pub(super) flash_extras: AtomicBool,
     /// Shared memory a block may opt in to (bytes).
     pub(super) optin_smem: usize,
     /// The quantized matmul kernels of each tile format met so far (qmatmul.rs).
@@ -423,6 +426,7 @@ impl CudaBackend {
             l2_ahead: std::env::var("KESTREL_CUDA_L2_AHEAD").map_or(true, |v| v != "0"),
             attn_decode: std::env::var("KESTREL_CUDA_ATTN_DECODE").map_or(true, |v| v != "0"),
             flash_attention: std::env::var("KESTREL_CUDA_FLASH_ATTN").map_or(true, |v| v != "0"),
+            flash_extras: AtomicBool::new(true),
             l2_tail_bytes: std::env::var("KESTREL_CUDA_L2_TAIL_MB").ok().and_then(|v| v.parse::<usize>().ok()).map_or(moe::PROJECTION_TAIL_BYTES, |mb| mb << 20),
             optin_smem: optin.max(0) as usize,
             quant_kernels: Mutex::new(HashMap::new()),
