@@ -27,7 +27,6 @@ import time
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
@@ -185,17 +184,7 @@ def main():
     calib_gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     calib = [train_gpu[torch.randint(0, len(train_gpu) - T - 1, (16,), device=device, generator=calib_gen)[:, None] + ar]
              for _ in range(8)]
-    hs, hooks = {}, []
-    for name, m in linears.items():
-        def hook(mod, inp, out, name=name):
-            xx = inp[0].reshape(-1, inp[0].shape[-1]).float()
-            hs[name] = hs.get(name, 0) + xx.t() @ xx
-        hooks.append(m.register_forward_hook(hook))
-    with torch.no_grad():
-        for x in calib:
-            mtp_agreement_loss(model, mtp, x)
-    for h in hooks:
-        h.remove()
+    hs = tdm.input_hessians(model, mtp, linears, calib, device, forward=mtp_agreement_loss)
     originals = {n: m.weight.detach().clone() for n, m in linears.items()}
     results, codes = {}, {}
     for method in ("rtn", "gptq"):
@@ -234,17 +223,7 @@ def main():
         torch.cuda.empty_cache()
     ref, ref_mtp = tdm.load_int4_reference(path, cfg, group, device)
     h_loss, _, h_mtp_loss, mtp_top1 = tdm.heldout_eval_f32(ref, ref_mtp, held_stream, T, device)
-    prng = random.Random(1234 + 2)  # the first stage's prompts (its seed + 2)
-    cands = [t for _, t in held_docs]
-    prng.shuffle(cands)
-    prompts = []
-    for t in cands:
-        ids = tok.encode(t, add_special_tokens=False).ids
-        if len(ids) >= 256:
-            cut = prng.randint(96, len(ids) - 1)
-            prompts.append(np.asarray(ids[cut - 96:cut], dtype=np.int64))
-        if len(prompts) == 32:
-            break
+    prompts = tdm.self_agreement_prompts(tok, held_docs, 1234)  # the first stage's default seed
     agree, agree_n, _ = tdm.mtp_self_agreement(ref, ref_mtp, prompts, 64, eot, device)
     log(f"from the file: held-out loss {h_loss:.4f} (main, unchanged), mtp loss {h_mtp_loss:.4f}, mtp top-1 (t+2) "
         f"{mtp_top1:.4f}, mtp self-agreement {agree:.4f}")

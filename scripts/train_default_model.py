@@ -368,8 +368,10 @@ def unpack_gptq(qweight, qzeros, scales, group):
 
 
 @torch.no_grad()
-def input_hessians(model, mtp, linears, batches, device):
-    """H = sum over calibration tokens of x x^T for each linear's input x (float32)."""
+def input_hessians(model, mtp, linears, batches, device, forward=None):
+    """H = sum over calibration tokens of x x^T for each linear's input x (float32), from running
+    `forward(model, mtp, batch)` (the training losses by default) over the batches."""
+    forward = forward or losses
     hs, hooks = {}, []
     for name, m in linears.items():
         def hook(mod, inp, out, name=name):
@@ -377,7 +379,7 @@ def input_hessians(model, mtp, linears, batches, device):
             hs[name] = hs.get(name, 0) + x.t() @ x
         hooks.append(m.register_forward_hook(hook))
     for x in batches:
-        losses(model, mtp, x.to(device))
+        forward(model, mtp, x.to(device))
     for h in hooks:
         h.remove()
     return hs
@@ -451,6 +453,23 @@ def heldout_eval_f32(model, mtp, stream, win, device, batch=32):
         mhit += (ml.argmax(-1) == x[:, 2:]).sum().item()
         mcnt += x[:, 2:].numel()
     return tot / cnt, cnt, mtot / mcnt, mhit / mcnt
+
+
+def self_agreement_prompts(tok, held_docs, seed):
+    """32 held-out prefixes of 96 tokens from random points of held-out files (seeded by the
+    training run's seed + 2, so the distillation stage scores the same prompts)."""
+    prng = random.Random(seed + 2)
+    cands = [t for _, t in held_docs]
+    prng.shuffle(cands)
+    prompts = []
+    for t in cands:
+        ids = tok.encode(t, add_special_tokens=False).ids
+        if len(ids) >= 256:
+            cut = prng.randint(96, len(ids) - 1)
+            prompts.append(np.asarray(ids[cut - 96:cut], dtype=np.int64))
+        if len(prompts) == 32:
+            break
+    return prompts
 
 
 @torch.no_grad()
@@ -788,18 +807,7 @@ def main():
     log(f"held-out (whole split, f32, exported weights): loss {h_loss:.4f} (ppl {math.exp(h_loss):.2f}) over "
         f"{h_tokens:,} tokens; mtp loss {h_mtp_loss:.4f}, mtp top-1 (t+2) {mtp_top1:.4f}")
 
-    # self agreement: 32 held-out prefixes of 96 tokens from random points of held-out files
-    prng = random.Random(args.seed + 2)
-    cands = [t for _, t in held_docs]
-    prng.shuffle(cands)
-    prompts = []
-    for t in cands:
-        ids = tok.encode(t, add_special_tokens=False).ids
-        if len(ids) >= 256:
-            cut = prng.randint(96, len(ids) - 1)
-            prompts.append(np.asarray(ids[cut - 96:cut], dtype=np.int64))
-        if len(prompts) == 32:
-            break
+    prompts = self_agreement_prompts(tok, held_docs, args.seed)
     agree, agree_n, agree_by_pos = mtp_self_agreement(ref, ref_mtp, prompts, 64, eot, device)
     log(f"mtp self-agreement (32 prompts x 63 positions): {agree:.4f}")
 
