@@ -91,9 +91,10 @@ fn sizes_that_cannot_split_the_model_are_refused() {
     fails_with(&[&["info"][..], &DUMMY_9B, &["-tp", "3"]].concat(), &["cannot split dummy qwen3.5-9b over 3 GPUs", "--tensor-parallel-size 3 is not supported: use 1, 2, 4 or 8"]);
     fails_with(&[&["info"][..], &DUMMY_9B, &["-tp=16"]].concat(), &["--tensor-parallel-size 16 is not supported"]);
     fails_with(&[&["info"][..], &DUMMY_9B, &["-tp", "two"]].concat(), &["invalid value 'two'"]);
-    // The default model's MLP is 448 wide: not 8 slices of 32-wide blocks.
-    fails_with(&["info", "-tp", "2"], &["over 2 GPUs", "layers.0.mlp.down_proj.weight: its input width 448 is not 8 equal slices"]);
-    fails_with(&["run", "hi", "--device", "cpu", "-tp", "2"], &["layers.0.mlp.down_proj.weight: its input width 448"]);
+    // The default model's int4 groups are 128 inputs wide: its 512-wide row-parallel inputs are
+    // not 8 slices of whole groups.
+    fails_with(&["info", "-tp", "2"], &["over 2 GPUs", "layers.0.linear_attn.out_proj.weight: its input width 512 is not 8 equal slices of 128-wide units"]);
+    fails_with(&["run", "hi", "--device", "cpu", "-tp", "2"], &["layers.0.linear_attn.out_proj.weight: its input width 512"]);
     // A Qwen3.5 GGUF stores the delta rule's output columns in llama.cpp's tiled head order.
     let gguf = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gguf/qwen35-dense.gguf");
     fails_with(&["info", "--model", gguf, "-tp", "2"], &["cannot split", "llama.cpp's tiled order", "needs a Hugging Face checkpoint"]);
