@@ -633,7 +633,7 @@ def main():
     assert est < args.max_file_mb * 1e6, f"the int4 export would be about {est / 1e6:.1f} MB, over {args.max_file_mb} MB"
     gdn_impl = use_fla_delta_rule(model, args.fla, device) if args.fla else "transformers' pure-torch chunked delta rule (fp32)"
     if not args.fla:
-        q35.torch_chunk_gated_delta_rule = _chunk_gdn_fp32
+        set_chunk_delta_rule(model, _chunk_gdn_fp32)
     log(f"delta rule while training: {gdn_impl}")
 
     decay, no_decay = [], []

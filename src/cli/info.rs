@@ -105,9 +105,11 @@ pub fn run(args: InfoArgs) -> Result<()> {
     println!("mtp         {} tensors", mtp.len());
     for name in mtp {
         // Quantized linears keep their packed weights and zero points as I32 tensors.
-        match files.store.get(name) {
-            Ok(t) => println!("  {name} {:?} {}", t.shape, t.dtype.name()),
-            Err(_) => println!("  {name} {:?} I32", files.store.int32(name)?.shape),
+        if files.store.contains(name) {
+            let t = files.store.get(name)?;
+            println!("  {name} {:?} {}", t.shape, t.dtype.name());
+        } else {
+            println!("  {name} {:?} I32", files.store.int32(name)?.shape);
         }
     }
     if let Some(plan) = &split {
