@@ -1,5 +1,6 @@
 //! CPU time of one matmul at qwen3.5-0.8b's FFN shape (3584 x 1024) in the CPU backend's two
-//! modes, exact and int8, for Q4_K, Q6_K and Q8_0 weights, at 1 and 128 tokens. CPU time of
+//! modes, exact and int8, for Q4_K, Q6_K, Q8_0 and int4 (groups of 128) weights, at 1 and 128
+//! tokens. CPU time of
 //! the calling thread (from /proc), not wall time, so a machine shared with other work still
 //! gives comparable figures. Usage: `cargo run --release --example cpu_matmul_modes [THREADS]`
 //! (one thread, the default, keeps all the work on the measured thread).
@@ -25,7 +26,7 @@ fn main() {
     let (out, k) = (3584, 1024);
     let mut seed = 1u64;
     let vals: Vec<f32> = (0..out * k).map(|_| { seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1); ((seed >> 40) as f32 / 16777216.0 - 0.5) * 0.04 }).collect();
-    for dtype in [Dtype::Q4K, Dtype::Q6K, Dtype::Q8_0] {
+    for dtype in [Dtype::Q4K, Dtype::Q6K, Dtype::Q8_0, Dtype::Int4 { group: 128 }] {
         let bytes = kestrel_quant::quantize::quantize(dtype, &vals, out, k).unwrap();
         let w = CpuMatrix::from(MatrixBytes { data: SharedBytes::from_vec(bytes), start: 0, dtype, rows: out, cols: k });
         for t in [1usize, 128] {

@@ -168,7 +168,7 @@ pub struct DeviceArgs {
     #[arg(long, short = 't', value_name = "N")]
     pub threads: Option<usize>,
     /// How the CPU backend multiplies quantized weights: exact (each weight converted to f32,
-    /// the reference) or int8 (Q4_K, Q6_K, Q8_0 and Q4_0 weights against activations quantized
+    /// the reference) or int8 (Q4_K, Q6_K, Q8_0, Q4_0 and int4 weights against activations quantized
     /// to 8 bits per row, in integers, as llama.cpp does: several times faster, with slightly
     /// different numerics; still independent of the batch and the thread count).
     #[arg(long, default_value = "exact", value_parser = parse_cpu_matmul, value_name = "MODE")]

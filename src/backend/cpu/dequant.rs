@@ -58,6 +58,7 @@ mod avx2 {
                 Dtype::Q5K => blocks::<176, 256>(bytes, out, |b, o| q5_k(b, o)),
                 Dtype::Q6K => blocks::<210, 256>(bytes, out, |b, o| q6_k(b, o)),
                 Dtype::IQ4XS => blocks::<136, 256>(bytes, out, |b, o| iq4_xs(b, o)),
+                Dtype::Int4 { group } if group % 32 == 0 => int4(group as usize, bytes, out),
                 _ => return false,
             }
         }
@@ -138,6 +139,30 @@ mod avx2 {
             let q = _mm256_sub_epi8(nibbles16(load16(&b[2..])), _mm256_set1_epi8(8));
             for i in 0..4 {
                 put_scaled(&mut y[8 * i..], i8_lanes(q, i), d);
+            }
+        }
+    }
+
+    /// Groups of [`Dtype::Int4`]: `scale * (q - zero)` per element, one rounding, as the
+    /// reference's table holds it; elements 2i and 2i + 1 are the low and high nibbles of byte i.
+    #[inline(always)]
+    unsafe fn int4(group: usize, bytes: &[u8], out: &mut [f32]) {
+        unsafe {
+            let mask = _mm_set1_epi8(0x0F);
+            for (b, o) in bytes.chunks_exact(kestrel_quant::int4::HEADER_BYTES + group / 2).zip(out.chunks_exact_mut(group)) {
+                let scale = _mm256_set1_ps(f16_at(b, 0));
+                // The zero is a whole byte: subtracted in 32 bits, so any stored value is exact.
+                let zero = _mm256_set1_epi32(b[2] as i32);
+                for (q, o) in b[kestrel_quant::int4::HEADER_BYTES..].chunks_exact(16).zip(o.chunks_exact_mut(32)) {
+                    let q = load16(q);
+                    let (lo, hi) = (_mm_and_si128(q, mask), _mm_and_si128(_mm_srli_epi16::<4>(q), mask));
+                    // Bytes 0..8 interleaved are elements 0..16, bytes 8..16 elements 16..32.
+                    let (first, second) = (_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi));
+                    for (i, v) in [first, _mm_srli_si128::<8>(first), second, _mm_srli_si128::<8>(second)].into_iter().enumerate() {
+                        let d = _mm256_sub_epi32(_mm256_cvtepu8_epi32(v), zero);
+                        _mm256_storeu_ps(o.as_mut_ptr().add(8 * i), _mm256_mul_ps(scale, _mm256_cvtepi32_ps(d)));
+                    }
+                }
             }
         }
     }
@@ -352,14 +377,32 @@ pub(crate) mod tests {
                     fix_half(blk, 2)
                 }
                 Dtype::Q6K => fix_half(blk, 208),
+                Dtype::Int4 { .. } => fix_half(blk, 0),
                 _ => {}
             }
         }
         MatrixBytes { data: crate::backend::weight_bytes::SharedBytes::from_vec(bytes), start: 0, dtype, rows, cols }
     }
 
-    pub(crate) const FORMATS: [Dtype; 13] =
-        [Dtype::F32, Dtype::F16, Dtype::BF16, Dtype::Q4_0, Dtype::Q4_1, Dtype::Q5_0, Dtype::Q5_1, Dtype::Q8_0, Dtype::Q4K, Dtype::Q5K, Dtype::Q6K, Dtype::IQ4NL, Dtype::IQ4XS];
+    /// Int4 in groups of 32 and 128 (the SIMD path) and of 16 (the reference's fallback).
+    pub(crate) const FORMATS: [Dtype; 16] = [
+        Dtype::F32,
+        Dtype::F16,
+        Dtype::BF16,
+        Dtype::Q4_0,
+        Dtype::Q4_1,
+        Dtype::Q5_0,
+        Dtype::Q5_1,
+        Dtype::Q8_0,
+        Dtype::Q4K,
+        Dtype::Q5K,
+        Dtype::Q6K,
+        Dtype::IQ4NL,
+        Dtype::IQ4XS,
+        Dtype::Int4 { group: 32 },
+        Dtype::Int4 { group: 128 },
+        Dtype::Int4 { group: 16 },
+    ];
 
     /// Every format's SIMD conversion gives the reference's bits.
     #[test]

@@ -7,7 +7,8 @@
 //!
 //! Activation rows are `stride` blocks apart: token `i`'s block `b` is `a[i * stride + b]`.
 
-use super::act::{BlockQ80, BlockQ8K};
+use super::act::{BlockQ80, BlockQ8K, QK_K};
+use super::scalar;
 use super::scalar::q4_k_scales_mins;
 use crate::backend::cpu::dot::{reduce_lanes, LANES};
 use std::arch::x86_64::*;
@@ -174,5 +175,69 @@ pub unsafe fn q4_0<const T: usize>(w: &[u8], a: &[BlockQ80], stride: usize) -> [
             let nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(q), m4), _mm_and_si128(q, m4));
             _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8))
         })
+    }
+}
+
+/// Int4 row `w` (groups of `group`, see [`scalar::int4_row`]) against `T` q8_K rows. The
+/// weights stay unsigned (0..15) in `_mm256_maddubs_epi16`; a piece's i16 products are summed
+/// over its runs before widening (at most eight runs of at most 2 * 15 * 127 each fit in i16).
+///
+/// # Safety
+/// AVX2 and F16C are available; `a` holds `T` rows of a block per 256 weights of `w`, `stride`
+/// apart; `group` is one [`super::int4_takes_q8k`] accepts.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn int4<const T: usize>(w: &[u8], group: usize, a: &[BlockQ8K], stride: usize) -> [f32; T] {
+    // Groups of 128 (GPTQ's and AutoRound's default) with the loops' bounds known.
+    unsafe { if group == 128 { int4_rows::<T>(w, 128, a, stride) } else { int4_rows::<T>(w, group, a, stride) } }
+}
+
+#[inline(always)]
+unsafe fn int4_rows<const T: usize>(w: &[u8], group: usize, a: &[BlockQ8K], stride: usize) -> [f32; T] {
+    unsafe {
+        let header = kestrel_quant::int4::HEADER_BYTES;
+        let (m4, ones16) = (_mm_set1_epi8(0x0F), _mm256_set1_epi16(1));
+        let mut acc = [_mm256_setzero_ps(); T];
+        for (g, wg) in w.chunks_exact(header + group / 2).enumerate() {
+            let (scale, zero) = (f16_at(wg, 0), _mm256_set1_epi32(i32::from(wg[2])));
+            for (p, (block, at, len)) in scalar::int4_pieces(g, group).enumerate() {
+                let mut sums = [_mm256_setzero_si256(); T];
+                for r in (0..len).step_by(32) {
+                    let qb = _mm_loadu_si128(wg.as_ptr().add(header + (p * QK_K + r) / 2) as *const __m128i);
+                    let (lo, hi) = (_mm_and_si128(qb, m4), _mm_and_si128(_mm_srli_epi16::<4>(qb), m4));
+                    // Elements in order: bytes 0..8 interleaved are elements 0..16, bytes 8..16 the rest.
+                    let q = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+                    for (i, sum) in sums.iter_mut().enumerate() {
+                        let qs = a.get_unchecked(i * stride + block).qs.as_ptr().add(at + r) as *const u8;
+                        *sum = _mm256_add_epi16(*sum, _mm256_maddubs_epi16(q, load32(qs)));
+                    }
+                }
+                for (i, (lanes, sum)) in acc.iter_mut().zip(&sums).enumerate() {
+                    let ab = a.get_unchecked(i * stride + block);
+                    let zero_lanes = int4_zero_lanes(&ab.bsums, at / 16, len / 16);
+                    let net = _mm256_sub_epi32(_mm256_madd_epi16(*sum, ones16), _mm256_mullo_epi32(zero, zero_lanes));
+                    *lanes = _mm256_add_ps(*lanes, _mm256_mul_ps(_mm256_set1_ps(scale * ab.d), _mm256_cvtepi32_ps(net)));
+                }
+            }
+        }
+        lanes_sums(&acc)
+    }
+}
+
+/// Lane k: the sum of `bsums[j]` over `j0 <= j < j0 + n` with `j % 8 == k`.
+#[inline(always)]
+unsafe fn int4_zero_lanes(bsums: &[i16; QK_K / 16], j0: usize, n: usize) -> __m256i {
+    unsafe {
+        match n {
+            // Whole octets (groups of 128 and 256): j0 is a multiple of 8.
+            8 => _mm256_cvtepi16_epi32(_mm_loadu_si128(bsums.as_ptr().add(j0) as *const __m128i)),
+            16 => _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128(bsums.as_ptr() as *const __m128i)), _mm256_cvtepi16_epi32(_mm_loadu_si128(bsums.as_ptr().add(8) as *const __m128i))),
+            _ => {
+                let mut lanes = [0i32; LANES];
+                for j in j0..j0 + n {
+                    lanes[j % LANES] += i32::from(bsums[j]);
+                }
+                _mm256_loadu_si256(lanes.as_ptr() as *const __m256i)
+            }
+        }
     }
 }

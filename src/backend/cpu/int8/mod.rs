@@ -28,8 +28,9 @@ pub enum MatmulMode {
     /// Every weight converted to f32 exactly and multiplied in f32: the reference.
     #[default]
     Exact,
-    /// Q4_K, Q6_K, Q8_0 and Q4_0 weights against 8-bit activations in integers; the other
-    /// formats as `Exact`.
+    /// Q4_K, Q6_K, Q8_0, Q4_0 and Int4 weights against 8-bit activations in integers; the
+    /// other formats as `Exact` (and Int4 rows the q8_K blocks do not tile, see
+    /// [`int4_takes_q8k`]).
     Int8,
 }
 
@@ -67,17 +68,26 @@ enum ActFormat {
     Q80,
 }
 
-fn act_format(dtype: Dtype) -> Option<ActFormat> {
+fn act_format(dtype: Dtype, cols: usize) -> Option<ActFormat> {
     match dtype {
         Dtype::Q4K | Dtype::Q6K => Some(ActFormat::Q8K),
         Dtype::Q8_0 | Dtype::Q4_0 => Some(ActFormat::Q80),
+        Dtype::Int4 { group } if int4_takes_q8k(group as usize, cols) => Some(ActFormat::Q8K),
         _ => None,
     }
 }
 
-/// Whether weights of `dtype` take the integer path in [`MatmulMode::Int8`].
-pub fn has_kernel(dtype: Dtype) -> bool {
-    act_format(dtype).is_some()
+/// Whether Int4 rows of `cols` values in groups of `group` run against q8_K activations: the
+/// rows are whole q8_K blocks, and each group lies within one block or spans whole ones, so
+/// that one activation scale covers each piece of a group.
+pub fn int4_takes_q8k(group: usize, cols: usize) -> bool {
+    cols % QK_K == 0 && group % 32 == 0 && (QK_K % group == 0 || group % QK_K == 0)
+}
+
+/// Whether weights of `dtype`, rows of `cols` values, take the integer path in
+/// [`MatmulMode::Int8`].
+pub fn has_kernel(dtype: Dtype, cols: usize) -> bool {
+    act_format(dtype, cols).is_some()
 }
 
 /// The activation rows of one matmul, quantized in the forms its weights need.
@@ -129,7 +139,7 @@ impl QuantActs {
 /// `y (store) x [t, in] @ w^T` into `y [t, out]`, parts with an integer kernel through it.
 pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatrix, y: &mut [f32], store: Store) {
     let (out, k) = (w.rows, w.cols);
-    let formats: Vec<ActFormat> = w.parts().iter().filter_map(|p| act_format(p.dtype)).collect();
+    let formats: Vec<ActFormat> = w.parts().iter().filter_map(|p| act_format(p.dtype, p.cols)).collect();
     if formats.is_empty() {
         return matmul::matmul_into(pool, isa, x, t, w, y, store);
     }
@@ -146,7 +156,7 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatr
             let (a, b) = (rows.start.max(first), rows.end.min(first + part.rows));
             if a < b {
                 let dst = Dst { y: y_out, ldy: out, col0: first, store };
-                match act_format(part.dtype) {
+                match act_format(part.dtype, part.cols) {
                     Some(_) => int8_rows(isa, &acts, t, part, a - first, b - first, &dst),
                     None => matmul::part_rows(isa, x, t, part, a - first, b - first, &dst),
                 }
@@ -164,13 +174,13 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatr
 /// Runs `avx2::kernel::<T>` for the tile of `out.len()` tokens (one to four).
 #[cfg(target_arch = "x86_64")]
 macro_rules! tiles {
-    ($out:expr, $kernel:ident, $row:expr, $a:expr, $stride:expr) => {
+    ($out:expr, $kernel:ident, $row:expr, $($arg:expr),+) => {
         unsafe {
             match $out.len() {
-                1 => $out.copy_from_slice(&avx2::$kernel::<1>($row, $a, $stride)),
-                2 => $out.copy_from_slice(&avx2::$kernel::<2>($row, $a, $stride)),
-                3 => $out.copy_from_slice(&avx2::$kernel::<3>($row, $a, $stride)),
-                _ => $out.copy_from_slice(&avx2::$kernel::<4>($row, $a, $stride)),
+                1 => $out.copy_from_slice(&avx2::$kernel::<1>($row, $($arg),+)),
+                2 => $out.copy_from_slice(&avx2::$kernel::<2>($row, $($arg),+)),
+                3 => $out.copy_from_slice(&avx2::$kernel::<3>($row, $($arg),+)),
+                _ => $out.copy_from_slice(&avx2::$kernel::<4>($row, $($arg),+)),
             }
         }
     };
@@ -210,6 +220,7 @@ fn int8_rows(isa: Isa, acts: &QuantActs, t: usize, part: &MatrixBytes, r0: usize
                         Dtype::Q6K => scalar::q6_k_row(row, acts.q8k_row(i0 + i)),
                         Dtype::Q8_0 => scalar::q8_0_row(row, acts.q80_row(i0 + i)),
                         Dtype::Q4_0 => scalar::q4_0_row(row, acts.q80_row(i0 + i)),
+                        Dtype::Int4 { group } => scalar::int4_row(row, group as usize, acts.q8k_row(i0 + i)),
                         other => unreachable!("no integer kernel for {other}"),
                     };
                 }
@@ -224,6 +235,7 @@ fn int8_rows(isa: Isa, acts: &QuantActs, t: usize, part: &MatrixBytes, r0: usize
             Dtype::Q6K => rows(&|row, i0, out| tiles!(out, q6_k, row, &acts.q8k[i0 * k_stride..], k_stride)),
             Dtype::Q8_0 => rows(&|row, i0, out| tiles!(out, q8_0, row, &acts.q80[i0 * stride_0..], stride_0)),
             Dtype::Q4_0 => rows(&|row, i0, out| tiles!(out, q4_0, row, &acts.q80[i0 * stride_0..], stride_0)),
+            Dtype::Int4 { group } => rows(&|row, i0, out| tiles!(out, int4, row, group as usize, &acts.q8k[i0 * k_stride..], k_stride)),
             other => unreachable!("no integer kernel for {other}"),
         },
     }

@@ -7,7 +7,7 @@
 //! holds values `4k..4k + 3`. The AVX2 kernels compute the same integers and the same f32
 //! operations (no fused multiply-add), so they give the same bits.
 
-use super::act::{BlockQ80, BlockQ8K};
+use super::act::{BlockQ80, BlockQ8K, QK_K};
 use crate::backend::cpu::dot::{reduce_lanes, LANES};
 
 #[inline(always)]
@@ -127,6 +127,53 @@ pub fn q8_0_row(w: &[u8], a: &[BlockQ80]) -> f32 {
 /// against q8_0: value `d * (q - 8)`.
 pub fn q4_0_row(w: &[u8], a: &[BlockQ80]) -> f32 {
     lanes_row::<18>(w, a, |wb, e| i32::from((wb[2 + e % 16] >> (4 * (e / 16))) & 0xF) - 8)
+}
+
+/// The pieces of Int4 group `g` (of `group` elements) that integer sums run over: one per q8_K
+/// block the group touches, as (block, first element within it, elements). A group lies within
+/// one block or spans whole ones (its size divides 256 or is a multiple of it; see
+/// [`super::int4_takes_q8k`]).
+#[inline(always)]
+pub(super) fn int4_pieces(g: usize, group: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    let e0 = g * group;
+    (0..group.div_ceil(QK_K)).map(move |p| {
+        let e = e0 + p * QK_K;
+        (e / QK_K, e % QK_K, group.min(QK_K))
+    })
+}
+
+/// Int4 groups (a 4-byte header: f16 scale, u8 zero, a reserved byte; then `group / 2` bytes,
+/// element 2i in the low nibble of byte i and 2i + 1 in the high one) against q8_K: value
+/// `scale * (q - zero)`. Per piece of a group within one q8_K block: lane k sums `q * a` over
+/// elements `4k..4k + 3` of each run of 32 (exact in i32), less `zero` times the sum of the
+/// piece's 16-value activation sums `bsums[j]` with `j % 8 == k`; then `lane = lane + (scale *
+/// a.d) * net`.
+pub fn int4_row(w: &[u8], group: usize, a: &[BlockQ8K]) -> f32 {
+    let header = kestrel_quant::int4::HEADER_BYTES;
+    let mut acc = [0.0f32; LANES];
+    for (g, wg) in w.chunks_exact(header + group / 2).enumerate() {
+        let (scale, zero) = (f16_at(wg, 0), i32::from(wg[2]));
+        for (p, (block, at, len)) in int4_pieces(g, group).enumerate() {
+            let ab = &a[block];
+            let mut sums = [0i32; LANES];
+            for r in (0..len).step_by(32) {
+                let bytes = &wg[header + (p * QK_K + r) / 2..];
+                let run = run_lanes(&ab.qs[at + r..at + r + 32], |b| i32::from((bytes[b / 2] >> (4 * (b % 2))) & 0xF));
+                for (s, v) in sums.iter_mut().zip(run) {
+                    *s += v;
+                }
+            }
+            let mut zero_lanes = [0i32; LANES];
+            for j in at / 16..(at + len) / 16 {
+                zero_lanes[j % LANES] += i32::from(ab.bsums[j]);
+            }
+            let dd = scale * ab.d;
+            for k in 0..LANES {
+                acc[k] += dd * (sums[k] - zero * zero_lanes[k]) as f32;
+            }
+        }
+    }
+    reduce_lanes(&acc)
 }
 
 #[cfg(test)]

@@ -5,7 +5,19 @@ use super::*;
 use crate::backend::cpu::dequant::tests::random_matrix;
 use crate::backend::cpu::matmul::CpuMatrix;
 
-const INT_FORMATS: [Dtype; 4] = [Dtype::Q4K, Dtype::Q6K, Dtype::Q8_0, Dtype::Q4_0];
+/// Int4 in every group shape its kernel takes: pieces of two and four 16-value sums, whole
+/// octets of them, and groups over several q8_K blocks (random zero bytes, up to 255).
+const INT_FORMATS: [Dtype; 9] = [
+    Dtype::Q4K,
+    Dtype::Q6K,
+    Dtype::Q8_0,
+    Dtype::Q4_0,
+    Dtype::Int4 { group: 32 },
+    Dtype::Int4 { group: 64 },
+    Dtype::Int4 { group: 128 },
+    Dtype::Int4 { group: 256 },
+    Dtype::Int4 { group: 512 },
+];
 
 fn random(n: usize, seed: &mut u64) -> Vec<f32> {
     (0..n)
@@ -52,8 +64,9 @@ fn every_kernel_thread_count_and_batch_gives_the_scalar_bits() {
     let mut seed = 42u64;
     let pools = [ThreadPool::new(1), ThreadPool::new(2), ThreadPool::new(3)];
     for dtype in INT_FORMATS {
-        // 45 rows: a split over threads with a remainder; 768 columns: three K-quant blocks.
-        let (out, k) = (45, 768);
+        // 45 rows: a split over threads with a remainder; 1024 columns: four K-quant blocks, two
+        // int4 groups of 512.
+        let (out, k) = (45, 1024);
         let w = CpuMatrix::from(random_matrix(dtype, out, k, &mut seed));
         for t in [1, 2, 3, 4, 5, 7, 11] {
             let x = activations(t, k, &mut seed);
@@ -75,7 +88,7 @@ fn every_kernel_thread_count_and_batch_gives_the_scalar_bits() {
 
 /// The activation blocks of a row as f64 values.
 fn dequantized_acts(dtype: Dtype, x: &[f32]) -> Vec<f64> {
-    if act_format(dtype) == Some(ActFormat::Q8K) {
+    if act_format(dtype, x.len()) == Some(ActFormat::Q8K) {
         let mut b = vec![BlockQ8K::default(); x.len() / QK_K];
         quantize_q8_k(x, &mut b);
         b.iter().flat_map(|b| b.qs.map(|q| f64::from(b.d) * f64::from(q))).collect()
@@ -107,7 +120,7 @@ fn integer_dots_are_the_dots_of_the_quantized_activations() {
         for i in 0..t {
             let xi = &x[i * k..(i + 1) * k];
             let xq = dequantized_acts(dtype, xi);
-            let block = if act_format(dtype) == Some(ActFormat::Q8K) { QK_K } else { QK8_0 };
+            let block = if act_format(dtype, k) == Some(ActFormat::Q8K) { QK_K } else { QK8_0 };
             for r in 0..out {
                 let wr = &wf[r * k..(r + 1) * k];
                 let reference: f64 = wr.iter().zip(&xq).map(|(&a, &b)| f64::from(a) * b).sum();
@@ -141,7 +154,7 @@ fn stacked_parts_mix_integer_and_exact_kernels() {
     let mut col = 0;
     for part in &parts {
         let alone = CpuMatrix::from(part.clone());
-        let want = if has_kernel(part.dtype) { int8_matmul(&pool, Isa::Scalar, &x, t, &alone) } else { matmul::matmul(&pool, Isa::Scalar, &x, t, &alone) };
+        let want = if has_kernel(part.dtype, k) { int8_matmul(&pool, Isa::Scalar, &x, t, &alone) } else { matmul::matmul(&pool, Isa::Scalar, &x, t, &alone) };
         for i in 0..t {
             assert_bits(&y[i * stacked.rows + col..][..part.rows], &want[i * part.rows..][..part.rows], &format!("{} part, token {i}", part.dtype));
         }
@@ -162,6 +175,10 @@ fn modes_parse_by_name_and_refuse_others() {
     for name in MatmulMode::NAMES {
         assert_eq!(name.parse::<MatmulMode>().unwrap().to_string(), name);
     }
+    // Int4 runs on q8_K blocks only where they tile its rows and groups; the rest is exact.
+    assert!(has_kernel(Dtype::Int4 { group: 128 }, 1280) && has_kernel(Dtype::Int4 { group: 512 }, 1024));
+    assert!(!has_kernel(Dtype::Int4 { group: 16 }, 512) && !has_kernel(Dtype::Int4 { group: 96 }, 768));
+    assert!(!has_kernel(Dtype::Int4 { group: 128 }, 384) && !has_kernel(Dtype::Int4 { group: 384 }, 768));
     let err = "fast".parse::<MatmulMode>().unwrap_err();
     assert_eq!(err, "unknown CPU matmul mode `fast`; expected one of: exact, int8");
 }
