@@ -108,6 +108,13 @@ fn first_visible_position(row: &RowLayout) -> usize {
 /// position order. A rotated value format sums values in the rotated space and un-rotates the
 /// sum once.
 pub(super) fn attend(pool: &ThreadPool, q_gate: &CpuTensor, q_norm: &[f32], d: &AttentionDims, layout: &BatchLayout, cache: &CpuCache, layer: usize) -> CpuTensor {
+    attend_within(pool, q_gate, q_norm, d, layout, cache, layer, DECODED_VALUES)
+}
+
+/// [`attend`], decoding the rows' keys and values ahead where they take at most `budget` f32
+/// values (the bits are the same either way).
+#[allow(clippy::too_many_arguments)]
+fn attend_within(pool: &ThreadPool, q_gate: &CpuTensor, q_norm: &[f32], d: &AttentionDims, layout: &BatchLayout, cache: &CpuCache, layer: usize, budget: usize) -> CpuTensor {
     let t = q_gate.rows;
     let (nq, nkv, hd) = (d.num_heads, d.num_kv_heads, d.head_dim);
     assert_eq!(q_gate.cols, nq * 2 * hd);
@@ -135,22 +142,33 @@ pub(super) fn attend(pool: &ThreadPool, q_gate: &CpuTensor, q_norm: &[f32], d: &
     let bs = cache.spec.block_size;
     let scale = 1.0 / (hd as f32).sqrt();
     let group = nq / nkv;
+    let slot_of = |ri: usize, p: usize| {
+        let table = &layout.rows[ri].block_table;
+        table[p / bs] as usize * bs + p % bs
+    };
+    let stored = StoredRows::decode(pool, layout, &positions, &rows, nkv, hd, budget, &|ri, p, kvh, key, out| {
+        let slot = slot_of(ri, p);
+        if key {
+            kv.read_key(layer, slot, kvh, out)
+        } else {
+            kv.read_value(layer, slot, kvh, out)
+        }
+    });
     let mut out = vec![0.0f32; t * nq * hd];
     let longest = positions.iter().max().map_or(0, |&p| p as usize + 1);
     pool.rows_mut(&mut out, hd, longest * hd * 2, &|idx, o| {
         let (ti, h) = (idx / nq, idx % nq);
         let (ri, _) = rows[ti];
         let row = &layout.rows[ri];
-        let table = &row.block_table;
         let qh = &q[ti * nq * hd + h * hd..][..hd];
         let kvh = h / group;
         let (first, ctx) = (first_visible_position(row), positions[ti] as usize + 1);
-        let slot = |p: usize| table[p / bs] as usize * bs + p % bs;
-        let mut stored = vec![0.0f32; hd];
+        // Where nothing was decoded ahead, each vector is decoded into `buf` as it is read.
+        let mut buf = vec![0.0f32; hd];
         let mut scores = Vec::with_capacity(ctx - first);
         for p in first..ctx {
-            kv.read_key(layer, slot(p), kvh, &mut stored);
-            scores.push(super::dot::dot(qh, &stored) * scale);
+            let key = fetch(&stored, &mut buf, ri, kvh, p, true, &|out| kv.read_key(layer, slot_of(ri, p), kvh, out));
+            scores.push(super::dot::dot(qh, key) * scale);
         }
         let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         let mut denom = 0.0f32;
@@ -159,9 +177,9 @@ pub(super) fn attend(pool: &ThreadPool, q_gate: &CpuTensor, q_norm: &[f32], d: &
             denom += *s;
         }
         for (p, s) in (first..ctx).zip(&scores) {
-            kv.read_value(layer, slot(p), kvh, &mut stored);
             let wgt = s / denom;
-            for (oj, vj) in o.iter_mut().zip(&stored) {
+            let value = fetch(&stored, &mut buf, ri, kvh, p, false, &|out| kv.read_value(layer, slot_of(ri, p), kvh, out));
+            for (oj, vj) in o.iter_mut().zip(value) {
                 *oj += wgt * vj;
             }
         }
@@ -173,4 +191,131 @@ pub(super) fn attend(pool: &ThreadPool, q_gate: &CpuTensor, q_norm: &[f32], d: &
         }
     });
     CpuTensor { data: out, rows: t, cols: nq * hd }
+}
+
+/// The stored key or value of (row, kv head, position): decoded ahead, or decoded now by
+/// `read` into `buf`.
+#[allow(clippy::too_many_arguments)]
+fn fetch<'a>(stored: &'a Option<StoredRows>, buf: &'a mut [f32], row: usize, kv_head: usize, position: usize, key: bool, read: &dyn Fn(&mut [f32])) -> &'a [f32] {
+    match stored {
+        Some(s) => s.vector(row, kv_head, position, key),
+        None => {
+            read(buf);
+            buf
+        }
+    }
+}
+
+/// Values decoded ahead for one attention call at most (64 MiB of f32): beyond it, each task
+/// decodes what it reads.
+const DECODED_VALUES: usize = 16 << 20;
+
+/// Every row's stored keys and values as f32, decoded once before the (token, head) tasks read
+/// them: the query heads of a group and the tokens of a row share them, where decoding per read
+/// repeated the work once per head and token. The values are the cache's decoding either way.
+struct StoredRows {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    /// Per row: where its vectors start (in vectors) and how many positions it holds.
+    rows: Vec<(usize, usize)>,
+    head_dim: usize,
+}
+
+impl StoredRows {
+    /// Decodes positions `0..end` of each row (its last token's position + 1) for every kv head
+    /// through `read(row, position, kv head, key?, out)`; None where that exceeds `budget`
+    /// values.
+    #[allow(clippy::too_many_arguments)]
+    fn decode(
+        pool: &ThreadPool,
+        layout: &BatchLayout,
+        positions: &[u32],
+        token_rows: &[(usize, usize)],
+        kv_heads: usize,
+        head_dim: usize,
+        budget: usize,
+        read: &(dyn Fn(usize, usize, usize, bool, &mut [f32]) + Sync),
+    ) -> Option<Self> {
+        let mut ends = vec![0usize; layout.rows.len()];
+        for (&(ri, _), &p) in token_rows.iter().zip(positions) {
+            ends[ri] = ends[ri].max(p as usize + 1);
+        }
+        let mut rows = Vec::with_capacity(ends.len());
+        let mut vectors = 0usize;
+        for &end in &ends {
+            rows.push((vectors, end));
+            vectors += kv_heads * end;
+        }
+        if vectors * head_dim * 2 > budget {
+            return None;
+        }
+        // Vector v of row ri is (kv head, position) = ((v - start) / end, (v - start) % end).
+        let owner: Vec<u32> = rows.iter().enumerate().flat_map(|(ri, &(_, end))| std::iter::repeat_n(ri as u32, kv_heads * end)).collect();
+        let mut stored = StoredRows { keys: vec![0.0; vectors * head_dim], values: vec![0.0; vectors * head_dim], rows, head_dim };
+        let place = |v: usize| {
+            let ri = owner[v] as usize;
+            let (start, end) = stored.rows[ri];
+            (ri, (v - start) / end, (v - start) % end)
+        };
+        let mut keys = std::mem::take(&mut stored.keys);
+        let mut values = std::mem::take(&mut stored.values);
+        pool.rows_mut(&mut keys, head_dim, head_dim * 4, &|v, out| {
+            let (ri, kvh, p) = place(v);
+            read(ri, p, kvh, true, out)
+        });
+        pool.rows_mut(&mut values, head_dim, head_dim * 4, &|v, out| {
+            let (ri, kvh, p) = place(v);
+            read(ri, p, kvh, false, out)
+        });
+        stored.keys = keys;
+        stored.values = values;
+        Some(stored)
+    }
+
+    fn vector(&self, row: usize, kv_head: usize, position: usize, key: bool) -> &[f32] {
+        let (start, end) = self.rows[row];
+        let at = (start + kv_head * end + position) * self.head_dim;
+        let plane = if key { &self.keys } else { &self.values };
+        &plane[at..at + self.head_dim]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::backend::{Backend, CacheSpec, KvDtype, LinearAttnShape, RowKind};
+
+    /// Keys and values decoded ahead give the bits of decoding each one as it is read, for every
+    /// KV format, over rows of different lengths in one batch (a prefill beside decode and
+    /// verify rows, on blocks out of order).
+    #[test]
+    fn decoding_ahead_keeps_the_bits_of_decoding_per_read() {
+        let cpu = CpuBackend::with_threads(2);
+        let (nq, nkv, hd) = (4, 2, 32);
+        let d = AttentionDims { num_heads: nq, num_kv_heads: nkv, head_dim: hd, rotary_dim: 16, rope_theta: 1e4, eps: 1e-6 };
+        let values = |n: usize, seed: u32| -> Vec<f32> { (0..n).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2000) as f32 / 1000.0 - 1.0).collect() };
+        let linear = LinearAttnShape { num_key_heads: 1, num_value_heads: 1, key_head_dim: 8, value_head_dim: 8, conv_kernel: 4, out_heads_tiled: false };
+        for kv_dtype in [KvDtype::F32, KvDtype::Bf16, KvDtype::Fp8, KvDtype::Tq3] {
+            let spec = CacheSpec { attention_layers: 1, num_blocks: 12, block_size: 8, kv_heads: nkv, head_dim: hd, kv_dtype, linear_layers: 0, linear: linear.clone(), state_slots: 3, snapshot_slots: 0, checkpoint_slots: 0 };
+            let mut cache = cpu.alloc_cache(&spec).unwrap();
+            let row = |kind, token_start, num_tokens, start_position, blocks: &[u32], slot| RowLayout { kind, token_start, num_tokens, start_position, block_table: blocks.to_vec(), state_slot: slot, snapshot_base: 0 };
+            // Fill the three sequences' caches, then one step with a row of each kind.
+            let fill = BatchLayout { rows: vec![row(RowKind::Prefill, 0, 19, 0, &[3, 0, 7], 0), row(RowKind::Prefill, 19, 9, 0, &[5, 1], 1), row(RowKind::Prefill, 28, 2, 0, &[9], 2)] };
+            let step = BatchLayout { rows: vec![row(RowKind::Prefill, 0, 5, 19, &[3, 0, 7, 11], 0), row(RowKind::Generate, 5, 1, 9, &[5, 1], 1), row(RowKind::Generate, 6, 3, 2, &[9], 2)] };
+            for (i, layout) in [fill, step].iter().enumerate() {
+                let n = layout.num_tokens();
+                let (qn, kn) = (vec![1.0f32; hd], vec![1.0f32; hd]);
+                let qg = cpu.from_host(&values(n * nq * 2 * hd, 3 + i as u32), n, nq * 2 * hd);
+                let (k, v) = (cpu.from_host(&values(n * nkv * hd, 7 + i as u32), n, nkv * hd), cpu.from_host(&values(n * nkv * hd, 11 + i as u32), n, nkv * hd));
+                write_keys_and_values(&k, &v, &kn, &d, layout, &mut cache, 0);
+                let ahead = attend_within(&cpu.pool, &qg, &qn, &d, layout, &cache, 0, DECODED_VALUES);
+                let per_read = attend_within(&cpu.pool, &qg, &qn, &d, layout, &cache, 0, 0);
+                assert_eq!(ahead.data.len(), n * nq * hd);
+                for (j, (a, b)) in ahead.data.iter().zip(&per_read.data).enumerate() {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{kv_dtype:?} layout {i} value {j}: {a} against {b}");
+                }
+            }
+        }
+    }
 }
