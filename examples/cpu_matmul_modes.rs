@@ -1,8 +1,7 @@
 //! CPU time of one matmul at qwen3.5-0.8b's FFN shape (3584 x 1024) in the CPU backend's two
 //! modes, exact and int8, for Q4_K, Q6_K, Q8_0 and int4 (groups of 128) weights, at 1 and 128
-//! tokens. CPU time of
-//! the calling thread (from /proc), not wall time, so a machine shared with other work still
-//! gives comparable figures. Usage: `cargo run --release --example cpu_matmul_modes [THREADS]`
+//! tokens. CPU time of the calling thread (from /proc), not wall time, so a machine shared with
+//! other work still gives comparable figures. Usage: `cargo run --release --example cpu_matmul_modes [THREADS]`
 //! (one thread, the default, keeps all the work on the measured thread).
 
 use kestrel::backend::cpu::int8;

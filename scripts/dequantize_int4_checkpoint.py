@@ -82,7 +82,8 @@ def main() -> None:
     if not quant or quant.get("bits") != 4:
         sys.exit(f"{src}: not an int4 checkpoint (quantization_config {quant!r})")
     packing = quant.get("packing_format") or quant.get("checkpoint_format") or "auto_gptq"
-    zero_offset = {"auto_round": 0, "gptq_v2": 0, "auto_round:auto_gptq": 1, "auto_gptq": 1, "gptq": 1}.get(packing)
+    # As Kestrel's loader reads them (src/model/weights/quantized.rs): GPTQ v1 stores zero - 1.
+    zero_offset = {"auto_round": 0, "auto_round:gptqmodel": 0, "gptq_v2": 0, "auto_round:auto_gptq": 1, "auto_round:gptq": 1, "auto_gptq": 1, "gptq": 1}.get(packing)
     if zero_offset is None:
         sys.exit(f"{src}: packing {packing!r} is not a GPTQ layout")
     group = int(quant["group_size"])

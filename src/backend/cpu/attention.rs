@@ -142,18 +142,17 @@ fn attend_within(pool: &ThreadPool, q_gate: &CpuTensor, q_norm: &[f32], d: &Atte
     let bs = cache.spec.block_size;
     let scale = 1.0 / (hd as f32).sqrt();
     let group = nq / nkv;
-    let slot_of = |ri: usize, p: usize| {
+    // The stored key (or value) of kv head `kvh` at position `p` of row `ri`, decoded.
+    let read = |ri: usize, p: usize, kvh: usize, key: bool, out: &mut [f32]| {
         let table = &layout.rows[ri].block_table;
-        table[p / bs] as usize * bs + p % bs
-    };
-    let stored = StoredRows::decode(pool, layout, &positions, &rows, nkv, hd, budget, &|ri, p, kvh, key, out| {
-        let slot = slot_of(ri, p);
+        let slot = table[p / bs] as usize * bs + p % bs;
         if key {
             kv.read_key(layer, slot, kvh, out)
         } else {
             kv.read_value(layer, slot, kvh, out)
         }
-    });
+    };
+    let stored = StoredRows::decode(pool, layout, &positions, &rows, nkv, hd, budget, &read);
     let mut out = vec![0.0f32; t * nq * hd];
     let longest = positions.iter().max().map_or(0, |&p| p as usize + 1);
     pool.rows_mut(&mut out, hd, longest * hd * 2, &|idx, o| {
@@ -167,7 +166,7 @@ fn attend_within(pool: &ThreadPool, q_gate: &CpuTensor, q_norm: &[f32], d: &Atte
         let mut buf = vec![0.0f32; hd];
         let mut scores = Vec::with_capacity(ctx - first);
         for p in first..ctx {
-            let key = fetch(&stored, &mut buf, ri, kvh, p, true, &|out| kv.read_key(layer, slot_of(ri, p), kvh, out));
+            let key = fetch(&stored, &mut buf, ri, kvh, p, true, &read);
             scores.push(super::dot::dot(qh, key) * scale);
         }
         let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
@@ -178,7 +177,7 @@ fn attend_within(pool: &ThreadPool, q_gate: &CpuTensor, q_norm: &[f32], d: &Atte
         }
         for (p, s) in (first..ctx).zip(&scores) {
             let wgt = s / denom;
-            let value = fetch(&stored, &mut buf, ri, kvh, p, false, &|out| kv.read_value(layer, slot_of(ri, p), kvh, out));
+            let value = fetch(&stored, &mut buf, ri, kvh, p, false, &read);
             for (oj, vj) in o.iter_mut().zip(value) {
                 *oj += wgt * vj;
             }
@@ -193,14 +192,18 @@ fn attend_within(pool: &ThreadPool, q_gate: &CpuTensor, q_norm: &[f32], d: &Atte
     CpuTensor { data: out, rows: t, cols: nq * hd }
 }
 
+/// How attention reads the cache: `read(row, position, kv head, key?, out)` decodes one stored
+/// vector.
+type ReadVector<'a> = dyn Fn(usize, usize, usize, bool, &mut [f32]) + Sync + 'a;
+
 /// The stored key or value of (row, kv head, position): decoded ahead, or decoded now by
 /// `read` into `buf`.
 #[allow(clippy::too_many_arguments)]
-fn fetch<'a>(stored: &'a Option<StoredRows>, buf: &'a mut [f32], row: usize, kv_head: usize, position: usize, key: bool, read: &dyn Fn(&mut [f32])) -> &'a [f32] {
+fn fetch<'a>(stored: &'a Option<StoredRows>, buf: &'a mut [f32], row: usize, kv_head: usize, position: usize, key: bool, read: &ReadVector) -> &'a [f32] {
     match stored {
         Some(s) => s.vector(row, kv_head, position, key),
         None => {
-            read(buf);
+            read(row, position, kv_head, key, buf);
             buf
         }
     }
@@ -223,19 +226,9 @@ struct StoredRows {
 
 impl StoredRows {
     /// Decodes positions `0..end` of each row (its last token's position + 1) for every kv head
-    /// through `read(row, position, kv head, key?, out)`; None where that exceeds `budget`
-    /// values.
+    /// through `read`; None where that exceeds `budget` values.
     #[allow(clippy::too_many_arguments)]
-    fn decode(
-        pool: &ThreadPool,
-        layout: &BatchLayout,
-        positions: &[u32],
-        token_rows: &[(usize, usize)],
-        kv_heads: usize,
-        head_dim: usize,
-        budget: usize,
-        read: &(dyn Fn(usize, usize, usize, bool, &mut [f32]) + Sync),
-    ) -> Option<Self> {
+    fn decode(pool: &ThreadPool, layout: &BatchLayout, positions: &[u32], token_rows: &[(usize, usize)], kv_heads: usize, head_dim: usize, budget: usize, read: &ReadVector) -> Option<Self> {
         let mut ends = vec![0usize; layout.rows.len()];
         for (&(ri, _), &p) in token_rows.iter().zip(positions) {
             ends[ri] = ends[ri].max(p as usize + 1);
@@ -249,27 +242,23 @@ impl StoredRows {
         if vectors * head_dim * 2 > budget {
             return None;
         }
-        // Vector v of row ri is (kv head, position) = ((v - start) / end, (v - start) % end).
-        let owner: Vec<u32> = rows.iter().enumerate().flat_map(|(ri, &(_, end))| std::iter::repeat_n(ri as u32, kv_heads * end)).collect();
-        let mut stored = StoredRows { keys: vec![0.0; vectors * head_dim], values: vec![0.0; vectors * head_dim], rows, head_dim };
+        // Vector v belongs to the last row starting at or before it (rows without tokens hold
+        // none), as (kv head, position) = ((v - start) / end, (v - start) % end).
         let place = |v: usize| {
-            let ri = owner[v] as usize;
-            let (start, end) = stored.rows[ri];
+            let ri = rows.partition_point(|&(start, _)| start <= v) - 1;
+            let (start, end) = rows[ri];
             (ri, (v - start) / end, (v - start) % end)
         };
-        let mut keys = std::mem::take(&mut stored.keys);
-        let mut values = std::mem::take(&mut stored.values);
-        pool.rows_mut(&mut keys, head_dim, head_dim * 4, &|v, out| {
-            let (ri, kvh, p) = place(v);
-            read(ri, p, kvh, true, out)
-        });
-        pool.rows_mut(&mut values, head_dim, head_dim * 4, &|v, out| {
-            let (ri, kvh, p) = place(v);
-            read(ri, p, kvh, false, out)
-        });
-        stored.keys = keys;
-        stored.values = values;
-        Some(stored)
+        let plane = |key: bool| {
+            let mut data = vec![0.0f32; vectors * head_dim];
+            pool.rows_mut(&mut data, head_dim, head_dim * 4, &|v, out| {
+                let (ri, kvh, p) = place(v);
+                read(ri, p, kvh, key, out)
+            });
+            data
+        };
+        let (keys, values) = (plane(true), plane(false));
+        Some(StoredRows { keys, values, rows, head_dim })
     }
 
     fn vector(&self, row: usize, kv_head: usize, position: usize, key: bool) -> &[f32] {
