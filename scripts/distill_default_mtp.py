@@ -35,20 +35,22 @@ import train_default_model as tdm  # noqa: E402
 from transformers import Qwen3_5TextConfig  # noqa: E402
 
 T0 = time.time()
+PROMPT = 96  # tokens of training text before each greedy continuation, as the self-agreement prompts
 
 
 def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
-def mtp_agreement_loss(model, mtp, x):
+def mtp_agreement_loss(model, mtp, x, first_row=0):
     """x [B, T+1]: the MTP's soft-target cross entropy against the main model's next-token
-    distribution one row later, and the share of rows whose argmaxes agree."""
+    distribution one row later, and the share of rows whose argmaxes agree, over MTP rows
+    first_row..T-2 (row t is fed h_t and token t+1, and drafts token t+2)."""
     inp = x[:, :-1]
     with torch.no_grad():
         h = model.model(input_ids=inp, use_cache=False).last_hidden_state
-        teacher = F.softmax(model.lm_head(h[:, 1:]).float(), dim=-1)  # main at rows 1..T-1 predicts t+2
-    m = tdm.mtp_hidden(model, mtp, inp, h.detach())  # rows 0..T-2
+        teacher = F.softmax(model.lm_head(h[:, 1 + first_row:]).float(), dim=-1)  # main at row t+1 predicts t+2
+    m = tdm.mtp_hidden(model, mtp, inp, h.detach())[:, first_row:]  # rows first_row..T-2
     logits = model.lm_head(m).float()
     loss = -(teacher * F.log_softmax(logits, dim=-1)).sum(-1).mean()
     agree = (logits.argmax(-1) == teacher.argmax(-1)).float().mean()
@@ -71,7 +73,12 @@ def main():
     ap.add_argument("--held-windows", type=int, default=48)
     ap.add_argument("--greedy-prompts", type=int, default=2048,
                     help="training-split prompts of 96 tokens continued greedily by the main model for 64 tokens; "
-                         "every other step trains on those continuations")
+                         "--greedy-share of the steps train on those continuations")
+    ap.add_argument("--greedy-share", type=float, default=0.5,
+                    help="share of the steps on the greedy continuations (the rest on training text)")
+    ap.add_argument("--greedy-generated-only", action="store_true",
+                    help="on the greedy continuations, train only the rows whose t+1 and t+2 were generated "
+                         "(the rows self-agreement counts), not the prompt's")
     args = ap.parse_args()
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -128,8 +135,8 @@ def main():
     greedy = None
     if args.greedy_prompts:
         pgen = torch.Generator(device=device).manual_seed(args.seed + 2)
-        starts = torch.randint(0, len(train_gpu) - 97, (args.greedy_prompts,), device=device, generator=pgen)
-        prompts = train_gpu[starts[:, None] + torch.arange(96, device=device)]
+        starts = torch.randint(0, len(train_gpu) - PROMPT - 1, (args.greedy_prompts,), device=device, generator=pgen)
+        prompts = train_gpu[starts[:, None] + torch.arange(PROMPT, device=device)]
         outs = []
         with torch.no_grad():
             for i in range(0, len(prompts), 512):
@@ -153,12 +160,15 @@ def main():
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
         for g in opt.param_groups:
             g["lr"] = lr
-        if greedy is not None and step % 2 == 1:
+        first_row = 0
+        # at share 0.5 this is every odd step, as the first distillation run had it
+        if greedy is not None and int((step + 1) * args.greedy_share) > int(step * args.greedy_share):
             x = greedy[torch.randint(0, len(greedy), (B * T // greedy.shape[1],), device=device, generator=gen)]
+            first_row = PROMPT - 1 if args.greedy_generated_only else 0
         else:
             x = train_gpu[torch.randint(0, len(train_gpu) - T - 1, (B,), device=device, generator=gen)[:, None] + ar]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            loss, agree = mtp_agreement_loss(model, mtp, x)
+            loss, agree = mtp_agreement_loss(model, mtp, x, first_row)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
         opt.step()
@@ -225,22 +235,32 @@ def main():
     h_loss, _, h_mtp_loss, mtp_top1 = tdm.heldout_eval_f32(ref, ref_mtp, held_stream, T, device)
     prompts = tdm.self_agreement_prompts(tok, held_docs, 1234)  # the first stage's default seed
     agree, agree_n, _ = tdm.mtp_self_agreement(ref, ref_mtp, prompts, 64, eot, device)
+    # the same measure on every held-out file long enough (32 prompts leave a standard error of ~0.007)
+    wide_prompts = tdm.self_agreement_prompts(tok, held_docs, 1234, count=len(held_docs))
+    wide, wide_n, _ = tdm.mtp_self_agreement(ref, ref_mtp, wide_prompts, 64, eot, device)
     log(f"from the file: held-out loss {h_loss:.4f} (main, unchanged), mtp loss {h_mtp_loss:.4f}, mtp top-1 (t+2) "
-        f"{mtp_top1:.4f}, mtp self-agreement {agree:.4f}")
+        f"{mtp_top1:.4f}, mtp self-agreement {agree:.4f} ({len(wide_prompts)} prompts: {wide:.4f})")
 
     with open(os.path.join(args.model, "eval.json")) as f:
         evals = json.load(f)
     first = {k: evals[k] for k in ("heldout_mtp_loss", "mtp_top1_t2", "mtp_self_agreement")}
     assert abs(evals["heldout_loss"] - h_loss) < 1e-4, (evals["heldout_loss"], h_loss)
+    # a run on an already distilled file continues it: the runs are kept in order
+    runs = evals.pop("mtp_distillation_runs", None) or ([evals.pop("mtp_distillation")] if "mtp_distillation" in evals else [])
     evals.update({"heldout_mtp_loss": h_mtp_loss, "mtp_top1_t2": mtp_top1, "mtp_self_agreement": agree,
                   "mtp_self_agreement_positions": agree_n,
-                  "mtp_distillation": {"steps": steps_done, "tokens": steps_done * B * T, "seconds": round(train_seconds, 1),
-                                       "lr": args.lr, "int4": method, "before": first,
+                  "mtp_self_agreement_all_heldout_files": {"prompts": len(wide_prompts), "positions": wide_n, "value": wide},
+                  "mtp_distillation_runs": runs + [{"command_args": sys.argv[1:], "steps": steps_done,
+                                       "tokens": steps_done * B * T, "seconds": round(train_seconds, 1),
+                                       "lr": args.lr, "greedy_prompts": args.greedy_prompts,
+                                       "greedy_share": args.greedy_share,
+                                       "greedy_generated_only": args.greedy_generated_only,
+                                       "int4": method, "before": first,
                                        "heldout48_soft_loss": {"before": before[0], "after_float": after[0],
                                                                **{k: v[0] for k, v in results.items()}},
                                        "heldout48_argmax_agreement": {"before": before[1], "after_float": after[1],
                                                                       **{k: v[1] for k, v in results.items()}},
-                                       "history": history}})
+                                       "history": history}]})
     with open(os.path.join(args.model, "eval.json"), "w") as f:
         json.dump(evals, f, indent=2)
 
@@ -251,23 +271,26 @@ def main():
     extra = [a for a in sys.argv[1:] if a not in ("--model", args.model)]
     if extra:
         cmd += " " + " ".join(extra)
+    title = "## MTP distillation (second stage)" if not runs else f"## MTP distillation, run {len(runs) + 1} (continues the file above)"
+    rows = "the rows whose t+1 and t+2 were generated" if args.greedy_generated_only else "every row"
     section = f"""
-## MTP distillation (second stage)
+{title}
 
 `{cmd}`: the MTP module alone,
-{steps_done} steps of {B} x {T} tokens ({train_seconds:.0f} s), half of them training text and half the main model's
-greedy continuations of {args.greedy_prompts} training prompts, trained on the main model's next-token
-distribution (soft-target cross entropy; main model frozen as exported), then its linears quantized again
-(int4 {method}). The main model's tensors are unchanged.
+{steps_done} steps of {B} x {T} tokens ({train_seconds:.0f} s), {args.greedy_share:.0%} of them on the main model's
+greedy continuations of {args.greedy_prompts} training prompts ({rows}), the rest on training text, trained on the
+main model's next-token distribution (soft-target cross entropy; main model frozen as exported), then its linears
+quantized again (int4 {method}). The main model's tensors are unchanged.
 
-| MTP figure | first stage | after distillation |
+| MTP figure | before this run | after it |
 |---|---|---|
 | held-out loss against the data (t+2) | {first['heldout_mtp_loss']:.4f} | {h_mtp_loss:.4f} |
 | top-1 accuracy for t+2 (true h_t, true t+1) | {first['mtp_top1_t2']:.4f} | {mtp_top1:.4f} |
 | argmax agreement with the main model, 48 held-out windows | {before[1]:.4f} | {results[method][1]:.4f} |
 | self-agreement on greedy text (draft position-0 acceptance) | {first['mtp_self_agreement']:.4f} | {agree:.4f} |
 
-The tables above this section show the first stage's MTP figures; eval.json holds the final ones.
+The same self-agreement over {len(wide_prompts)} held-out prompts (every held-out file of 256 tokens or more) instead of
+32: {wide:.4f} over {wide_n} positions. The sections above this one show earlier MTP figures; eval.json holds the final ones.
 """
     marker = "\nGreedy sample (64 tokens, CPU float32):"
     readme = readme.replace(marker, section + marker, 1)

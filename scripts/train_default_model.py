@@ -455,8 +455,8 @@ def heldout_eval_f32(model, mtp, stream, win, device, batch=32):
     return tot / cnt, cnt, mtot / mcnt, mhit / mcnt
 
 
-def self_agreement_prompts(tok, held_docs, seed):
-    """32 held-out prefixes of 96 tokens from random points of held-out files (seeded by the
+def self_agreement_prompts(tok, held_docs, seed, count=32):
+    """`count` held-out prefixes of 96 tokens from random points of held-out files (seeded by the
     training run's seed + 2, so the distillation stage scores the same prompts)."""
     prng = random.Random(seed + 2)
     cands = [t for _, t in held_docs]
@@ -467,7 +467,7 @@ def self_agreement_prompts(tok, held_docs, seed):
         if len(ids) >= 256:
             cut = prng.randint(96, len(ids) - 1)
             prompts.append(np.asarray(ids[cut - 96:cut], dtype=np.int64))
-        if len(prompts) == 32:
+        if len(prompts) == count:
             break
     return prompts
 
