@@ -83,14 +83,22 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
             snapshot_base: 0,
         });
     }
-    // Every row's last token gets logits; those of rows that want no drafts are not used.
-    let mut out = drafter.forward(cache, &ids, step_hidden, &hidden_rows, &layout);
     let wanting: Vec<usize> = (0..items.len()).filter(|&n| items[n].drafts_wanted > 0).collect();
-    if wanting.is_empty() {
-        // A catch-up only (prompts still prefilling, or the back-off offering no drafts).
+    let replays_graphs = graphs.is_some() && b.replays_graphs();
+    if wanting.is_empty() && !replays_graphs {
+        // A catch-up only (prompts still prefilling, or the back-off offering no drafts): the
+        // layer's cache at the committed positions is all it leaves, so no logits are made.
+        // (A backend that replays graphs replays the captured forward instead: one launch.)
+        let x = b.gather_rows(step_hidden, &hidden_rows);
+        mtp.write_cache(model, b, &ids, &x, &layout, cache);
         return drafts;
     }
-    if let Some(padding) = graphs.filter(|_| b.replays_graphs()) {
+    // Every row's last token gets logits; those of rows that want no drafts are not used.
+    let mut out = drafter.forward(cache, &ids, step_hidden, &hidden_rows, &layout);
+    if wanting.is_empty() {
+        return drafts;
+    }
+    if let Some(padding) = graphs.filter(|_| replays_graphs) {
         return drafter.chain_on_device(cache, &out, items, &wanting, padding);
     }
     let first = argmax_rows(b, &out.logits, items.len());

@@ -48,17 +48,28 @@ impl<B: Backend> Mtp<B> {
 
     /// One MTP step over `tokens` (the token after each hidden row) and `hidden` `[T, H]`.
     pub fn forward(&self, model: &Qwen35<B>, b: &B, tokens: &[u32], hidden: &B::Tensor, layout: &BatchLayout, logit_rows: &[u32], cache: &mut B::Cache) -> MtpOutput<B> {
-        let eps = model.config.rms_norm_eps;
-        let e = b.rms_norm(&b.embed(&model.embed, tokens), &self.norm_embedding, eps);
-        let hn = b.rms_norm(hidden, &self.norm_hidden, eps);
-        let mut x = b.matmul(&b.concat_cols(&e, &hn), &self.fc);
-        let h = b.rms_norm(&x, &self.layer.input_norm, eps);
-        let hidden = self.layer.forward(model, b, &mut x, LayerInput::Normed(h), &self.final_norm, None, layout, cache).normed();
+        let hidden = self.layer_output(model, b, tokens, hidden, layout, cache);
         // Only the rows that get logits go on; every token's row where they are all of them.
         let all_in_order = logit_rows.len() == tokens.len() && logit_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
         let hidden = if all_in_order { hidden } else { b.gather_rows(&hidden, logit_rows) };
         let in_order: Vec<u32> = (0..logit_rows.len() as u32).collect();
         let logits = logits_of_rows(b, &hidden, logit_rows.len(), &in_order, model.lm_head());
         MtpOutput { logits, hidden }
+    }
+
+    /// The step's keys and values written into the layer's cache, as [`Mtp::forward`] writes
+    /// them, without the logits: a catch-up whose rows draft nothing needs only these.
+    pub fn write_cache(&self, model: &Qwen35<B>, b: &B, tokens: &[u32], hidden: &B::Tensor, layout: &BatchLayout, cache: &mut B::Cache) {
+        self.layer_output(model, b, tokens, hidden, layout, cache);
+    }
+
+    /// The layer's `mtp.norm`-ed output of every token; writes the layer's cache.
+    fn layer_output(&self, model: &Qwen35<B>, b: &B, tokens: &[u32], hidden: &B::Tensor, layout: &BatchLayout, cache: &mut B::Cache) -> B::Tensor {
+        let eps = model.config.rms_norm_eps;
+        let e = b.rms_norm(&b.embed(&model.embed, tokens), &self.norm_embedding, eps);
+        let hn = b.rms_norm(hidden, &self.norm_hidden, eps);
+        let mut x = b.matmul(&b.concat_cols(&e, &hn), &self.fc);
+        let h = b.rms_norm(&x, &self.layer.input_norm, eps);
+        self.layer.forward(model, b, &mut x, LayerInput::Normed(h), &self.final_norm, None, layout, cache).normed()
     }
 }
