@@ -49,8 +49,8 @@ fn draft_round(b: &CpuBackend, model: &Qwen35<CpuBackend>, cache: &mut <CpuBacke
     propose_mtp(model, b, cache, &out.hidden, &items, None)
 }
 
-/// A catch-up whose rows draft nothing (the back-off offering none) writes only the MTP
-/// layer's cache and makes no logits: the drafts after it are those after a catch-up that
+/// A catch-up whose rows draft nothing (prompt pieces, rows without room for drafts) writes
+/// only the MTP layer's cache and makes no logits: the drafts after it are those after a catch-up that
 /// drafted, on a cache of its own, token for token. A catch-up that skipped or misplaced its
 /// cache rows would change the later drafts.
 #[test]

@@ -86,8 +86,9 @@ pub fn propose_mtp<B: Backend>(model: &Qwen35<B>, b: &B, cache: &mut B::Cache, s
     let wanting: Vec<usize> = (0..items.len()).filter(|&n| items[n].drafts_wanted > 0).collect();
     let replays_graphs = graphs.is_some() && b.replays_graphs();
     if wanting.is_empty() && !replays_graphs {
-        // A catch-up only (prompts still prefilling, or the back-off offering no drafts): the
-        // layer's cache at the committed positions is all it leaves, so no logits are made.
+        // A catch-up only (prompt pieces, whose drafter KV the prefix cache shares, or rows
+        // without room for drafts): the layer's cache at the committed positions is all it
+        // leaves, so no logits are made.
         // (A backend that replays graphs replays the captured forward instead: one launch.)
         let x = b.gather_rows(step_hidden, &hidden_rows);
         mtp.write_cache(model, b, &ids, &x, &layout, cache);
