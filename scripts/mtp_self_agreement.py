@@ -20,11 +20,10 @@ import os
 import sys
 
 import torch
-from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_default_model as tdm  # noqa: E402
-from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
+from transformers import Qwen3_5TextConfig  # noqa: E402
 
 
 def load(model_dir, device):
@@ -34,11 +33,8 @@ def load(model_dir, device):
     if "quantization_config" in cj:
         cfg = Qwen3_5TextConfig.from_dict({k: v for k, v in cj.items() if k != "quantization_config"})
         return tdm.load_int4_reference(path, cfg, cj["quantization_config"]["group_size"], device)
-    model = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    tdm.set_chunk_delta_rule(model, tdm._ORIG_CHUNK)
-    mtp = tdm.MTP(model.config)
-    mtp.load_state_dict({k[4:]: v.float() for k, v in load_file(path).items() if k.startswith("mtp.")})
-    return model.to(device), mtp.eval().to(device)
+    model, mtp = tdm.load_float_reference(model_dir)
+    return model.to(device), mtp.to(device)
 
 
 def main():

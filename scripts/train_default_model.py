@@ -407,6 +407,17 @@ def load_int4_reference(path, cfg, group, device):
     return ref, ref_mtp
 
 
+def load_float_reference(model_dir):
+    """A float checkpoint directory (the earlier default model) on the CPU in float32: transformers'
+    model and our MTP module."""
+    model = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    set_chunk_delta_rule(model, _ORIG_CHUNK)
+    mtp = MTP(model.config)
+    mtp.load_state_dict({k[4:]: v.float() for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()
+                         if k.startswith("mtp.")})
+    return model, mtp.eval()
+
+
 def count_params(model, mtp):
     n_main = sum(p.numel() for p in model.parameters())  # tied lm_head counted once
     n_mtp = sum(p.numel() for p in mtp.parameters())
@@ -821,12 +832,7 @@ def main():
 
     baseline = None
     if args.baseline:
-        base = Qwen3_5ForCausalLM.from_pretrained(args.baseline, dtype=torch.float32, attn_implementation="sdpa").eval()
-        set_chunk_delta_rule(base, _ORIG_CHUNK)
-        base_mtp = MTP(base.config)
-        base_mtp.load_state_dict({k[4:]: v.float() for k, v in load_file(os.path.join(args.baseline, "model.safetensors")).items()
-                                  if k.startswith("mtp.")})
-        base_mtp.eval()
+        base, base_mtp = load_float_reference(args.baseline)
         base_sample, _, _ = window_nll(base, sample_ids, 256, "cpu")
         base, base_mtp = base.to(device), base_mtp.to(device)
         b_loss, _, b_mtp_loss, b_top1 = heldout_eval_f32(base, base_mtp, held_stream, T, device)

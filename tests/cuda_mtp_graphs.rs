@@ -6,15 +6,15 @@ mod common;
 mod cuda_support;
 
 use common::conversation::humaneval_tokens;
+use common::mtp_rounds::{draft_round, DraftSeq};
 use common::{request, run_staggered};
 use cuda_support::*;
-use kestrel::backend::cuda::CudaBackend;
 use kestrel::backend::sampling::SamplingParams;
-use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout, StepLimits};
+use kestrel::backend::{Backend, StepLimits};
 use kestrel::engine::graphed::{startup_shapes, GraphPadding};
 use kestrel::engine::padding::{CaptureSizes, PadLimits, Scratch};
 use kestrel::engine::request::SpecMethod;
-use kestrel::engine::spec::mtp::{capture_mtp_at_startup, propose_mtp, MtpCatchUp};
+use kestrel::engine::spec::mtp::capture_mtp_at_startup;
 use kestrel::engine::{Engine, EngineConfig};
 use kestrel::model::arch::qwen35::Qwen35;
 use kestrel::model::ModelFiles;
@@ -22,36 +22,6 @@ use kestrel::model::ModelFiles;
 const BLOCK_SIZE: usize = 16;
 /// Blocks per sequence: room for its prompt, the rounds' tokens and k chained drafts.
 const BLOCKS_EACH: usize = 12;
-
-/// One sequence of the drafting test: its text, how much of it is committed, its cache rows.
-struct Seq {
-    text: Vec<u32>,
-    len: usize,
-    table: Vec<u32>,
-    slot: usize,
-}
-
-/// Runs the main model over `pieces` (sequence, tokens) as prefill rows continuing each
-/// sequence, then the drafter's catch-up over them and its k chained drafts; returns the drafts.
-fn draft_round(gpu: &CudaBackend, model: &Qwen35<CudaBackend>, cache: &mut <CudaBackend as Backend>::Cache, seqs: &[Seq], pieces: &[(usize, usize)], k: usize, graphs: Option<&GraphPadding>) -> Vec<Vec<u32>> {
-    let (mut ids, mut layout, mut items) = (Vec::new(), BatchLayout::default(), Vec::new());
-    for &(s, n) in pieces {
-        let seq = &seqs[s];
-        let token_start = ids.len();
-        ids.extend_from_slice(&seq.text[seq.len..seq.len + n]);
-        layout.rows.push(RowLayout { kind: RowKind::Prefill, token_start, num_tokens: n, start_position: seq.len, block_table: seq.table.clone(), state_slot: seq.slot, snapshot_base: 0 });
-        items.push(MtpCatchUp {
-            start_position: seq.len,
-            hidden_start: token_start,
-            count: n,
-            next_tokens: seq.text[seq.len + 1..seq.len + n + 1].to_vec(),
-            block_table: seq.table.clone(),
-            drafts_wanted: k,
-        });
-    }
-    let out = model.forward(gpu, &ids, &layout, &[ids.len() as u32 - 1], cache);
-    propose_mtp(model, gpu, cache, &out.hidden, &items, graphs)
-}
 
 /// Drafts of 1, 3 and 17 sequences at k = 1, 3 and 8, whose catch-ups commit 1..k+1 tokens
 /// per row (every row count and token mix pads to a capture size), each round against the
@@ -86,7 +56,7 @@ fn graphed_mtp_drafts_equal_the_eager_drafters() {
             let slots: Vec<usize> = (0..n).collect();
             gpu.reset_states(&mut eager_cache, &slots);
             gpu.reset_states(&mut graphed_cache, &slots);
-            let mut seqs: Vec<Seq> = (0..n).map(|i| Seq { text: text[i * 173..i * 173 + 200].to_vec(), len: 0, table: (0..BLOCKS_EACH as u32).map(|b| (i * BLOCKS_EACH) as u32 + b).collect(), slot: i }).collect();
+            let mut seqs: Vec<DraftSeq> = (0..n).map(|i| DraftSeq { text: text[i * 173..i * 173 + 200].to_vec(), len: 0, table: (0..BLOCKS_EACH as u32).map(|b| (i * BLOCKS_EACH) as u32 + b).collect(), slot: i }).collect();
             for round in 0..12 {
                 // The prompt first (a long catch-up, eager both ways), then 1..k+1 tokens a row.
                 let pieces: Vec<(usize, usize)> = (0..n).map(|s| (s, if round == 0 { 20 + 3 * s } else { 1 + rng.below(k + 1) })).collect();

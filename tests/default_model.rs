@@ -5,14 +5,13 @@
 mod common;
 
 use common::conversation::humaneval_tokens;
+use common::mtp_rounds::{draft_round, DraftSeq};
 use common::*;
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::sampling::SamplingParams;
-use kestrel::backend::{Backend, BatchLayout, RowKind, RowLayout};
+use kestrel::backend::Backend;
 use kestrel::engine::request::SpecMethod;
-use kestrel::engine::spec::mtp::{propose_mtp, MtpCatchUp};
 use kestrel::engine::EngineConfig;
-use kestrel::model::arch::qwen35::Qwen35;
 
 #[test]
 fn mtp_first_draft_acceptance_matches_training() {
@@ -33,26 +32,10 @@ fn mtp_first_draft_acceptance_matches_training() {
     assert!((got - want).abs() < 0.05, "MTP acceptance {got:.3} is far from the trained {want:.3}: check the hidden state, norms or token shift");
 }
 
-/// Runs the main model over `pieces` (sequence, tokens) continuing each sequence, then the MTP
-/// catch-up over them; sequences in `drafting` ask for k drafts, the others for none. Returns
-/// each piece's drafts.
-fn draft_round(b: &CpuBackend, model: &Qwen35<CpuBackend>, cache: &mut <CpuBackend as Backend>::Cache, seqs: &[(Vec<u32>, usize, Vec<u32>)], pieces: &[(usize, usize)], k: usize, drafting: bool) -> Vec<Vec<u32>> {
-    let (mut ids, mut layout, mut items) = (Vec::new(), BatchLayout::default(), Vec::new());
-    for &(s, n) in pieces {
-        let (text, len, table) = &seqs[s];
-        let token_start = ids.len();
-        ids.extend_from_slice(&text[*len..*len + n]);
-        layout.rows.push(RowLayout { kind: RowKind::Prefill, token_start, num_tokens: n, start_position: *len, block_table: table.clone(), state_slot: s, snapshot_base: 0 });
-        items.push(MtpCatchUp { start_position: *len, hidden_start: token_start, count: n, next_tokens: text[*len + 1..*len + n + 1].to_vec(), block_table: table.clone(), drafts_wanted: if drafting { k } else { 0 } });
-    }
-    let out = model.forward(b, &ids, &layout, &[ids.len() as u32 - 1], cache);
-    propose_mtp(model, b, cache, &out.hidden, &items, None)
-}
-
 /// A catch-up whose rows draft nothing (prompt pieces, rows without room for drafts) writes
-/// only the MTP layer's cache and makes no logits: the drafts after it are those after a catch-up that
-/// drafted, on a cache of its own, token for token. A catch-up that skipped or misplaced its
-/// cache rows would change the later drafts.
+/// only the MTP layer's cache and makes no logits: the drafts after it are those after a
+/// catch-up that drafted, on a cache of its own, token for token. A catch-up that skipped or
+/// misplaced its cache rows would change the later drafts.
 #[test]
 fn a_catch_up_without_drafts_writes_the_cache_a_drafting_one_writes() {
     let (files, model) = default_model();
@@ -62,13 +45,13 @@ fn a_catch_up_without_drafts_writes_the_cache_a_drafting_one_writes() {
     let spec = model.cache_spec(n * blocks_each, block_size, n, 0);
     let mut drafting = b.alloc_cache(&spec).expect("cache");
     let mut skipping = b.alloc_cache(&spec).expect("cache");
-    let mut seqs: Vec<(Vec<u32>, usize, Vec<u32>)> = (0..n).map(|i| (text[i * 173..i * 173 + 120].to_vec(), 0, (0..blocks_each as u32).map(|x| (i * blocks_each) as u32 + x).collect())).collect();
+    let mut seqs: Vec<DraftSeq> = (0..n).map(|i| DraftSeq { text: text[i * 173..i * 173 + 120].to_vec(), len: 0, table: (0..blocks_each as u32).map(|x| (i * blocks_each) as u32 + x).collect(), slot: i }).collect();
     let mut compared = 0;
     for round in 0..10 {
         let pieces: Vec<(usize, usize)> = (0..n).map(|s| (s, if round == 0 { 20 + 3 * s } else { 1 + (round * 7 + s * 3) % (k + 1) })).collect();
-        let want = draft_round(&b, &model, &mut drafting, &seqs, &pieces, k, true);
+        let want = draft_round(&b, &model, &mut drafting, &seqs, &pieces, k, None);
         // Every other round the second cache's catch-up drafts nothing.
-        let got = draft_round(&b, &model, &mut skipping, &seqs, &pieces, k, round % 2 == 0);
+        let got = draft_round(&b, &model, &mut skipping, &seqs, &pieces, if round % 2 == 0 { k } else { 0 }, None);
         if round % 2 == 0 {
             assert_eq!(got, want, "round {round} ({pieces:?}): drafts after catch-ups without drafts differ");
             assert!(want.iter().all(|d| d.len() == k), "round {round}: a sequence drafted fewer than {k}: {want:?}");
@@ -77,7 +60,7 @@ fn a_catch_up_without_drafts_writes_the_cache_a_drafting_one_writes() {
             assert!(got.iter().all(Vec::is_empty), "round {round}: a catch-up without drafts drafted {got:?}");
         }
         for (s, count) in pieces {
-            seqs[s].1 += count;
+            seqs[s].len += count;
         }
     }
     assert_eq!(compared, 5);

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod conversation;
+pub mod mtp_rounds;
 
 use kestrel::backend::cpu::CpuBackend;
 use kestrel::backend::{Backend, BatchLayout, CacheSpec, KvDtype, RowKind, RowLayout};
