@@ -42,17 +42,21 @@ def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
-def mtp_agreement_loss(model, mtp, x, first_row=0):
+def mtp_agreement_loss(model, mtp, x, first_row=0, hard_weight=0.0):
     """x [B, T+1]: the MTP's soft-target cross entropy against the main model's next-token
-    distribution one row later, and the share of rows whose argmaxes agree, over MTP rows
-    first_row..T-2 (row t is fed h_t and token t+1, and drafts token t+2)."""
+    distribution one row later (plus `hard_weight` times the cross entropy against that
+    distribution's argmax, the token a draft must equal), and the share of rows whose argmaxes
+    agree, over MTP rows first_row..T-2 (row t is fed h_t and token t+1, and drafts token t+2)."""
     inp = x[:, :-1]
     with torch.no_grad():
         h = model.model(input_ids=inp, use_cache=False).last_hidden_state
         teacher = F.softmax(model.lm_head(h[:, 1 + first_row:]).float(), dim=-1)  # main at row t+1 predicts t+2
     m = tdm.mtp_hidden(model, mtp, inp, h.detach())[:, first_row:]  # rows first_row..T-2
     logits = model.lm_head(m).float()
-    loss = -(teacher * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+    logp = F.log_softmax(logits, dim=-1)
+    loss = -(teacher * logp).sum(-1).mean()
+    if hard_weight:
+        loss = loss + hard_weight * F.nll_loss(logp.flatten(0, 1), teacher.argmax(-1).flatten())
     agree = (logits.argmax(-1) == teacher.argmax(-1)).float().mean()
     return loss, agree
 
@@ -79,6 +83,9 @@ def main():
     ap.add_argument("--greedy-generated-only", action="store_true",
                     help="on the greedy continuations, train only the rows whose t+1 and t+2 were generated "
                          "(the rows self-agreement counts), not the prompt's")
+    ap.add_argument("--hard-label-weight", type=float, default=0.0,
+                    help="weight of a cross entropy against the main model's argmax next to the soft-target loss")
+    ap.add_argument("--greedy-batch", type=int, default=512, help="prompts per generate call of the greedy continuations")
     args = ap.parse_args()
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -139,8 +146,8 @@ def main():
         prompts = train_gpu[starts[:, None] + torch.arange(PROMPT, device=device)]
         outs = []
         with torch.no_grad():
-            for i in range(0, len(prompts), 512):
-                outs.append(tdm.greedy_continuations(model, prompts[i:i + 512], 64, eot))
+            for i in range(0, len(prompts), args.greedy_batch):
+                outs.append(tdm.greedy_continuations(model, prompts[i:i + args.greedy_batch], 64, eot))
         greedy = torch.cat(outs)
         log(f"greedy continuations: {tuple(greedy.shape)}")
 
@@ -168,7 +175,7 @@ def main():
         else:
             x = train_gpu[torch.randint(0, len(train_gpu) - T - 1, (B,), device=device, generator=gen)[:, None] + ar]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            loss, agree = mtp_agreement_loss(model, mtp, x, first_row)
+            loss, agree = mtp_agreement_loss(model, mtp, x, first_row, args.hard_label_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
         opt.step()
@@ -255,6 +262,7 @@ def main():
                                        "lr": args.lr, "greedy_prompts": args.greedy_prompts,
                                        "greedy_share": args.greedy_share,
                                        "greedy_generated_only": args.greedy_generated_only,
+                                       "hard_label_weight": args.hard_label_weight,
                                        "int4": method, "before": first,
                                        "heldout48_soft_loss": {"before": before[0], "after_float": after[0],
                                                                **{k: v[0] for k, v in results.items()}},
@@ -273,13 +281,14 @@ def main():
         cmd += " " + " ".join(extra)
     title = "## MTP distillation (second stage)" if not runs else f"## MTP distillation, run {len(runs) + 1} (continues the file above)"
     rows = "the rows whose t+1 and t+2 were generated" if args.greedy_generated_only else "every row"
+    hard = f", plus {args.hard_label_weight} x the cross entropy against its argmax" if args.hard_label_weight else ""
     section = f"""
 {title}
 
 `{cmd}`: the MTP module alone,
 {steps_done} steps of {B} x {T} tokens ({train_seconds:.0f} s), {args.greedy_share:.0%} of them on the main model's
 greedy continuations of {args.greedy_prompts} training prompts ({rows}), the rest on training text, trained on the
-main model's next-token distribution (soft-target cross entropy; main model frozen as exported), then its linears
+main model's next-token distribution (soft-target cross entropy{hard}; main model frozen as exported), then its linears
 quantized again (int4 {method}). The main model's tensors are unchanged.
 
 | MTP figure | before this run | after it |
