@@ -7,7 +7,7 @@
 use kestrel::backend::cpu::int8;
 use kestrel::backend::cpu::matmul::{self, CpuMatrix, Store};
 use kestrel::backend::cpu::pool::ThreadPool;
-use kestrel::backend::cpu::Isa;
+use kestrel::backend::cpu::{Isa, MatmulMode};
 use kestrel::backend::weight_bytes::{MatrixBytes, SharedBytes};
 use kestrel_quant::Dtype;
 
@@ -37,7 +37,7 @@ fn main() {
                 for _ in 0..reps { matmul::matmul_into(&pool, Isa::detect(), &x, t, &w, &mut y, Store::Set); }
                 let e = (cpu() - t0) / reps as f64;
                 let t1 = cpu();
-                for _ in 0..reps { int8::matmul_into(&pool, Isa::detect(), &x, t, &w, &mut y, Store::Set); }
+                for _ in 0..reps { int8::matmul_into(&pool, Isa::detect(), MatmulMode::Int8, &x, t, &w, &mut y, Store::Set); }
                 let i = (cpu() - t1) / reps as f64;
                 let gmac = (t * out * k) as f64 / 1e9;
                 println!("{dtype} t={t} rep {rep}: exact {:.2} ms ({:.1} GMAC/s)  int8 {:.2} ms ({:.1} GMAC/s)", e * 1e3, gmac / e, i * 1e3, gmac / i);

@@ -203,7 +203,9 @@ fn the_thread_count_keeps_the_text() {
 }
 
 /// `--cpu-matmul int8` runs llama.cpp's Q4_K_M file on the integer path: its text does not
-/// depend on the thread count either, and perplexity takes the flag too.
+/// depend on the thread count either, and perplexity takes the flag too. Without the flag
+/// (auto) the file's Q4_K and Q6_K weights take the integer path as well: not exact mode's
+/// figure, and the same as `--cpu-matmul auto`.
 #[test]
 fn the_int8_cpu_matmul_runs_a_quantized_file_and_keeps_the_thread_invariance() {
     let gguf = root().join("tests/fixtures/peer/kc-Q4_K_M.gguf");
@@ -216,8 +218,11 @@ fn the_int8_cpu_matmul_runs_a_quantized_file_and_keeps_the_thread_invariance() {
     let text = dir.path().join("text.txt");
     std::fs::write(&text, std::fs::read_to_string(root().join("models/kestrel-coder/heldout.txt")).unwrap().chars().take(3000).collect::<String>()).unwrap();
     let ppl = |mode: &str| ok_json(&["perplexity", "--model", model, "--file", text.to_str().unwrap(), "--context", "256", "--device", "cpu", "--cpu-matmul", mode, "--json"])["perplexity"].as_f64().expect("a perplexity");
-    let (exact, int8) = (ppl("exact"), ppl("int8"));
+    let (exact, int8, auto) = (ppl("exact"), ppl("int8"), ppl("auto"));
     assert!(exact.is_finite() && exact > 1.0 && exact != int8 && (int8 / exact - 1.0).abs() < 0.01, "perplexity exact {exact}, int8 {int8}");
+    assert!(auto != exact && (auto / exact - 1.0).abs() < 0.01, "perplexity exact {exact}, auto {auto}");
+    let default = ok_json(&["perplexity", "--model", model, "--file", text.to_str().unwrap(), "--context", "256", "--device", "cpu", "--json"])["perplexity"].as_f64();
+    assert_eq!(default, Some(auto), "the default CPU matmul mode is not auto");
 }
 
 /// A real-size model with random weights runs on the CPU (the values the GPU would make).
@@ -264,7 +269,7 @@ fn bad_input_gets_a_clear_error() {
     fails_with(&["bench", "-t", "0", "--num-prompts", "1"], "--threads must be at least 1");
     fails_with(&["run", "hi", "--load-format", "dummy"], "needs --model PRESET");
     fails_with(&["run", "hi", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]");
-    fails_with(&["run", "hi", "--cpu-matmul", "fast"], "unknown CPU matmul mode `fast`; expected one of: exact, int8");
+    fails_with(&["run", "hi", "--cpu-matmul", "fast"], "unknown CPU matmul mode `fast`; expected one of: exact, int8, auto");
     fails_with(&["perplexity", "--cpu-matmul", "int4"], "unknown CPU matmul mode `int4`");
     fails_with(&["run", "hi", "--device", "cuda", "--cpu-matmul", "int8"], "--cpu-matmul int8 applies to the CPU backend, not to --device cuda");
     assert!(Path::new(env!("CARGO_BIN_EXE_kestrel")).exists());

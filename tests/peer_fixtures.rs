@@ -208,7 +208,7 @@ fn second_half_scoring_starts_each_window_with_bos_where_the_tokenizer_adds_one(
     };
     let (with_bos, without) = (second_half_nll(Some(BOS)), second_half_nll(None));
     assert!((with_bos - without).abs() > 1e-4 * without, "BOS changes the scores: {with_bos} vs {without}");
-    let v = kestrel_json(&["perplexity", "--model", gguf.to_str().unwrap(), "--file", file.to_str().unwrap(), "--context", "64", "--score-second-half", "--device", "cpu", "--kv-cache-dtype", "f32", "--json"]);
+    let v = kestrel_json(&["perplexity", "--model", gguf.to_str().unwrap(), "--file", file.to_str().unwrap(), "--context", "64", "--score-second-half", "--device", "cpu", "--cpu-matmul", "exact", "--kv-cache-dtype", "f32", "--json"]);
     let got = v["mean_nll"].as_f64().unwrap();
     assert!((got - with_bos).abs() < 1e-6 * with_bos, "mean NLL {got}: with BOS {with_bos}, without {without}");
 }

@@ -168,11 +168,13 @@ pub struct DeviceArgs {
     #[arg(long, short = 't', value_name = "N")]
     pub threads: Option<usize>,
     /// How the CPU backend multiplies quantized weights: exact (each weight converted to f32,
-    /// the reference) or int8 (Q4_K, Q6_K, Q8_0, Q4_0 and int4 weights against activations quantized
-    /// to 8 bits per row, in integers, as llama.cpp does: several times faster, with slightly
-    /// different numerics; still independent of the batch and the thread count).
-    #[arg(long, default_value = "exact", value_parser = parse_cpu_matmul, value_name = "MODE")]
-    pub cpu_matmul: MatmulMode,
+    /// the reference), int8 (Q4_K, Q6_K, Q8_0, Q4_0 and int4 weights against activations
+    /// quantized to 8 bits per row, in integers, as llama.cpp does: several times faster, with
+    /// slightly different numerics; still independent of the batch and the thread count) or
+    /// auto (the default: int8 for Q4_K, Q6_K and Q4_0 weights, where it is the faster path,
+    /// exact for the rest).
+    #[arg(long, value_parser = parse_cpu_matmul, value_name = "MODE")]
+    pub cpu_matmul: Option<MatmulMode>,
     /// Fraction of GPU memory Kestrel may take (weights, activations, recurrent state and KV
     /// cache), above 0 and at most 1.
     #[arg(long, default_value_t = 0.9, allow_negative_numbers = true, value_name = "FRACTION")]
@@ -199,12 +201,12 @@ impl DeviceArgs {
     /// call, since a missing one would abort the process.
     pub fn select_backend(&self) -> Result<SelectedBackend> {
         self.check()?;
-        let cpu = || CpuBackend::with_threads(self.cpu_threads()).with_matmul_mode(self.cpu_matmul);
+        let cpu = || CpuBackend::with_threads(self.cpu_threads()).with_matmul_mode(self.cpu_matmul.unwrap_or(MatmulMode::Auto));
         match self.device {
             Device::Cpu => Ok(SelectedBackend::Cpu(cpu())),
             Device::Cuda => {
-                if self.cpu_matmul != MatmulMode::Exact {
-                    bail!("--cpu-matmul {} applies to the CPU backend, not to --device cuda", self.cpu_matmul);
+                if let Some(mode) = self.cpu_matmul {
+                    bail!("--cpu-matmul {mode} applies to the CPU backend, not to --device cuda");
                 }
                 kestrel::backend::cuda::probe().context("--device cuda")?;
                 Ok(SelectedBackend::Cuda(Box::new(CudaBackend::new(0).context("--device cuda: cannot start the CUDA backend")?)))

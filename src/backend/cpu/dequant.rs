@@ -9,7 +9,7 @@ pub fn rows(isa: Isa, part: &MatrixBytes, r0: usize, r1: usize, out: &mut [f32])
     let rb = part.row_bytes();
     let bytes = &part.bytes()[r0 * rb..r1 * rb];
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa.has_avx2() {
         // SAFETY: AVX2 is available (the backend checked it when choosing `isa`).
         if unsafe { avx2::rows(part.dtype, bytes, out) } {
             return;

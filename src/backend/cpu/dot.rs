@@ -12,13 +12,21 @@
 /// Lanes of the fixed reduction order.
 pub const LANES: usize = 8;
 
-/// The instruction set the CPU kernels run on. Every choice gives the same bits; the scalar
-/// one exists for machines without AVX2 and for the tests that prove the others equal to it.
+/// The instruction set the CPU kernels run on. Every choice gives the same bits (but for the
+/// one exception [`Isa::Avx512Bf16`] names); the scalar one exists for machines without AVX2
+/// and for the tests that prove the others equal to it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// AVX2's kernels, and BF16 weights against bf16 activations on AVX-512's bf16 dot
+    /// products ([`super::avx512`]) in the reference's order. Those round as the
+    /// reference does, except that the instruction reads subnormal inputs and writes subnormal
+    /// sums as zero (values below 2^-126 in magnitude, which a model's activations and weights
+    /// do not reach but as zeros); everything else gives AVX2's bits.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Bf16,
 }
 
 impl Isa {
@@ -26,9 +34,32 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         if avx2::available() {
+            if super::avx512::available() {
+                return Isa::Avx512Bf16;
+            }
             return Isa::Avx2;
         }
         Isa::Scalar
+    }
+
+    /// Every kernel set this CPU runs, the scalar one first (for tests that compare them).
+    pub fn all_available() -> Vec<Isa> {
+        let mut all = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx2::available() {
+                all.push(Isa::Avx2);
+            }
+            if Isa::detect() == Isa::Avx512Bf16 {
+                all.push(Isa::Avx512Bf16);
+            }
+        }
+        all
+    }
+
+    /// Whether this set includes AVX2's kernels.
+    pub fn has_avx2(self) -> bool {
+        self != Isa::Scalar
     }
 }
 
@@ -164,7 +195,7 @@ pub mod avx2 {
 
     /// The eight lanes of `v` summed in the reference order.
     #[inline(always)]
-    unsafe fn reduce(v: __m256) -> f32 {
+    pub(in crate::backend::cpu) unsafe fn reduce(v: __m256) -> f32 {
         unsafe {
             // s = (l0+l4, l1+l5, l2+l6, l3+l7)
             let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));

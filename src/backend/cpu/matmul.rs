@@ -154,15 +154,23 @@ thread_local! {
 pub(super) fn part_rows(isa: Isa, x: &[f32], t: usize, part: &MatrixBytes, r0: usize, r1: usize, dst: &Dst) {
     let k = part.cols;
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && t <= DIRECT_TOKENS {
+    if isa == Isa::Avx512Bf16 && part.dtype == Dtype::BF16 {
+        if let Some(acts) = super::avx512::PackedActs::new(x, t, k) {
+            // SAFETY: the backend checked the kernel's features when choosing `isa`; rows
+            // r0..r1 lie inside this part's bytes.
+            return unsafe { super::avx512::rows(x, &acts, t, part.bytes().as_ptr(), part.row_bytes(), k, r0, r1, dst) };
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx2() && t <= DIRECT_TOKENS {
         use super::dot::avx2::{Bf16Rows, F16Rows, F32Rows};
         let (base, row_bytes) = (part.bytes().as_ptr(), part.row_bytes());
         // SAFETY: AVX2 is available (the backend checked it when choosing `isa`); the loaders
         // read rows r0..r1 of this part, which lie inside its bytes.
         match part.dtype {
-            Dtype::F32 => return unsafe { avx2_rows(x, t, &F32Rows { base, row_bytes }, k, r0, r1, dst) },
-            Dtype::BF16 => return unsafe { avx2_rows(x, t, &Bf16Rows { base, row_bytes }, k, r0, r1, dst) },
-            Dtype::F16 => return unsafe { avx2_rows(x, t, &F16Rows { base, row_bytes }, k, r0, r1, dst) },
+            Dtype::F32 => return unsafe { lane_rows(isa, x, t, &F32Rows { base, row_bytes }, k, r0, r1, dst) },
+            Dtype::BF16 => return unsafe { lane_rows(isa, x, t, &Bf16Rows { base, row_bytes }, k, r0, r1, dst) },
+            Dtype::F16 => return unsafe { lane_rows(isa, x, t, &F16Rows { base, row_bytes }, k, r0, r1, dst) },
             _ => {}
         }
     }
@@ -180,9 +188,9 @@ pub(super) fn part_rows(isa: Isa, x: &[f32], t: usize, part: &MatrixBytes, r0: u
                 Isa::Scalar => scalar_rows(x, t, scratch, k, b1 - b0, &sub),
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: AVX2 is available; the loader reads the block just converted.
-                Isa::Avx2 => unsafe {
+                Isa::Avx2 | Isa::Avx512Bf16 => unsafe {
                     let rows = super::dot::avx2::F32Rows { base: scratch.as_ptr() as *const u8, row_bytes: 4 * k };
-                    avx2_rows(x, t, &rows, k, 0, b1 - b0, &sub)
+                    lane_rows(isa, x, t, &rows, k, 0, b1 - b0, &sub)
                 },
             }
             b0 = b1;
@@ -197,6 +205,21 @@ fn scalar_rows(x: &[f32], t: usize, w: &[f32], k: usize, n: usize, dst: &Dst) {
         for i in 0..t {
             // SAFETY: this share owns the block's columns.
             unsafe { dst.put(i, r, dot_scalar(&x[i * k..(i + 1) * k], wr)) };
+        }
+    }
+}
+
+/// Every token against rows `r0..r1` of a loader on `isa`'s widest f32 tiles.
+///
+/// # Safety
+/// `isa` is one the CPU runs, with AVX2; rows `r0..r1` lie inside the loader's matrix.
+#[cfg(target_arch = "x86_64")]
+unsafe fn lane_rows<W: super::dot::avx2::Lanes>(isa: Isa, x: &[f32], t: usize, w: &W, k: usize, r0: usize, r1: usize, dst: &Dst) {
+    unsafe {
+        if isa == Isa::Avx512Bf16 {
+            super::avx512::f32_rows(x, t, w, k, r0, r1, dst)
+        } else {
+            avx2_rows(x, t, w, k, r0, r1, dst)
         }
     }
 }
@@ -308,7 +331,7 @@ mod tests {
                 let x = random(t * k, &mut seed);
                 let want = reference(&x, t, &w);
                 for pool in &pools {
-                    for isa in [Isa::Scalar, Isa::detect()] {
+                    for isa in Isa::all_available() {
                         let what = format!("{dtype}, {t} tokens, {} threads, {isa:?}", pool.threads());
                         let y = matmul(pool, isa, &x, t, &w);
                         assert_bits(&y, &want, &what);
@@ -316,6 +339,67 @@ mod tests {
                         assert_bits(&alone, &want[(t - 1) * out..], &format!("{what}, last token alone"));
                     }
                 }
+            }
+        }
+    }
+
+    /// `[rows, cols]` BF16 weights of normal magnitude (no subnormals: see the next test).
+    fn bf16_matrix(rows: usize, cols: usize, seed: &mut u64) -> MatrixBytes {
+        let bytes: Vec<u8> = random(rows * cols, seed).iter().flat_map(|v| ((kestrel_quant::round_to_bf16(v * 0.05).to_bits() >> 16) as u16).to_le_bytes()).collect();
+        MatrixBytes { data: crate::backend::weight_bytes::SharedBytes::from_vec(bytes), start: 0, dtype: Dtype::BF16, rows, cols }
+    }
+
+    /// BF16 weights against bf16 activations (the backend's default) run on AVX-512's bf16 dot
+    /// products where the CPU has them: the reference's bits for whole groups of sixteen
+    /// inputs, an odd last chunk of eight and a tail, any token and row count, alone and among
+    /// other tokens, on every kernel set and thread count.
+    #[test]
+    fn bf16_activations_on_bf16_weights_give_the_reference_bits() {
+        let mut seed = 71u64;
+        let pools = [ThreadPool::new(1), ThreadPool::new(3)];
+        for k in [8, 16, 24, 40, 100, 512, 1000, 1029] {
+            let out = 37;
+            let w = CpuMatrix::from(bf16_matrix(out, k, &mut seed));
+            for t in [1, 2, 3, 4, 5, 9] {
+                let x = bf16_activations(&random(t * k, &mut seed));
+                let want = reference(&x, t, &w);
+                for pool in &pools {
+                    for isa in Isa::all_available() {
+                        let what = format!("bf16 k {k}, {t} tokens, {} threads, {isa:?}", pool.threads());
+                        assert_bits(&matmul(pool, isa, &x, t, &w), &want, &what);
+                        let alone = matmul(pool, isa, &x[(t - 1) * k..], 1, &w);
+                        assert_bits(&alone, &want[(t - 1) * out..], &format!("{what}, last token alone"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Where the AVX-512 bf16 kernel runs, its one difference from the reference: a subnormal
+    /// input counts as zero (the instruction's rule), so a subnormal activation times a large
+    /// weight gives 0 there and the product elsewhere; a normal one gives the same bits.
+    #[test]
+    fn the_avx512_bf16_kernel_reads_subnormal_inputs_as_zero() {
+        let k = 32;
+        let big = kestrel_quant::round_to_bf16(1e30);
+        let bytes: Vec<u8> = (0..k).flat_map(|_| ((big.to_bits() >> 16) as u16).to_le_bytes()).collect();
+        let w = CpuMatrix::from(MatrixBytes { data: crate::backend::weight_bytes::SharedBytes::from_vec(bytes), start: 0, dtype: Dtype::BF16, rows: 1, cols: k });
+        let pool = ThreadPool::new(1);
+        let subnormal = f32::from_bits(0x0001_0000);
+        assert!(subnormal > 0.0 && !subnormal.is_normal());
+        for (x0, flushed) in [(subnormal, true), (1e-30, false)] {
+            let mut x = vec![0.0f32; k];
+            x[0] = x0;
+            let want = reference(&x, 1, &w)[0];
+            assert!(want > 0.0);
+            for isa in Isa::all_available() {
+                let got = matmul(&pool, isa, &x, 1, &w)[0];
+                #[cfg(target_arch = "x86_64")]
+                if isa == Isa::Avx512Bf16 && flushed {
+                    assert_eq!(got, 0.0, "{isa:?}: the subnormal input was not flushed");
+                    continue;
+                }
+                assert_eq!(got.to_bits(), want.to_bits(), "{isa:?}, input {x0:e}");
             }
         }
     }
@@ -339,7 +423,7 @@ mod tests {
             let x = random(t * k, &mut seed);
             let w = CpuMatrix::from(MatrixBytes::from_f32(random(out * k, &mut seed), out, k));
             let want = reference(&x, t, &w);
-            for isa in [Isa::Scalar, Isa::detect()] {
+            for isa in Isa::all_available() {
                 assert_bits(&matmul(&pool, isa, &x, t, &w), &want, &format!("k {k} {isa:?}"));
                 let base = random(t * out, &mut seed);
                 let mut acc = base.clone();

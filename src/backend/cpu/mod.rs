@@ -3,6 +3,8 @@
 //! that give the same bits as the scalar reference on every machine.
 
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod dequant;
 pub mod dot;
 pub mod gdn;
@@ -134,7 +136,7 @@ impl CpuBackend {
         let x = self.matmul_input(x);
         match self.matmul_mode {
             MatmulMode::Exact => matmul::matmul_into(&self.pool, self.isa, &x, t, w, y, store),
-            MatmulMode::Int8 => int8::matmul_into(&self.pool, self.isa, &x, t, w, y, store),
+            MatmulMode::Int8 | MatmulMode::Auto => int8::matmul_into(&self.pool, self.isa, self.matmul_mode, &x, t, w, y, store),
         }
     }
 }

@@ -3,12 +3,14 @@
 //! multiplied in integers, block by block, with the block results added in f32 in a fixed
 //! order ([`scalar`] defines every bit; the AVX2 kernels give the same ones).
 //!
-//! It changes the numerics (the activation loses bits), so it is a mode, not the reference:
-//! [`MatmulMode::Exact`] stays the default. It keeps the reference's structure: a row's
-//! activation blocks depend on that row alone and every output element is one fixed
-//! computation, so the results never depend on the batch, the thread count or the kernels.
-//! Weights in formats without an integer kernel (floats and the other block formats) take the
-//! exact path in either mode.
+//! It changes the numerics (the activation loses bits), so it is a mode beside the f32
+//! reference ([`MatmulMode::Exact`], the library's default). It keeps the reference's
+//! structure: a row's activation blocks depend on that row alone and every output element is
+//! one fixed computation, so the results never depend on the batch, the thread count or the
+//! kernels. Weights in formats without an integer kernel (floats and the other block formats)
+//! take the exact path in every mode. [`MatmulMode::Auto`] (the command line's default) takes
+//! the integer path only for the GGUF formats llama.cpp's CPU build runs on 8-bit activations
+//! and where it is the faster path here: Q4_K, Q6_K and Q4_0.
 
 pub mod act;
 #[cfg(target_arch = "x86_64")]
@@ -32,10 +34,16 @@ pub enum MatmulMode {
     /// other formats as `Exact` (and Int4 rows the q8_K blocks do not tile, see
     /// [`int4_takes_q8k`]).
     Int8,
+    /// Q4_K, Q6_K and Q4_0 weights as `Int8` (llama.cpp multiplies them so, and the integer
+    /// kernels run them several times faster than converting each weight), everything else
+    /// as `Exact`: Q8_0's integer kernel is slower than its exact path at prefill sizes and
+    /// gains nothing at decode (its bytes bound both), and Int4 checkpoints (GPTQ/AutoRound)
+    /// keep the f32 maths their own tools define.
+    Auto,
 }
 
 impl MatmulMode {
-    pub const NAMES: [&'static str; 2] = ["exact", "int8"];
+    pub const NAMES: [&'static str; 3] = ["exact", "int8", "auto"];
 }
 
 impl std::fmt::Display for MatmulMode {
@@ -43,6 +51,7 @@ impl std::fmt::Display for MatmulMode {
         f.write_str(match self {
             MatmulMode::Exact => "exact",
             MatmulMode::Int8 => "int8",
+            MatmulMode::Auto => "auto",
         })
     }
 }
@@ -53,6 +62,7 @@ impl std::str::FromStr for MatmulMode {
         match s {
             "exact" => Ok(MatmulMode::Exact),
             "int8" => Ok(MatmulMode::Int8),
+            "auto" => Ok(MatmulMode::Auto),
             _ => Err(format!("unknown CPU matmul mode `{s}`; expected one of: {}", MatmulMode::NAMES.join(", "))),
         }
     }
@@ -68,11 +78,15 @@ enum ActFormat {
     Q80,
 }
 
-fn act_format(dtype: Dtype, cols: usize) -> Option<ActFormat> {
-    match dtype {
-        Dtype::Q4K | Dtype::Q6K => Some(ActFormat::Q8K),
-        Dtype::Q8_0 | Dtype::Q4_0 => Some(ActFormat::Q80),
-        Dtype::Int4 { group } if int4_takes_q8k(group as usize, cols) => Some(ActFormat::Q8K),
+/// The activation blocks `mode` multiplies weights of `dtype` (rows of `cols` values) against,
+/// or `None` where it takes the exact path.
+fn act_format(mode: MatmulMode, dtype: Dtype, cols: usize) -> Option<ActFormat> {
+    match (mode, dtype) {
+        (MatmulMode::Exact, _) => None,
+        (_, Dtype::Q4K | Dtype::Q6K) => Some(ActFormat::Q8K),
+        (_, Dtype::Q4_0) => Some(ActFormat::Q80),
+        (MatmulMode::Int8, Dtype::Q8_0) => Some(ActFormat::Q80),
+        (MatmulMode::Int8, Dtype::Int4 { group }) if int4_takes_q8k(group as usize, cols) => Some(ActFormat::Q8K),
         _ => None,
     }
 }
@@ -84,10 +98,9 @@ pub fn int4_takes_q8k(group: usize, cols: usize) -> bool {
     cols % QK_K == 0 && group % 32 == 0 && (QK_K % group == 0 || group % QK_K == 0)
 }
 
-/// Whether weights of `dtype`, rows of `cols` values, take the integer path in
-/// [`MatmulMode::Int8`].
-pub fn has_kernel(dtype: Dtype, cols: usize) -> bool {
-    act_format(dtype, cols).is_some()
+/// Whether weights of `dtype`, rows of `cols` values, take the integer path in `mode`.
+pub fn takes_integer_path(mode: MatmulMode, dtype: Dtype, cols: usize) -> bool {
+    act_format(mode, dtype, cols).is_some()
 }
 
 /// The activation rows of one matmul, quantized in the forms its weights need.
@@ -136,10 +149,11 @@ impl QuantActs {
     }
 }
 
-/// `y (store) x [t, in] @ w^T` into `y [t, out]`, parts with an integer kernel through it.
-pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatrix, y: &mut [f32], store: Store) {
+/// `y (store) x [t, in] @ w^T` into `y [t, out]`, the parts `mode` multiplies in integers
+/// through their kernels, the others exactly.
+pub fn matmul_into(pool: &ThreadPool, isa: Isa, mode: MatmulMode, x: &[f32], t: usize, w: &CpuMatrix, y: &mut [f32], store: Store) {
     let (out, k) = (w.rows, w.cols);
-    let formats: Vec<ActFormat> = w.parts().iter().filter_map(|p| act_format(p.dtype, p.cols)).collect();
+    let formats: Vec<ActFormat> = w.parts().iter().filter_map(|p| act_format(mode, p.dtype, p.cols)).collect();
     if formats.is_empty() {
         return matmul::matmul_into(pool, isa, x, t, w, y, store);
     }
@@ -156,7 +170,7 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatr
             let (a, b) = (rows.start.max(first), rows.end.min(first + part.rows));
             if a < b {
                 let dst = Dst { y: y_out, ldy: out, col0: first, store };
-                match act_format(part.dtype, part.cols) {
+                match act_format(mode, part.dtype, part.cols) {
                     Some(_) => int8_rows(isa, &acts, t, part, a - first, b - first, &dst),
                     None => matmul::part_rows(isa, x, t, part, a - first, b - first, &dst),
                 }
@@ -230,7 +244,7 @@ fn int8_rows(isa: Isa, acts: &QuantActs, t: usize, part: &MatrixBytes, r0: usize
         // SAFETY (each kernel): AVX2 and F16C are available (the backend checked them when choosing
         // `isa`); tokens i0..i0 + n hold a block per block of the weight row.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => match part.dtype {
+        Isa::Avx2 | Isa::Avx512Bf16 => match part.dtype {
             Dtype::Q4K => rows(&|row, i0, out| tiles!(out, q4_k, row, &acts.q8k[i0 * k_stride..], k_stride)),
             Dtype::Q6K => rows(&|row, i0, out| tiles!(out, q6_k, row, &acts.q8k[i0 * k_stride..], k_stride)),
             Dtype::Q8_0 => rows(&|row, i0, out| tiles!(out, q8_0, row, &acts.q80[i0 * stride_0..], stride_0)),

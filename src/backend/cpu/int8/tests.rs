@@ -45,8 +45,12 @@ fn activations(t: usize, k: usize, seed: &mut u64) -> Vec<f32> {
 }
 
 fn int8_matmul(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatrix) -> Vec<f32> {
+    mode_matmul(pool, isa, MatmulMode::Int8, x, t, w)
+}
+
+fn mode_matmul(pool: &ThreadPool, isa: Isa, mode: MatmulMode, x: &[f32], t: usize, w: &CpuMatrix) -> Vec<f32> {
     let mut y = vec![0.0f32; t * w.rows];
-    matmul_into(pool, isa, x, t, w, &mut y, Store::Set);
+    matmul_into(pool, isa, mode, x, t, w, &mut y, Store::Set);
     y
 }
 
@@ -88,7 +92,7 @@ fn every_kernel_thread_count_and_batch_gives_the_scalar_bits() {
 
 /// The activation blocks of a row as f64 values.
 fn dequantized_acts(dtype: Dtype, x: &[f32]) -> Vec<f64> {
-    if act_format(dtype, x.len()) == Some(ActFormat::Q8K) {
+    if act_format(MatmulMode::Int8, dtype, x.len()) == Some(ActFormat::Q8K) {
         let mut b = vec![BlockQ8K::default(); x.len() / QK_K];
         quantize_q8_k(x, &mut b);
         b.iter().flat_map(|b| b.qs.map(|q| f64::from(b.d) * f64::from(q))).collect()
@@ -120,7 +124,7 @@ fn integer_dots_are_the_dots_of_the_quantized_activations() {
         for i in 0..t {
             let xi = &x[i * k..(i + 1) * k];
             let xq = dequantized_acts(dtype, xi);
-            let block = if act_format(dtype, k) == Some(ActFormat::Q8K) { QK_K } else { QK8_0 };
+            let block = if act_format(MatmulMode::Int8, dtype, k) == Some(ActFormat::Q8K) { QK_K } else { QK8_0 };
             for r in 0..out {
                 let wr = &wf[r * k..(r + 1) * k];
                 let reference: f64 = wr.iter().zip(&xq).map(|(&a, &b)| f64::from(a) * b).sum();
@@ -154,7 +158,7 @@ fn stacked_parts_mix_integer_and_exact_kernels() {
     let mut col = 0;
     for part in &parts {
         let alone = CpuMatrix::from(part.clone());
-        let want = if has_kernel(part.dtype, k) { int8_matmul(&pool, Isa::Scalar, &x, t, &alone) } else { matmul::matmul(&pool, Isa::Scalar, &x, t, &alone) };
+        let want = if takes_integer_path(MatmulMode::Int8, part.dtype, k) { int8_matmul(&pool, Isa::Scalar, &x, t, &alone) } else { matmul::matmul(&pool, Isa::Scalar, &x, t, &alone) };
         for i in 0..t {
             assert_bits(&y[i * stacked.rows + col..][..part.rows], &want[i * part.rows..][..part.rows], &format!("{} part, token {i}", part.dtype));
         }
@@ -162,7 +166,7 @@ fn stacked_parts_mix_integer_and_exact_kernels() {
     }
     // Adding into the output adds the same values.
     let mut acc = vec![1.5f32; t * stacked.rows];
-    matmul_into(&pool, Isa::detect(), &x, t, &stacked, &mut acc, Store::Add);
+    matmul_into(&pool, Isa::detect(), MatmulMode::Int8, &x, t, &stacked, &mut acc, Store::Add);
     let added: Vec<f32> = y.iter().map(|v| 1.5 + v).collect();
     assert_bits(&acc, &added, "added");
 }
@@ -171,14 +175,48 @@ fn stacked_parts_mix_integer_and_exact_kernels() {
 fn modes_parse_by_name_and_refuse_others() {
     assert_eq!("int8".parse::<MatmulMode>(), Ok(MatmulMode::Int8));
     assert_eq!("exact".parse::<MatmulMode>(), Ok(MatmulMode::Exact));
+    assert_eq!("auto".parse::<MatmulMode>(), Ok(MatmulMode::Auto));
     assert_eq!(MatmulMode::default(), MatmulMode::Exact);
     for name in MatmulMode::NAMES {
         assert_eq!(name.parse::<MatmulMode>().unwrap().to_string(), name);
     }
     // Int4 runs on q8_K blocks only where they tile its rows and groups; the rest is exact.
-    assert!(has_kernel(Dtype::Int4 { group: 128 }, 1280) && has_kernel(Dtype::Int4 { group: 512 }, 1024));
-    assert!(!has_kernel(Dtype::Int4 { group: 16 }, 512) && !has_kernel(Dtype::Int4 { group: 96 }, 768));
-    assert!(!has_kernel(Dtype::Int4 { group: 128 }, 384) && !has_kernel(Dtype::Int4 { group: 384 }, 768));
+    let int8 = |dtype, cols| takes_integer_path(MatmulMode::Int8, dtype, cols);
+    assert!(int8(Dtype::Int4 { group: 128 }, 1280) && int8(Dtype::Int4 { group: 512 }, 1024));
+    assert!(!int8(Dtype::Int4 { group: 16 }, 512) && !int8(Dtype::Int4 { group: 96 }, 768));
+    assert!(!int8(Dtype::Int4 { group: 128 }, 384) && !int8(Dtype::Int4 { group: 384 }, 768));
     let err = "fast".parse::<MatmulMode>().unwrap_err();
-    assert_eq!(err, "unknown CPU matmul mode `fast`; expected one of: exact, int8");
+    assert_eq!(err, "unknown CPU matmul mode `fast`; expected one of: exact, int8, auto");
+}
+
+/// Auto multiplies Q4_K, Q6_K and Q4_0 as int8 mode does and every other format (Q8_0, Int4,
+/// floats, formats without an integer kernel) as exact mode does, bit for bit, stacked parts
+/// included; exact mode never takes the integer path.
+#[test]
+fn auto_takes_the_integer_path_for_the_k_quants_and_q4_0_only() {
+    let mut seed = 23u64;
+    let pool = ThreadPool::new(2);
+    let k = 512;
+    let formats = [Dtype::Q4K, Dtype::Q6K, Dtype::Q4_0, Dtype::Q8_0, Dtype::Int4 { group: 128 }, Dtype::Q5K, Dtype::BF16, Dtype::F32];
+    let parts: Vec<MatrixBytes> = formats.iter().map(|&d| random_matrix(d, 7, k, &mut seed)).collect();
+    let stacked = CpuMatrix::stacked(&parts).unwrap();
+    let t = 5;
+    let x = activations(t, k, &mut seed);
+    let y = mode_matmul(&pool, Isa::detect(), MatmulMode::Auto, &x, t, &stacked);
+    let mut col = 0;
+    for part in &parts {
+        let integer = matches!(part.dtype, Dtype::Q4K | Dtype::Q6K | Dtype::Q4_0);
+        assert_eq!(takes_integer_path(MatmulMode::Auto, part.dtype, k), integer, "{}", part.dtype);
+        assert!(!takes_integer_path(MatmulMode::Exact, part.dtype, k));
+        let alone = CpuMatrix::from(part.clone());
+        let want = if integer { int8_matmul(&pool, Isa::Scalar, &x, t, &alone) } else { matmul::matmul(&pool, Isa::Scalar, &x, t, &alone) };
+        for i in 0..t {
+            assert_bits(&y[i * stacked.rows + col..][..part.rows], &want[i * part.rows..][..part.rows], &format!("auto, {} part, token {i}", part.dtype));
+        }
+        col += part.rows;
+    }
+    // The k-quant parts differ from exact mode's (the activations lost bits), so the test
+    // above tells the two paths apart.
+    let q4k = CpuMatrix::from(parts[0].clone());
+    assert_ne!(mode_matmul(&pool, Isa::Scalar, MatmulMode::Auto, &x[k..], t - 1, &q4k), matmul::matmul(&pool, Isa::Scalar, &x[k..], t - 1, &q4k));
 }
