@@ -77,7 +77,7 @@ fn every_kernel_thread_count_and_batch_gives_the_scalar_bits() {
             let want = int8_matmul(&pools[0], Isa::Scalar, &x, t, &w);
             assert!(want.iter().all(|v| v.is_finite()), "{dtype}: non-finite results");
             for pool in &pools {
-                for isa in [Isa::Scalar, Isa::detect()] {
+                for isa in Isa::all_available() {
                     let what = format!("{dtype}, {t} tokens, {} threads, {isa:?}", pool.threads());
                     assert_bits(&int8_matmul(pool, isa, &x, t, &w), &want, &what);
                     for i in [0, t - 1] {
