@@ -78,19 +78,10 @@ pub unsafe fn rows(x: &[f32], acts: &PackedActs, t: usize, base: *const u8, row_
         let mut i0 = 0;
         while i0 < t {
             let mr = (t - i0).min(4);
-            let widest = match mr {
-                1 => 8,
-                2 => 4,
-                _ => 2,
-            };
             let mut r = b0;
             while r < b1 {
-                let np = if b1 - r >= 2 * widest { widest } else { 1 };
-                // Row pointers, the last odd row paired with itself (its twin's result is dropped).
-                let mut ptrs = [base; 16];
-                for (j, p) in ptrs.iter_mut().enumerate().take(2 * np) {
-                    *p = base.wrapping_add((r + j).min(b1 - 1) * row_bytes);
-                }
+                let np = tile_pairs(mr, b1 - r);
+                let ptrs = tile_rows(r, np, b1, |row| base.wrapping_add(row * row_bytes));
                 let mut out = [[0.0f32; 16]; 4];
                 let xp = acts.words.as_ptr().wrapping_add(i0 * acts.stride);
                 let xf = x.as_ptr().wrapping_add(i0 * k);
@@ -108,19 +99,56 @@ pub unsafe fn rows(x: &[f32], acts: &PackedActs, t: usize, base: *const u8, row_
                         _ => unreachable!("no {mr}x{np} tile"),
                     }
                 }
-                let n = (2 * np).min(b1 - r);
-                for (i, row) in out.iter().enumerate().take(mr) {
-                    for (j, &v) in row.iter().enumerate().take(n) {
-                        // SAFETY: this share owns rows r0..r1's columns.
-                        unsafe { dst.put(i0 + i, r + j, v) };
-                    }
-                }
-                r += n;
+                // SAFETY: this share owns rows r0..r1's columns.
+                r += unsafe { store_tile(&out, mr, np, i0, r, b1, dst) };
             }
             i0 += mr;
         }
         b0 = b1;
     }
+}
+
+/// Row pairs of the next tile for `mr` tokens with `left` rows to go: the widest tile's (eight
+/// accumulators) while they fill it, else one.
+#[inline(always)]
+fn tile_pairs(mr: usize, left: usize) -> usize {
+    let widest = match mr {
+        1 => 8,
+        2 => 4,
+        _ => 2,
+    };
+    if left >= 2 * widest {
+        widest
+    } else {
+        1
+    }
+}
+
+/// Where the `2 * np` rows of a tile from row `r` start, the last row before `end` paired with
+/// itself where one is left over (its twin's result is dropped).
+#[inline(always)]
+fn tile_rows(r: usize, np: usize, end: usize, row: impl Fn(usize) -> *const u8) -> [*const u8; 16] {
+    let mut ptrs = [row(r); 16];
+    for (j, p) in ptrs.iter_mut().enumerate().take(2 * np) {
+        *p = row((r + j).min(end - 1));
+    }
+    ptrs
+}
+
+/// Stores a tile's results (tokens `i0..i0 + mr`, rows from `r`, none at or past `end`) into
+/// `dst`; returns the rows stored.
+///
+/// # Safety
+/// The calling share owns the columns of those rows.
+#[inline(always)]
+unsafe fn store_tile(out: &[[f32; 16]; 4], mr: usize, np: usize, i0: usize, r: usize, end: usize, dst: &Dst) -> usize {
+    let n = (2 * np).min(end - r);
+    for (i, row) in out.iter().enumerate().take(mr) {
+        for (j, &v) in row.iter().enumerate().take(n) {
+            unsafe { dst.put(i0 + i, r + j, v) };
+        }
+    }
+    n
 }
 
 /// The word permutation of a two-row register: in each half, word `2l + 1` takes input `l`
@@ -211,19 +239,11 @@ pub unsafe fn f32_rows<W: Lanes>(x: &[f32], t: usize, w: &W, k: usize, r0: usize
     let mut i0 = 0;
     while i0 < t {
         let mr = (t - i0).min(4);
-        let widest = match mr {
-            1 => 8,
-            2 => 4,
-            _ => 2,
-        };
         let xi = x.as_ptr().wrapping_add(i0 * k);
         let mut r = r0;
         while r < r1 {
-            let np = if r1 - r >= 2 * widest { widest } else { 1 };
-            let mut ptrs = [w.row(r); 16];
-            for (j, p) in ptrs.iter_mut().enumerate().take(2 * np) {
-                *p = w.row((r + j).min(r1 - 1));
-            }
+            let np = tile_pairs(mr, r1 - r);
+            let ptrs = tile_rows(r, np, r1, |row| w.row(row));
             let mut out = [[0.0f32; 16]; 4];
             // SAFETY: tokens i0..i0 + mr and the rows named exist.
             unsafe {
@@ -239,14 +259,8 @@ pub unsafe fn f32_rows<W: Lanes>(x: &[f32], t: usize, w: &W, k: usize, r0: usize
                     _ => unreachable!("no {mr}x{np} tile"),
                 }
             }
-            let n = (2 * np).min(r1 - r);
-            for (i, row) in out.iter().enumerate().take(mr) {
-                for (j, &v) in row.iter().enumerate().take(n) {
-                    // SAFETY: this share owns rows r0..r1's columns.
-                    unsafe { dst.put(i0 + i, r + j, v) };
-                }
-            }
-            r += n;
+            // SAFETY: this share owns rows r0..r1's columns.
+            r += unsafe { store_tile(&out, mr, np, i0, r, r1, dst) };
         }
         i0 += mr;
     }
