@@ -20,7 +20,25 @@
 //! in a model's weights and activations but as zeros; the tests pin that case too
 //! ([`Isa::Avx512Bf16`](super::dot::Isa::Avx512Bf16)).
 
-use super::dot::avx2::Lanes;
+use super::dot::avx2::{Bf16Rows, Lanes};
+
+/// Runs `$tile::<MR, NP[, W]>(args)` for the shape (`mr` tokens, `np` row pairs) that
+/// [`tile_pairs`] chose.
+macro_rules! for_tile_shape {
+    ($mr:expr, $np:expr, $tile:ident $(, $w:ty)?; $($arg:expr),+) => {
+        match ($mr, $np) {
+            (1, 8) => $tile::<1, 8 $(, $w)?>($($arg),+),
+            (2, 4) => $tile::<2, 4 $(, $w)?>($($arg),+),
+            (3, 2) => $tile::<3, 2 $(, $w)?>($($arg),+),
+            (4, 2) => $tile::<4, 2 $(, $w)?>($($arg),+),
+            (1, 1) => $tile::<1, 1 $(, $w)?>($($arg),+),
+            (2, 1) => $tile::<2, 1 $(, $w)?>($($arg),+),
+            (3, 1) => $tile::<3, 1 $(, $w)?>($($arg),+),
+            (4, 1) => $tile::<4, 1 $(, $w)?>($($arg),+),
+            (mr, np) => unreachable!("no {mr}x{np} tile"),
+        }
+    };
+}
 use super::matmul::Dst;
 use std::arch::x86_64::*;
 
@@ -86,19 +104,7 @@ pub unsafe fn rows(x: &[f32], acts: &PackedActs, t: usize, base: *const u8, row_
                 let xp = acts.words.as_ptr().wrapping_add(i0 * acts.stride);
                 let xf = x.as_ptr().wrapping_add(i0 * k);
                 // SAFETY: tokens i0..i0 + mr and the rows named lie inside their buffers.
-                unsafe {
-                    match (mr, np) {
-                        (1, 8) => tile::<1, 8>(xp, acts.stride, xf, k, &ptrs, &mut out),
-                        (2, 4) => tile::<2, 4>(xp, acts.stride, xf, k, &ptrs, &mut out),
-                        (3, 2) => tile::<3, 2>(xp, acts.stride, xf, k, &ptrs, &mut out),
-                        (4, 2) => tile::<4, 2>(xp, acts.stride, xf, k, &ptrs, &mut out),
-                        (1, 1) => tile::<1, 1>(xp, acts.stride, xf, k, &ptrs, &mut out),
-                        (2, 1) => tile::<2, 1>(xp, acts.stride, xf, k, &ptrs, &mut out),
-                        (3, 1) => tile::<3, 1>(xp, acts.stride, xf, k, &ptrs, &mut out),
-                        (4, 1) => tile::<4, 1>(xp, acts.stride, xf, k, &ptrs, &mut out),
-                        _ => unreachable!("no {mr}x{np} tile"),
-                    }
-                }
+                unsafe { for_tile_shape!(mr, np, tile; xp, acts.stride, xf, k, &ptrs, &mut out) }
                 // SAFETY: this share owns rows r0..r1's columns.
                 r += unsafe { store_tile(&out, mr, np, i0, r, b1, dst) };
             }
@@ -163,12 +169,6 @@ unsafe fn pair_index() -> __m512i {
     unsafe { _mm512_loadu_si512(idx.as_ptr() as *const __m512i) }
 }
 
-/// Eight bf16 values at `p` as f32.
-#[inline(always)]
-unsafe fn bf16x8(p: *const u8) -> __m256 {
-    unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)))) }
-}
-
 /// `out[i][j]` = the reference dot product of token `i` (of `MR`) with row `j` (of `2 * NP`).
 #[inline(always)]
 unsafe fn tile<const MR: usize, const NP: usize>(xp: *const u16, xstride: usize, xf: *const f32, k: usize, rows: &[*const u8; 16], out: &mut [[f32; 16]; 4]) {
@@ -193,33 +193,9 @@ unsafe fn tile<const MR: usize, const NP: usize>(xp: *const u16, xstride: usize,
         let chunks = k / 8;
         if chunks % 2 == 1 {
             // The last chunk alone: f32 products and sums, as the reference's next step.
-            let c = chunks - 1;
-            let mut w = [_mm512_setzero_ps(); NP];
-            for (p, wp) in w.iter_mut().enumerate() {
-                let (a, b) = (bf16x8(rows[2 * p].add(16 * c)), bf16x8(rows[2 * p + 1].add(16 * c)));
-                *wp = two_halves(a, b);
-            }
-            for (i, acc_i) in acc.iter_mut().enumerate() {
-                let x8 = _mm256_loadu_ps(xf.add(i * k + 8 * c));
-                let xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(x8)));
-                for (a, wp) in acc_i.iter_mut().zip(&w) {
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(xv, *wp));
-                }
-            }
+            f32_chunk::<MR, NP, Bf16Rows>(&mut acc, xf, k, rows, chunks - 1);
         }
-        for (i, acc_i) in acc.iter().enumerate() {
-            for (p, a) in acc_i.iter().enumerate() {
-                let lo = _mm512_castps512_ps256(*a);
-                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*a)));
-                for (j, half) in [(2 * p, lo), (2 * p + 1, hi)] {
-                    let mut tail = 0.0f32;
-                    for kk in chunks * 8..k {
-                        tail += *xf.add(i * k + kk) * f32::from_bits(u32::from((rows[j].add(2 * kk) as *const u16).read_unaligned()) << 16);
-                    }
-                    out[i][j] = super::dot::avx2::reduce(half) + tail;
-                }
-            }
-        }
+        finish::<MR, NP, Bf16Rows>(&acc, xf, k, rows, out);
     }
 }
 
@@ -246,19 +222,7 @@ pub unsafe fn f32_rows<W: Lanes>(x: &[f32], t: usize, w: &W, k: usize, r0: usize
             let ptrs = tile_rows(r, np, r1, |row| w.row(row));
             let mut out = [[0.0f32; 16]; 4];
             // SAFETY: tokens i0..i0 + mr and the rows named exist.
-            unsafe {
-                match (mr, np) {
-                    (1, 8) => f32_tile::<1, 8, W>(xi, k, &ptrs, &mut out),
-                    (2, 4) => f32_tile::<2, 4, W>(xi, k, &ptrs, &mut out),
-                    (3, 2) => f32_tile::<3, 2, W>(xi, k, &ptrs, &mut out),
-                    (4, 2) => f32_tile::<4, 2, W>(xi, k, &ptrs, &mut out),
-                    (1, 1) => f32_tile::<1, 1, W>(xi, k, &ptrs, &mut out),
-                    (2, 1) => f32_tile::<2, 1, W>(xi, k, &ptrs, &mut out),
-                    (3, 1) => f32_tile::<3, 1, W>(xi, k, &ptrs, &mut out),
-                    (4, 1) => f32_tile::<4, 1, W>(xi, k, &ptrs, &mut out),
-                    _ => unreachable!("no {mr}x{np} tile"),
-                }
-            }
+            unsafe { for_tile_shape!(mr, np, f32_tile, W; xi, k, &ptrs, &mut out) }
             // SAFETY: this share owns rows r0..r1's columns.
             r += unsafe { store_tile(&out, mr, np, i0, r, r1, dst) };
         }
@@ -271,28 +235,45 @@ pub unsafe fn f32_rows<W: Lanes>(x: &[f32], t: usize, w: &W, k: usize, r0: usize
 #[inline(always)]
 unsafe fn f32_tile<const MR: usize, const NP: usize, W: Lanes>(x: *const f32, k: usize, rows: &[*const u8; 16], out: &mut [[f32; 16]; 4]) {
     unsafe {
-        let chunks = k / 8;
         let mut acc = [[_mm512_setzero_ps(); NP]; MR];
-        for c in 0..chunks {
-            let mut w = [_mm512_setzero_ps(); NP];
-            for (p, wp) in w.iter_mut().enumerate() {
-                *wp = two_halves(W::load(rows[2 * p], c), W::load(rows[2 * p + 1], c));
-            }
-            for (i, acc_i) in acc.iter_mut().enumerate() {
-                let x8 = _mm256_loadu_ps(x.add(i * k + 8 * c));
-                let xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(x8)));
-                for (a, wp) in acc_i.iter_mut().zip(&w) {
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(xv, *wp));
-                }
+        for c in 0..k / 8 {
+            f32_chunk::<MR, NP, W>(&mut acc, x, k, rows, c);
+        }
+        finish::<MR, NP, W>(&acc, x, k, rows, out);
+    }
+}
+
+/// Chunk `c` (eight inputs) of every token against every row pair, added into `acc`: the
+/// reference's rounded products and sums.
+#[inline(always)]
+unsafe fn f32_chunk<const MR: usize, const NP: usize, W: Lanes>(acc: &mut [[__m512; NP]; MR], x: *const f32, k: usize, rows: &[*const u8; 16], c: usize) {
+    unsafe {
+        let mut w = [_mm512_setzero_ps(); NP];
+        for (p, wp) in w.iter_mut().enumerate() {
+            *wp = two_halves(W::load(rows[2 * p], c), W::load(rows[2 * p + 1], c));
+        }
+        for (i, acc_i) in acc.iter_mut().enumerate() {
+            let x8 = _mm256_loadu_ps(x.add(i * k + 8 * c));
+            let xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(x8)));
+            for (a, wp) in acc_i.iter_mut().zip(&w) {
+                *a = _mm512_add_ps(*a, _mm512_mul_ps(xv, *wp));
             }
         }
+    }
+}
+
+/// Each half's lanes summed in the reference order, plus the inputs past the last whole chunk
+/// summed in order, into `out`.
+#[inline(always)]
+unsafe fn finish<const MR: usize, const NP: usize, W: Lanes>(acc: &[[__m512; NP]; MR], x: *const f32, k: usize, rows: &[*const u8; 16], out: &mut [[f32; 16]; 4]) {
+    unsafe {
         for (i, acc_i) in acc.iter().enumerate() {
             for (p, a) in acc_i.iter().enumerate() {
                 let lo = _mm512_castps512_ps256(*a);
                 let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*a)));
                 for (j, half) in [(2 * p, lo), (2 * p + 1, hi)] {
                     let mut tail = 0.0f32;
-                    for kk in chunks * 8..k {
+                    for kk in k / 8 * 8..k {
                         tail += *x.add(i * k + kk) * W::scalar(rows[j], kk);
                     }
                     out[i][j] = super::dot::avx2::reduce(half) + tail;
