@@ -91,6 +91,7 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatr
     if t == 0 || out == 0 {
         return;
     }
+    let acts = MatmulActs::new(isa, x, t, w);
     let y_out = SharedOut::new(y);
     let job = |rows: std::ops::Range<usize>| {
         // Each part of a stacked weight in turn, over the rows of the range it holds.
@@ -99,7 +100,7 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatr
             let (a, b) = (rows.start.max(first), rows.end.min(first + part.rows));
             if a < b {
                 let dst = Dst { y: y_out, ldy: out, col0: first, store };
-                part_rows(isa, x, t, part, a - first, b - first, &dst);
+                part_rows(isa, &acts, t, part, a - first, b - first, &dst);
             }
             first += part.rows;
         }
@@ -115,6 +116,30 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, x: &[f32], t: usize, w: &CpuMatr
 /// (the backend rounds before [`matmul_into`] unless built with f32 activations).
 pub fn bf16_activations(x: &[f32]) -> Vec<f32> {
     x.iter().map(|&v| kestrel_quant::round_to_bf16(v)).collect()
+}
+
+/// A matmul's activation rows as its kernels read them: the f32 values and, where BF16 parts
+/// run on AVX-512's bf16 dot products, their packing for that kernel, made once per matmul and
+/// shared by every thread and part.
+pub(super) struct MatmulActs<'a> {
+    x: &'a [f32],
+    #[cfg(target_arch = "x86_64")]
+    bf16: Option<super::avx512::PackedActs>,
+}
+
+impl<'a> MatmulActs<'a> {
+    /// The `t` rows of `x` for a matmul with `w` on `isa`'s kernels.
+    pub(super) fn new(isa: Isa, x: &'a [f32], t: usize, w: &CpuMatrix) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        let bf16 = if isa == Isa::Avx512Bf16 && w.parts.iter().any(|p| p.dtype == Dtype::BF16) { super::avx512::PackedActs::new(x, t, w.cols) } else { None };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (isa, t, w);
+        MatmulActs {
+            x,
+            #[cfg(target_arch = "x86_64")]
+            bf16,
+        }
+    }
 }
 
 /// Where results go: column `col0 + r` of the `[t, ldy]` output for local weight row `r`.
@@ -151,15 +176,13 @@ thread_local! {
 }
 
 /// Rows `r0..r1` of one part against every token.
-pub(super) fn part_rows(isa: Isa, x: &[f32], t: usize, part: &MatrixBytes, r0: usize, r1: usize, dst: &Dst) {
-    let k = part.cols;
+pub(super) fn part_rows(isa: Isa, acts: &MatmulActs, t: usize, part: &MatrixBytes, r0: usize, r1: usize, dst: &Dst) {
+    let (x, k) = (acts.x, part.cols);
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512Bf16 && part.dtype == Dtype::BF16 {
-        if let Some(acts) = super::avx512::PackedActs::new(x, t, k) {
-            // SAFETY: the backend checked the kernel's features when choosing `isa`; rows
-            // r0..r1 lie inside this part's bytes.
-            return unsafe { super::avx512::rows(x, &acts, t, part.bytes().as_ptr(), part.row_bytes(), k, r0, r1, dst) };
-        }
+    if let Some(packed) = acts.bf16.as_ref().filter(|_| part.dtype == Dtype::BF16) {
+        // SAFETY: the packing exists only on `Isa::Avx512Bf16`, whose features the backend
+        // checked when choosing `isa`; rows r0..r1 lie inside this part's bytes.
+        return unsafe { super::avx512::rows(x, packed, t, part.bytes().as_ptr(), part.row_bytes(), k, r0, r1, dst) };
     }
     #[cfg(target_arch = "x86_64")]
     if isa.has_avx2() && t <= DIRECT_TOKENS {

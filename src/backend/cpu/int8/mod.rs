@@ -163,6 +163,7 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, mode: MatmulMode, x: &[f32], t: 
         return;
     }
     let acts = QuantActs::new(pool, x, t, k, formats.contains(&ActFormat::Q8K), formats.contains(&ActFormat::Q80));
+    let exact_acts = matmul::MatmulActs::new(isa, x, t, w);
     let y_out = SharedOut::new(y);
     let job = |rows: std::ops::Range<usize>| {
         let mut first = 0;
@@ -172,7 +173,7 @@ pub fn matmul_into(pool: &ThreadPool, isa: Isa, mode: MatmulMode, x: &[f32], t: 
                 let dst = Dst { y: y_out, ldy: out, col0: first, store };
                 match act_format(mode, part.dtype, part.cols) {
                     Some(_) => int8_rows(isa, &acts, t, part, a - first, b - first, &dst),
-                    None => matmul::part_rows(isa, x, t, part, a - first, b - first, &dst),
+                    None => matmul::part_rows(isa, &exact_acts, t, part, a - first, b - first, &dst),
                 }
             }
             first += part.rows;
